@@ -1,0 +1,29 @@
+"""nbddp: distributed PyTorch training (DDP) for people who live in Jupyter.
+
+``import nbddp`` stays light (no torch): the runtime helpers used inside
+training cells (``prepare``, ``log``, ``rank``, …) are loaded on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device")
+__all__ = ["__version__", "load_ipython_extension", *_RUNTIME]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME:
+        from nbddp import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbddp``: registers the ``%%ddp_train`` cell magic."""
+    from nbddp.jupyter.magics import load_ipython_extension as load
+
+    load(ipython)

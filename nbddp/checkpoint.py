@@ -1,0 +1,146 @@
+"""The returned weights: atomic save on rank 0, safe CPU load in the kernel.
+
+Saving writes a temporary file in the same folder, fsyncs it and
+``os.replace``-s it over the target, so a crash or a full disk never leaves a
+truncated checkpoint where a good one was. Loading always uses
+``weights_only=True`` (never a full unpickle of a file a rank wrote) and
+``map_location="cpu"``, so a model trained on GPUs is evaluated in a kernel
+that has none.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from nbddp.errors import CheckpointError
+
+FORMAT = 1
+
+
+def state_of(obj: Any) -> Any:
+    """What to save for a returned variable: a module's or optimizer's state, else the value.
+
+    DDP (and DataParallel) wrappers are stripped, so keys have no ``module.``
+    prefix and load into the plain model in the kernel.
+    """
+    import torch
+
+    if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        obj = obj.module
+    if isinstance(obj, torch.nn.Module):
+        return {k: v.detach().cpu() for k, v in obj.state_dict().items()}
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj.state_dict()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: state_of(v) for k, v in obj.items()}
+    return obj
+
+
+def save_returns(values: dict[str, Any], path: str | Path, note: str = "") -> Path:
+    """Atomically write ``{name: state}`` to ``path``; returns the path."""
+    payload = {"nbddp": FORMAT, "note": note, "returns": {k: state_of(v) for k, v in values.items()}}
+    return save_atomic(payload, path)
+
+
+def save_atomic(payload: Any, path: str | Path) -> Path:
+    """``torch.save`` to a temp file beside ``path``, fsync, then rename over it.
+
+    Raises:
+        CheckpointError: naming the path, when the disk is full or unwritable;
+            the previous file at ``path`` (if any) is left intact.
+    """
+    import torch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"could not write the checkpoint {path}: {exc.strerror or exc}.") from exc
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+    return path
+
+
+def load_returns(path: str | Path) -> tuple[dict[str, Any], str]:
+    """Read a checkpoint written by :func:`save_returns`: ``({name: state}, note)``, on the CPU.
+
+    Raises:
+        CheckpointError: missing, truncated, tampered with, or not nbddp's.
+    """
+    import pickle
+    import torch
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: the training did not save its result.")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"refusing the checkpoint {path}: it is truncated, corrupted or contains objects "
+            f"that are not plain weights ({first}). Run the training again."
+        ) from None
+    if not isinstance(payload, dict) or payload.get("nbddp") != FORMAT:
+        raise CheckpointError(f"{path} is not a checkpoint written by nbddp.")
+    return payload["returns"], payload.get("note", "")
+
+
+def load_into(namespace: dict[str, Any], states: dict[str, Any]) -> list[str]:
+    """Load each returned state into the object of the same name in ``namespace``.
+
+    Modules and optimizers get ``load_state_dict``; other values are assigned.
+    Returns the names loaded.
+
+    Raises:
+        CheckpointError: a name is missing from the namespace, or the state
+            doesn't fit the object (different architecture).
+    """
+    import torch
+
+    loaded = []
+    for name, state in states.items():
+        if name not in namespace:
+            raise CheckpointError(
+                f"the training returned {name!r} but the notebook has no variable {name!r} to load "
+                "it into. Define it in a 'ddp' cell (so the kernel has it too) or change --return."
+            )
+        target = namespace[name]
+        try:
+            if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
+                target.load_state_dict(state)
+            elif isinstance(target, dict) and isinstance(state, dict) and all(
+                isinstance(v, torch.nn.Module) for v in target.values()
+            ):
+                for key, module in target.items():
+                    module.load_state_dict(state[key])
+            else:
+                namespace[name] = state
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise CheckpointError(
+                f"the trained weights don't fit the notebook's {name!r} "
+                f"({type(target).__name__}): {str(exc).splitlines()[0]}. Did the model's "
+                "definition change since training? Run the cells defining it again."
+            ) from None
+        loaded.append(name)
+    return loaded

@@ -1,0 +1,114 @@
+"""``nbddp``: the command line, a thin shell over the core.
+
+argparse turns argv into frozen option objects; the work happens in
+:mod:`nbddp.script` and :mod:`nbddp.run`. Nothing imported here at module
+level imports torch, so ``nbddp --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from nbddp import __version__
+from nbddp.errors import NbddpError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nbddp",
+        description="Distributed PyTorch training (DDP) from Jupyter notebooks.",
+        epilog="Tag cells 'parameters', 'ddp' (setup, runs in every rank) and 'ddp-train' "
+        "(the training), or start them with '#| ddp' / '#| ddp-train'.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbddp {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    export = commands.add_parser("export", help="write the DDP training script of a notebook")
+    export.add_argument("notebook", type=Path, help="the .ipynb file")
+    export.add_argument("-o", "--output", default=None,
+                        help="script path (default: NOTEBOOK with .py); '-' prints it")
+    _add_script_options(export)
+    export.add_argument("--keep-markdown", action="store_true", help="keep markdown cells as comments")
+    export.set_defaults(handler=_export)
+
+    run = commands.add_parser("run", help="run a notebook with its training cells as a DDP job")
+    run.add_argument("notebook", type=Path, help="the .ipynb file")
+    _add_script_options(run)
+    _add_device_options(run)
+    run.add_argument("-o", "--output", type=Path, default=None,
+                     help="executed notebook (default: RUN_DIR/output.ipynb)")
+    run.add_argument("--run-dir", type=Path, default=None,
+                     help="where the script, logs and weights go (default: runs/STEM-TIME beside the notebook)")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop the run after this long (exit 124)")
+    run.set_defaults(handler=_run)
+    return parser
+
+
+def _add_script_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("torch", "catalyst"), default=None,
+                        help="DDP engine (default: catalyst if the training cells call runner.train, else torch)")
+    parser.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                        dest="parameters", help="override a parameter (value read as a Python literal, else a string)")
+    parser.add_argument("--return", dest="returns", default="model", metavar="NAME[,NAME...]",
+                        help="variables whose trained state comes back (default: model)")
+
+
+def _add_device_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", default=None, metavar="N|all", help="GPUs to use (default: all visible)")
+    parser.add_argument("--cpu", action="store_true", help="run CPU processes with gloo, even with GPUs")
+    parser.add_argument("--nproc", type=int, default=None, help="CPU processes (default 2)")
+
+
+def _export_options(args: argparse.Namespace, script_name: str):
+    from nbddp.parameters import parse_pairs
+    from nbddp.script import ExportOptions
+
+    return ExportOptions(
+        engine=args.engine,
+        parameters=parse_pairs(args.parameters),
+        returns=tuple(n.strip() for n in args.returns.split(",") if n.strip()),
+        keep_markdown=getattr(args, "keep_markdown", False),
+        script_name=script_name,
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    from nbddp.notebook import read_notebook
+    from nbddp.script import generate, write_script
+
+    to_stdout = args.output == "-"
+    target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
+    options = _export_options(args, "train.py" if target is None else target.name)
+    script = generate(read_notebook(args.notebook), options)
+    if to_stdout:
+        sys.stdout.write(script.text)
+        return 0
+    path, map_path = write_script(script, target)
+    print(f"wrote {path} ({script.engine} engine) and its source map {map_path.name}", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nbddp.run import RunOptions, run_notebook
+
+    options = RunOptions.from_cli(args, _export_options(args, "train.py"))
+    result = run_notebook(options)
+    return result.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except NbddpError as exc:
+        print(f"nbddp: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

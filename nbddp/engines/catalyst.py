@@ -1,0 +1,40 @@
+"""The catalyst engine: the user's ``runner.train(...)`` under Catalyst's DDP engine.
+
+The user's call stays as they wrote it: the script asks the nbddp runtime to
+give every Catalyst ``Runner.train`` a ``DistributedDataParallelEngine`` built
+for the requested devices (on CPU ``cpu=True`` and the gloo backend, without
+which both ranks believe they are the main process) and a free port instead of
+Catalyst's fixed 2112. Catalyst spawns the ranks itself with ``mp.spawn``,
+which re-imports the script: hence the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+from nbddp.engines import EngineCode
+from nbddp.errors import NbddpError
+
+
+def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
+    if len(returns) != 1:
+        raise NbddpError(
+            f"the catalyst engine returns one thing, the runner's trained model; got --return "
+            f"{','.join(returns)}. Return only the model variable (e.g. --return model)."
+        )
+    return EngineCode(
+        imports=(
+            "import nbddp.runtime as _nbddp",
+            "_nbddp.start(engine='catalyst')",
+        ),
+        train_prologue=(
+            f"_nbddp.use_catalyst_ddp(returns={list(returns)!r})  # runner.train(...) runs on Catalyst's DDP engine",
+        ),
+        train_epilogue=(
+            f"_nbddp.finish(globals(), returns={list(returns)!r}, engine='catalyst')",
+        ),
+        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU; NBDDP_NPROC=2 on CPU)",
+    )
+
+
+def launch_command(script: str, nproc: int, *, python: str, max_restarts: int = 0) -> list[str]:
+    """Catalyst's engine spawns the ranks itself; the world size travels in NBDDP_NPROC."""
+    return [python, script]

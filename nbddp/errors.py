@@ -1,0 +1,67 @@
+"""The few exceptions nbddp raises on purpose.
+
+Every message says what went wrong *and what to do next*, naming the notebook,
+the cell (``cell N``, counted from 1 in notebook order, markdown cells
+included) and the line where one is known. ``exit_code`` is what the CLI exits
+with, so that scripts and CI can tell bad input (2) from a bad device request
+(3), a failed run (1), a timeout (124) and an interrupt (130/143).
+"""
+
+from __future__ import annotations
+
+
+class NbddpError(Exception):
+    """Base class: an error the user can act on. Never a bug in nbddp."""
+
+    exit_code: int = 1
+
+    def __reduce__(self):  # keep subclasses picklable whatever their __init__
+        return (self.__class__, self.args)
+
+
+class NotebookError(NbddpError):
+    """The notebook can't be read or has nothing to train (bad input, before launch)."""
+
+    exit_code = 2
+
+
+class CellError(NbddpError):
+    """An exported cell can't become script code: syntax error or IPython-only syntax."""
+
+    exit_code = 2
+
+
+class ParameterError(NbddpError):
+    """A ``-p NAME VALUE`` pair (or a parameter grid entry) is unusable."""
+
+    exit_code = 2
+
+
+class DeviceError(NbddpError):
+    """The requested devices don't exist here (checked before anything starts)."""
+
+    exit_code = 3
+
+
+class RunFailed(NbddpError):
+    """A rank failed; the message carries its error translated to the notebook."""
+
+    exit_code = 1
+
+
+class RunTimeout(NbddpError):
+    """The run exceeded ``--timeout``; every rank was stopped."""
+
+    exit_code = 124
+
+
+class RunInterrupted(NbddpError):
+    """The run was interrupted by a signal; every rank was stopped."""
+
+    exit_code = 130
+
+
+class CheckpointError(NbddpError):
+    """The returned weights could not be written, read or loaded into the kernel."""
+
+    exit_code = 1

@@ -1,0 +1,170 @@
+"""Catalyst glue that runs in the script's process and in the ranks Catalyst spawns.
+
+Catalyst 22.4 is the last release and was written for older torch/accelerate,
+so three incompatibilities are handled here, deliberately and in one place:
+
+* On CPU its DDP engine must be built with ``cpu=True`` and the gloo backend,
+  or every rank believes it is the main process and they race on the logdir.
+* Its default port 2112 collides between concurrent runs: a free port is used.
+* Its ``mp.spawn`` children exit 0 on SIGINT (torch's spawn wrapper swallows
+  ``KeyboardInterrupt``), so an interrupted rank here exits 130 instead.
+* accelerate renamed ``DistributedType.TPU`` to ``XLA``; Catalyst's engine and
+  metric callbacks still read ``TPU``, which crashes outside DDP. The alias is
+  restored (:func:`apply_compat_shims`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any, Sequence
+
+from catalyst import dl
+from catalyst.core.callback import Callback, CallbackOrder
+
+_state = {"trained": False, "patched": False}
+
+
+def apply_compat_shims() -> None:
+    """Restore ``accelerate.utils.DistributedType.TPU`` (renamed ``XLA``) for Catalyst 22.4."""
+    try:
+        from accelerate.utils import DistributedType
+    except ImportError:
+        return
+    if not hasattr(DistributedType, "TPU") and hasattr(DistributedType, "XLA"):
+        type.__setattr__(DistributedType, "TPU", DistributedType.XLA)
+
+
+def free_port() -> int:
+    """A port the OS says is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def requested_processes() -> tuple[int, bool]:
+    """``(world size, cpu)`` from the launcher's environment, else from the hardware."""
+    import torch
+
+    cpu = os.environ.get("NBDDP_DEVICE") == "cpu" or not torch.cuda.is_available()
+    default = 2 if cpu else torch.cuda.device_count()
+    return int(os.environ.get("NBDDP_NPROC") or default), cpu
+
+
+def trained() -> bool:
+    """True once a patched ``runner.train`` finished in this (launching) process."""
+    return _state["trained"]
+
+
+class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
+    """Catalyst's DDP engine, spawning through :func:`_rank_main` (per-rank logs, exit codes)."""
+
+    def spawn(self, fn, *args, **kwargs):  # noqa: ANN001
+        import torch.multiprocessing as mp
+
+        return mp.spawn(_rank_main, args=(fn, self._world_size), nprocs=self._num_local_workers, join=True)
+
+
+def make_engine() -> NbddpDistributedDataParallelEngine:
+    """Catalyst's DDP engine for the requested devices, on a free loopback port."""
+    apply_compat_shims()
+    nproc, cpu = requested_processes()
+    port = free_port()
+    kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": port, "world_size": nproc,
+                              "num_node_workers": nproc}
+    if cpu:
+        kwargs.update(cpu=True, process_group_kwargs={"backend": "gloo"})
+    # Catalyst's engine reads these before its own defaults (2112 would collide between runs).
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    return NbddpDistributedDataParallelEngine(**kwargs)
+
+
+def _rank_main(local_rank: int, fn, world_size: int) -> None:
+    """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function."""
+    from nbddp import runtime
+
+    runtime.become_rank(local_rank)
+    apply_compat_shims()
+    try:
+        fn(local_rank, world_size)
+    except KeyboardInterrupt:
+        sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
+    except BaseException:
+        runtime.record_exception(local_rank, *sys.exc_info())
+        raise
+
+
+def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
+    """Wrap ``catalyst.runners.runner.Runner.train`` so the user's call runs distributed.
+
+    The call stays as the user wrote it; only ``engine`` is replaced and a
+    callback that hands the trained model back is added.
+    """
+    if _state["patched"]:
+        return
+    from catalyst.runners.runner import Runner
+
+    original = Runner.train
+
+    def train(self, *args, **kwargs):
+        kwargs["engine"] = make_engine()
+        kwargs["callbacks"] = _with_return_callback(kwargs.get("callbacks"), returns[0])
+        result = original(self, *args, **kwargs)
+        _state["trained"] = True
+        return result
+
+    train.__wrapped__ = original
+    Runner.train = train
+    _state["patched"] = True
+
+
+def _with_return_callback(callbacks, name: str):
+    callback = ReturnModelCallback(name)
+    if callbacks is None:
+        return {"_nbddp_return": callback}
+    if isinstance(callbacks, dict):
+        return {**callbacks, "_nbddp_return": callback}
+    return [*callbacks, callback]
+
+
+class ReturnModelCallback(Callback):
+    """On rank 0 at the end of training, save the runner's model (its best checkpoint if kept)."""
+
+    def __init__(self, name: str = "model") -> None:
+        super().__init__(order=CallbackOrder.External + 50)
+        self.name = name
+
+    def on_experiment_end(self, runner) -> None:  # noqa: ANN001
+        from nbddp import checkpoint, runtime
+
+        if runner.engine.process_index != 0:
+            return
+        model = runner.engine.unwrap_model(runner.model)
+        state, note = checkpoint.state_of(model), "the runner's final model"
+        best = _best_checkpoint(runner)
+        if best is not None:
+            import torch
+
+            path, metric, name = best
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(loaded, dict) and loaded.keys() == state.keys():
+                state, note = loaded, f"the runner's best checkpoint {path} ({name}={metric:.4g})"
+        checkpoint.save_returns({self.name: state}, runtime.checkpoint_path(), note=note)
+        print(f"[nbddp] returning {note}", flush=True)
+
+
+def _best_checkpoint(runner) -> tuple[str, float, str] | None:  # noqa: ANN001
+    """The best model checkpoint a Catalyst ``CheckpointCallback`` kept, if any."""
+    from catalyst.callbacks.checkpoint import CheckpointCallback
+
+    for callback in getattr(runner, "callbacks", {}).values():
+        if (
+            isinstance(callback, CheckpointCallback)
+            and callback.mode == "model"
+            and callback.metric_key is not None
+            and callback._storage
+        ):
+            best = callback._storage[0]
+            return str(best.logpath), float(best.metric), f"{callback.loader_key or ''}.{callback.metric_key}".strip(".")
+    return None

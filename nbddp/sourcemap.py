@@ -1,0 +1,71 @@
+"""Script line → notebook cell and line, stored beside the generated script.
+
+The script is a plain file whose lines are the cells' lines (indented under the
+``__main__`` guard, never reflowed), so a traceback from *any* source — the
+rank's own stderr, torchrun's error file, Catalyst's spawn wrapper — names a
+``train.py`` line that this map turns back into ``cell N, line L``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Script lines ``script_start``…``script_start + length - 1`` are cell lines from ``cell_line`` on."""
+
+    script_start: int
+    length: int
+    cell: int | None
+    """Cell number, or ``None`` for code nbddp wrote (command-line parameters)."""
+    cell_line: int
+    role: str
+
+
+@dataclass(frozen=True)
+class SourceMap:
+    notebook: str
+    script: str
+    segments: tuple[Segment, ...]
+
+    def lookup(self, script_line: int) -> tuple[int, int, str] | None:
+        """``(cell, line within cell, role)`` for a script line, or ``None`` if nbddp wrote it."""
+        for seg in self.segments:
+            if seg.script_start <= script_line < seg.script_start + seg.length and seg.cell is not None:
+                return seg.cell, seg.cell_line + script_line - seg.script_start, seg.role
+        return None
+
+    def to_json(self) -> str:
+        data = {"notebook": self.notebook, "script": self.script,
+                "segments": [asdict(s) for s in self.segments]}
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "SourceMap":
+        data = json.loads(text)
+        return cls(data["notebook"], data["script"], tuple(Segment(**s) for s in data["segments"]))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SourceMap":
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))
+
+    def translate_traceback(self, text: str) -> str:
+        """Append ``[notebook cell N, line L]`` to every traceback frame line in the script."""
+        name = re.escape(Path(self.script).name)
+        frame = re.compile(r'(File "(?:[^"]*/)?' + name + r'", line (\d+))')
+
+        def annotate(match: re.Match) -> str:
+            where = self.lookup(int(match.group(2)))
+            return match.group(1) + (f" [{self.notebook}: cell {where[0]}, line {where[1]}]" if where else "")
+
+        return frame.sub(annotate, text)
+
+
+def sourcemap_path(script_path: str | Path) -> Path:
+    """Where the map of ``train.py`` lives: ``train.py.map.json`` beside it."""
+    script_path = Path(script_path)
+    return script_path.with_name(script_path.name + ".map.json")
