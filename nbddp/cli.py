@@ -8,6 +8,7 @@ level imports torch, so ``nbddp --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -93,11 +94,20 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nbddp.run import RunOptions, run_notebook
+    from nbddp.run import RunOptions, SignalReceived, run_notebook
 
     options = RunOptions.from_cli(args, _export_options(args, "train.py"))
-    result = run_notebook(options)
-    return result.exit_code
+
+    def stop(signum, frame):  # noqa: ANN001 - SIGINT already raises KeyboardInterrupt
+        raise SignalReceived(signum)
+
+    # Only the CLI installs handlers (never the kernel): the run stops every rank and exits 128+N.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return run_notebook(options).exit_code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

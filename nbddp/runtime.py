@@ -93,7 +93,7 @@ def start(engine: str = "torch") -> None:
         runtime_catalyst.apply_compat_shims()
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        become_rank(rank())
+        become_rank(rank(), world_size())
         if _use_cuda():
             torch.cuda.set_device(local_rank())
         dist.init_process_group(
@@ -101,11 +101,12 @@ def start(engine: str = "torch") -> None:
         )
 
 
-def become_rank(global_rank: int) -> None:
+def become_rank(global_rank: int, size: int) -> None:
     """Per-rank plumbing shared by both engines: die with the parent, log to files."""
     _die_with_parent()
     directory = run_dir()
     if directory is None:
+        print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
         return
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -122,6 +123,7 @@ def become_rank(global_rank: int) -> None:
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record
+    print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
 
 
 def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001

@@ -84,7 +84,7 @@ def _rank_main(local_rank: int, fn, world_size: int) -> None:
     """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function."""
     from nbddp import runtime
 
-    runtime.become_rank(local_rank)
+    runtime.become_rank(local_rank, world_size)
     apply_compat_shims()
     try:
         fn(local_rank, world_size)
@@ -134,6 +134,19 @@ class ReturnModelCallback(Callback):
     def __init__(self, name: str = "model") -> None:
         super().__init__(order=CallbackOrder.External + 50)
         self.name = name
+
+    def on_epoch_end(self, runner) -> None:  # noqa: ANN001
+        """Catalyst's epoch metrics become ``nbddp.log`` records: live view, summary, batches."""
+        from nbddp import runtime
+
+        if runner.engine.process_index != 0:
+            return
+        values = {
+            f"{loader}/{name}": value
+            for loader, metrics in runner.epoch_metrics.items() if not loader.startswith("_")
+            for name, value in metrics.items() if "/" not in name and name not in ("lr", "momentum")
+        }
+        runtime.log(epoch=runner.epoch_step, **values)
 
     def on_experiment_end(self, runner) -> None:  # noqa: ANN001
         from nbddp import checkpoint, runtime

@@ -76,6 +76,9 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
     setup = [c for c in cells if c.role != TRAIN]
     training = [c for c in cells if c.role == TRAIN]
     injected_done = not options.parameters
+    if not injected_done and not any(c.role in (PARAMETERS, INJECTED) for c in setup):
+        writer.parameters(options.parameters)  # no parameters cell: define them before any cell
+        injected_done = True
     for cell in setup:
         writer.cell(cell, markdown.get(cell.cell.number, ()))
         if not injected_done and _is_last_parameters_cell(cell, setup):

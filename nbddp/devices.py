@@ -1,0 +1,99 @@
+"""Which devices a run uses, decided before anything starts and without importing torch.
+
+GPUs are counted through NVML (the driver's own library, loaded with ctypes)
+narrowed by ``CUDA_VISIBLE_DEVICES``: importing torch only to count GPUs would
+cost the launcher a second or more on every run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+from nbddp.errors import DeviceError
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What the ranks run on: ``nproc`` processes, on ``cuda`` (one GPU each) or ``cpu`` (gloo)."""
+
+    kind: str
+    nproc: int
+    note: str = ""
+    """One line for the user when the choice was made for them (no GPU visible)."""
+
+    def describe(self) -> str:
+        return f"{self.nproc} GPU{'s' * (self.nproc != 1)}" if self.kind == "cuda" else f"{self.nproc} CPU processes (gloo)"
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use: NVML's count, narrowed by ``CUDA_VISIBLE_DEVICES``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = _nvml_device_count()
+    if visible is None:
+        return physical
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    count = 0
+    for entry in entries:  # CUDA stops at the first invalid entry
+        if entry.startswith("-") or (entry.isdigit() and int(entry) >= physical and physical):
+            break
+        count += 1
+    return min(count, physical) if physical else 0
+
+
+def _nvml_device_count() -> int:
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_uint(0)
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return 0
+        ok = nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0
+        nvml.nvmlShutdown()
+    except AttributeError:
+        return 0
+    return count.value if ok else 0
+
+
+def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None = None,
+            visible: int | None = None) -> Devices:
+    """Turn ``--gpus/--cpu/--nproc`` into :class:`Devices`, or raise before anything starts.
+
+    Raises:
+        DeviceError: more GPUs than visible, fewer than one process, or
+            contradictory flags.
+    """
+    if nproc is not None and nproc < 1:
+        raise DeviceError(f"--nproc {nproc}: need at least 1 process.")
+    if cpu:
+        if gpus is not None:
+            raise DeviceError("--cpu and --gpus contradict each other: choose one.")
+        return Devices("cpu", nproc or 2)
+    visible = visible_gpu_count() if visible is None else visible
+    if gpus is None:
+        if visible == 0:
+            n = nproc or 2
+            return Devices("cpu", n, note=f"no GPU visible: running on the CPU with {n} processes (gloo).")
+        if nproc is not None and nproc > visible:
+            raise DeviceError(f"--nproc {nproc} asks for more GPUs than the {visible} visible.")
+        return Devices("cuda", nproc or visible)
+    if nproc is not None:
+        raise DeviceError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
+    if str(gpus).lower() == "all":
+        if visible == 0:
+            raise DeviceError("--gpus all: no GPU is visible here. Use --cpu --nproc N to run on the CPU.")
+        return Devices("cuda", visible)
+    try:
+        wanted = int(gpus)
+    except ValueError:
+        raise DeviceError(f"--gpus {gpus!r}: give a number or 'all'.") from None
+    if wanted < 1:
+        raise DeviceError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
+    if wanted > visible:
+        hint = " (CUDA_VISIBLE_DEVICES narrows them)" if "CUDA_VISIBLE_DEVICES" in os.environ else ""
+        instead = f"Use --gpus {visible} or --cpu." if visible else "Use --cpu to run on the CPU."
+        raise DeviceError(f"--gpus {wanted} asks for more GPUs than the {visible} visible{hint}. {instead}")
+    return Devices("cuda", wanted)

@@ -1,0 +1,170 @@
+"""One DDP job: write the script into a run dir, launch it, follow it, judge it.
+
+Used by ``nbddp run`` (with a kernel beside it) and by the ``%%ddp_train``
+magic (inside the kernel). The outcome never trusts an exit status alone:
+a job stopped by nbddp is *interrupted* or *timed out* even when Catalyst's
+children exit 0 after a signal, and a zero exit without the checkpoint the
+job promised is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+from nbddp.devices import Devices
+from nbddp.engines import catalyst as catalyst_engine
+from nbddp.engines import torch as torch_engine
+from nbddp.errors import NbddpError
+from nbddp.launch import Launch, LaunchSpec, rank_environment
+from nbddp.report import RankError, describe_exit, launcher_exit_codes, last_metrics, rank_errors
+from nbddp.script import Script, write_script
+from nbddp.stream import RunFollower, Sink
+
+POLL_SECONDS = 0.05
+#: Exit codes for outcomes, as shells and CI read them.
+EXIT_CODES = {"succeeded": 0, "failed": 1, "timeout": 124, "interrupted": 130}
+
+
+def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
+    """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private."""
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise NbddpError(f"--run-dir {run_dir} is not empty (it holds another run). Choose a new folder.")
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return run_dir.resolve()
+    parent = notebook.resolve().parent / "runs"
+    parent.mkdir(exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 10_000):
+        candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            candidate.mkdir(mode=0o700)  # atomic: two runs in the same second get different dirs
+            return candidate
+        except FileExistsError:
+            continue
+    raise NbddpError(f"could not create a run dir in {parent}.")
+
+
+@dataclass
+class JobOutcome:
+    status: str
+    """``succeeded``, ``failed``, ``timeout`` or ``interrupted``."""
+    exit_code: int
+    launcher_exit: int | None
+    rank_exit_codes: dict[int, int] = field(default_factory=dict)
+    errors: list[RankError] = field(default_factory=list)
+    message: str = ""
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class Job:
+    """A launched job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
+
+    def __init__(self, script: Script, devices: Devices, run_dir: Path, cwd: Path,
+                 python: str = sys.executable) -> None:
+        self.script = script
+        self.devices = devices
+        self.run_dir = run_dir
+        self.script_path, _ = write_script(script, run_dir / script.source_map.script)
+        self.checkpoint = run_dir / "weights.pt"
+        (run_dir / "logs").mkdir(exist_ok=True)
+        engine = catalyst_engine if script.engine == "catalyst" else torch_engine
+        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python)
+        env = rank_environment(os.environ, run_dir=run_dir, device_kind=devices.kind,
+                               nproc=devices.nproc, checkpoint=self.checkpoint)
+        self.started_at = time.time()
+        self.launch = Launch(LaunchSpec(tuple(argv), env, cwd, run_dir / "logs" / "launcher.log"))
+        self.follower = RunFollower(run_dir, include_launcher=script.engine == "catalyst")
+
+    def pump(self, sinks: Sequence[Sink], final: bool = False) -> None:
+        """Deliver what the ranks wrote since the last call."""
+        for event in self.follower.poll(final=final):
+            for sink in sinks:
+                sink(event)
+
+    def wait(self, sinks: Sequence[Sink], deadline: float | None = None) -> JobOutcome:
+        """Stream until the job ends (or the monotonic ``deadline`` passes), then judge it.
+
+        A KeyboardInterrupt (or any exception) while waiting stops every rank first.
+        """
+        try:
+            while self.launch.poll() is None:
+                self.pump(sinks)
+                if deadline is not None and time.monotonic() > deadline:
+                    self.launch.stop(signal.SIGTERM)
+                    break
+                time.sleep(POLL_SECONDS)
+        except BaseException:
+            self.launch.stop(signal.SIGTERM)
+            self.pump(sinks, final=True)
+            raise
+        if self.launch.stopped_by is None and self.launch.alive():
+            self.launch.stop(signal.SIGTERM)  # the launcher left stragglers behind
+        self.pump(sinks, final=True)
+        return self.outcome(timed_out=deadline is not None and time.monotonic() > deadline)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.launch.stop(sig)
+
+    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
+        code = self.launch.poll()
+        errors = rank_errors(self.run_dir, self.script.source_map)
+        codes = launcher_exit_codes(self.launch.spec.log_path)
+        for error in errors:
+            codes.setdefault(error.rank, 1)
+        metrics = last_metrics(self.run_dir)
+        interrupted_by = interrupted_by or (self.launch.stopped_by if not timed_out else None)
+        if timed_out:
+            return JobOutcome("timeout", 124, code, codes, errors, "the run exceeded --timeout; every rank was stopped.", metrics)
+        if interrupted_by is not None:
+            status_code = 128 + interrupted_by
+            return JobOutcome("interrupted", status_code, code, codes, errors,
+                              f"interrupted by {signal.Signals(interrupted_by).name}; every rank was stopped.", metrics)
+        if code == 0 and self.checkpoint.exists() and not errors:
+            codes = {r: 0 for r in range(self.devices.nproc)} | codes
+            return JobOutcome("succeeded", 0, code, codes, [], "", metrics)
+        return JobOutcome("failed", 1, code, codes, errors, self._failure_message(code, errors, codes), metrics)
+
+    def _failure_message(self, code: int | None, errors: list[RankError], codes: dict[int, int]) -> str:
+        notebook = self.script.source_map.notebook
+        if errors:
+            first = errors[0]
+            return (f"{first.headline(notebook)}\n\nTraceback (notebook cells in brackets):\n"
+                    f"{first.traceback.rstrip()}\n\nFull log: {self.run_dir / 'logs' / f'rank-{first.rank}.log'}")
+        dead = {r: c for r, c in codes.items() if c != 0}
+        if dead:
+            rank, exit_code = min(dead.items(), key=lambda rc: rc[0])
+            return (f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in "
+                    f"{self.run_dir / 'logs' / f'rank-{rank}.log'}.")
+        if code == 0:
+            return (f"the ranks exited without saving the returned weights ({self.checkpoint.name}). "
+                    "A rank may have exited early; see the logs in " + str(self.run_dir / "logs"))
+        tail = _tail(self.launch.spec.log_path)
+        return f"the launcher failed ({describe_exit(code or 1)}):\n{tail}"
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.launch.poll() is None or self.launch.alive():
+            self.launch.stop()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=1, default=repr), encoding="utf-8")

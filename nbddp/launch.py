@@ -1,0 +1,128 @@
+"""Start the job's processes and own their shutdown.
+
+The launcher (torchrun, or the script itself for Catalyst) runs in a new
+session, so it and every rank share one process group that nbddp owns: a
+Ctrl-C in the terminal reaches only nbddp, which then stops the whole group
+SIGTERM → deadline → SIGKILL. Nothing here installs a signal handler (this
+also runs inside a Jupyter kernel). Output goes to a file, never a pipe that
+could fill up and block the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    cwd: Path
+    log_path: Path
+
+
+class Launch:
+    """A started job: poll it, wait for it, stop it. Use as a context manager to never leak it."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                list(spec.argv), cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        self.pgid = self.process.pid
+        self.started = time.monotonic()
+        self.stopped_by: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Exit code, or ``None`` if still running after ``timeout`` seconds."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
+        """Signal the whole group, give it ``grace`` seconds, then SIGKILL what is left."""
+        if self.stopped_by is None:
+            self.stopped_by = sig
+        self._signal_group(sig)
+        deadline = time.monotonic() + grace
+        while self.alive() and time.monotonic() < deadline:
+            self.wait(0.05)
+        if self.alive():
+            self._signal_group(signal.SIGKILL)
+            self.wait(2.0)
+            deadline = time.monotonic() + 2.0
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def alive(self) -> bool:
+        """True while any process of the group is running (zombies of ours reaped first)."""
+        self.process.poll()
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return _group_has_live_member(self.pgid)
+
+    def __enter__(self) -> "Launch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.poll() is None or self.alive():
+            self.stop()
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """killpg(0) also succeeds for zombies (reaped later by init): look at /proc to be sure."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def rank_environment(base: dict[str, str], *, run_dir: Path, device_kind: str, nproc: int,
+                     checkpoint: Path) -> dict[str, str]:
+    """The environment every rank gets (a dict for Popen; this process's env is not touched)."""
+    env = dict(base)
+    env.update(
+        NBDDP_RUN_DIR=str(run_dir),
+        NBDDP_DEVICE=device_kind,
+        NBDDP_NPROC=str(nproc),
+        NBDDP_CHECKPOINT=str(checkpoint),
+        PYTHONUNBUFFERED="1",
+    )
+    if "OMP_NUM_THREADS" not in env:  # torchrun would set 1 and warn about it
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    return env

@@ -1,0 +1,138 @@
+"""What happened in a run, told in the notebook's terms: rank errors and ``result.json``.
+
+Each rank that raised wrote ``errors/rank-N.json`` (see :mod:`nbddp.runtime`);
+the root cause is the earliest one, as in torchrun. Its frames in the
+generated script are translated through the source map to ``cell N, line L``.
+Ranks killed by a signal leave no error file; their exit codes are read from
+the launcher's own failure report (torchrun's, or ``mp.spawn``'s).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbddp.sourcemap import SourceMap
+
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_SPAWN_FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
+_SPAWN_RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
+
+
+@dataclass(frozen=True)
+class RankError:
+    rank: int
+    type: str
+    message: str
+    cell: int | None
+    line: int | None
+    source_line: str
+    traceback: str
+    time: float
+
+    def headline(self, notebook: str) -> str:
+        where = f"{notebook}, cell {self.cell}, line {self.line}" if self.cell else f"{notebook} (outside the notebook's cells)"
+        text = f"rank {self.rank} raised {self.type}: {self.message}\n  at {where}"
+        if self.source_line:
+            text += f"\n      {self.source_line.strip()}"
+        return text
+
+
+def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
+    """Every rank's recorded exception, earliest first."""
+    errors = []
+    for path in sorted((run_dir / "errors").glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        cell = line = None
+        source_line = ""
+        for frame in reversed(data.get("frames", [])):  # innermost frame that is notebook code
+            if Path(frame["file"]).name == Path(source_map.script).name:
+                where = source_map.lookup(frame["line"])
+                if where:
+                    cell, line, _ = where
+                    source_line = frame.get("text", "")
+                    break
+        errors.append(RankError(
+            rank=data["rank"], type=data["type"], message=data["message"], cell=cell, line=line,
+            source_line=source_line, traceback=source_map.translate_traceback(data.get("traceback", "")),
+            time=data.get("time", 0.0),
+        ))
+    return sorted(errors, key=lambda e: e.time)
+
+
+def launcher_exit_codes(launcher_log: Path) -> dict[int, int]:
+    """Per-rank exit codes from torchrun's or mp.spawn's failure report (signals as -N)."""
+    try:
+        text = launcher_log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    codes: dict[int, int] = {}
+    for rank, code in _TORCHRUN_FAILURE.findall(text):
+        codes[int(rank)] = int(code)
+    for rank, code, sig in _SPAWN_FAILURE.findall(text):
+        codes[int(rank)] = int(code) if code else -int(getattr(signal, sig, 0))
+    for rank in _SPAWN_RAISED.findall(text):
+        codes.setdefault(int(rank), 1)
+    return codes
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` → ``killed by SIGKILL (out of memory?)``; positive codes as they are."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (often the kernel's out-of-memory killer)" if -code == signal.SIGKILL else ""
+        hint = " (a crash in native code)" if -code == signal.SIGSEGV else hint
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+@dataclass
+class RunRecord:
+    """``result.json``: everything needed to understand a run afterwards."""
+
+    status: str
+    exit_code: int
+    notebook: str
+    engine: str
+    devices: dict[str, Any]
+    world_size: int
+    parameters: dict[str, Any]
+    started_at: float
+    ended_at: float
+    wall_time_s: float
+    rank_exit_codes: dict[str, int] = field(default_factory=dict)
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None
+    returned_from: str = ""
+    error: str | None = None
+    script: str = "train.py"
+
+    def write(self, run_dir: Path) -> Path:
+        path = run_dir / "result.json"
+        path.write_text(json.dumps(asdict(self), indent=1, default=repr), encoding="utf-8")
+        return path
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    """The final ``nbddp.log`` record (without its timestamp)."""
+    path = run_dir / "metrics.jsonl"
+    last: dict[str, Any] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                last = {k: v for k, v in record.items() if k != "time"}
+    return last

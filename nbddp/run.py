@@ -1,0 +1,353 @@
+"""``nbddp run``: the notebook top to bottom in a kernel, its training cells as a DDP job.
+
+The orchestrator reads top to bottom: read → choose devices → generate the
+script → launch the ranks → start the kernel (while the ranks start) → run the
+cells before training → wait for the job, streaming every rank → load the
+returned weights on the CPU → run the evaluation cells → write the executed
+notebook and ``result.json``. Everything that can be checked is checked
+before anything starts.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
+from nbddp.devices import Devices, resolve
+from nbddp.errors import NbddpError
+from nbddp.job import Job, JobOutcome, create_run_dir
+from nbddp.notebook import Notebook, read_notebook
+from nbddp.parameters import assignments
+from nbddp.report import RunRecord
+from nbddp.script import ExportOptions, generate
+from nbddp.stream import Event, LogLine, MetricsEvent, Sink, format_metrics, rank_prefix
+
+#: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
+NOTEBOOK_OUTPUT_LINES = 2000
+
+
+class SignalReceived(BaseException):
+    """Raised in the main thread by the CLI's SIGTERM/SIGHUP handlers (SIGINT raises KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    notebook: Path
+    export: ExportOptions = ExportOptions()
+    gpus: str | None = None
+    cpu: bool = False
+    nproc: int | None = None
+    output: Path | None = None
+    run_dir: Path | None = None
+    timeout: float | None = None
+
+    @classmethod
+    def from_cli(cls, args: Any, export: ExportOptions) -> "RunOptions":
+        if args.timeout is not None and args.timeout <= 0:
+            raise NbddpError(f"--timeout {args.timeout}: give a positive number of seconds.")
+        return cls(notebook=args.notebook, export=export, gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
+                   output=args.output, run_dir=args.run_dir, timeout=args.timeout)
+
+
+@dataclass
+class RunResult:
+    status: str
+    exit_code: int
+    run_dir: Path
+    output: Path
+    message: str = ""
+    record: RunRecord | None = None
+
+
+def _stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def terminal_sink(write: Callable[[str], Any] = _stdout_write) -> Sink:
+    """Print rank output as ``[rank N] line`` and metrics as ``[metrics] k=v``."""
+    last_progress: dict[int | None, float] = {}
+
+    def sink(event: Event) -> None:
+        if isinstance(event, LogLine):
+            if event.progress:  # a redrawn progress bar: at most one line a second per rank
+                now = time.monotonic()
+                if now - last_progress.get(event.rank, 0.0) < 1.0:
+                    return
+                last_progress[event.rank] = now
+            write(f"{rank_prefix(event.rank)}{event.text}\n")
+        elif isinstance(event, MetricsEvent):
+            write(f"[metrics] {format_metrics(event.values)}\n")
+
+    return sink
+
+
+class NotebookOutputSink:
+    """Collects rank output as the training cell's stream outputs, capped."""
+
+    def __init__(self, run_dir: Path, limit: int = NOTEBOOK_OUTPUT_LINES) -> None:
+        self.lines: list[str] = []
+        self.limit = limit
+        self.dropped = 0
+        self.run_dir = run_dir
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine) and not event.progress:
+            if len(self.lines) < self.limit:
+                self.lines.append(f"{rank_prefix(event.rank)}{event.text}\n")
+            else:
+                self.dropped += 1
+
+    def outputs(self) -> list[dict]:
+        from nbformat.v4 import new_output
+
+        text = "".join(self.lines)
+        if self.dropped:
+            text += f"[nbddp] {self.dropped} more lines not shown: full logs in {self.run_dir / 'logs'}\n"
+        return [new_output("stream", name="stdout", text=text)] if text else []
+
+
+def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
+                 say: Callable[[str], None] | None = None) -> RunResult:
+    """Run the notebook; returns the result (never raises for a failed *run*, only for bad input)."""
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    notebook = read_notebook(options.notebook)
+    devices = resolve(options.gpus, options.cpu, options.nproc)
+    script = generate(notebook, options.export)
+    if devices.note:
+        say(f"nbddp: {devices.note}")
+    cwd = notebook.path.resolve().parent
+    run_dir = create_run_dir(notebook.path, options.run_dir)
+    output = options.output or run_dir / "output.ipynb"
+    deadline = time.monotonic() + options.timeout if options.timeout else None
+    collector = NotebookOutputSink(run_dir)
+    all_sinks = [collector, *(sinks if sinks is not None else [terminal_sink()])]
+    executed, numbers = kernel_notebook(notebook, options.export.parameters)
+    say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
+    with Job(script, devices, run_dir, cwd) as job:
+        echo = _stdout_write if sinks is None else None
+        runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo)
+        status, code, message = runner.run()
+    result = RunResult(status, code, run_dir, Path(output), message)
+    result.record = _record(options, notebook, script.engine, devices, job, runner.outcome, status, code, message)
+    result.record.write(run_dir)
+    _write_notebook(executed, output)
+    say(_summary(result, devices))
+    return result
+
+
+class _NotebookRun:
+    """Executes the kernel's side of one run, beside the job."""
+
+    def __init__(self, job: Job, nb, numbers: list[int | None], notebook: Notebook,
+                 collector: NotebookOutputSink, sinks: Sequence[Sink], deadline: float | None, cwd: Path,
+                 echo: Callable[[str], Any] | None = None) -> None:
+        self.job, self.nb, self.numbers, self.notebook, self.echo = job, nb, numbers, notebook, echo
+        self.collector, self.sinks, self.deadline, self.cwd = collector, sinks, deadline, cwd
+        self.outcome: JobOutcome | None = None
+
+    def run(self) -> tuple[str, int, str]:
+        from nbclient import NotebookClient
+        from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+        from jupyter_client import KernelManager
+
+        kernel_name = self.notebook.kernel_name or "python3"
+        # IPC sockets: local only, and no "running over TCP without encryption" warning.
+        manager = KernelManager(kernel_name=kernel_name, transport="ipc")
+        client = NotebookClient(self.nb, km=manager, kernel_name=kernel_name,
+                                resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
+        pump = _Pump(self.job, self.sinks)
+        pump.start()  # stream ranks while the kernel starts and runs the setup cells
+        trained = False
+        try:
+            with client.setup_kernel(cleanup_kc=True):  # we made the manager, we shut it down
+                for index, cell in enumerate(self.nb.cells):
+                    if cell.cell_type != "code":
+                        continue
+                    if cell.metadata.get("nbddp_role") == TRAIN:
+                        if trained:
+                            cell.outputs = [_note("ran as part of the DDP job above")]
+                            continue
+                        pump.stop()
+                        status = self._train(client, cell, index)
+                        if status is not None:
+                            return status
+                        trained = True
+                        continue
+                    client.timeout = self._remaining()
+                    client.execute_cell(cell, index)
+                    self._echo(index, cell)
+            return "succeeded", 0, ""
+        except (CellExecutionError, CellTimeoutError) as exc:
+            if isinstance(exc, CellTimeoutError):
+                return self._stopped("timeout", 124, "the run exceeded --timeout.")
+            number = self.numbers[index]
+            return "failed", 1, f"{self.notebook.path}: cell {number} raised in the kernel:\n{_short(exc)}"
+        except KeyboardInterrupt:
+            return self._stopped("interrupted", 130, "interrupted (SIGINT); every rank and the kernel were stopped.")
+        except SignalReceived as exc:
+            name = signal.Signals(exc.signum).name
+            return self._stopped("interrupted", 128 + exc.signum, f"interrupted ({name}); every rank and the kernel were stopped.")
+        finally:
+            pump.stop()
+
+    def _train(self, client, cell, index: int) -> tuple[str, int, str] | None:
+        """Wait for the job in place of the training cell; ``None`` when it succeeded and loaded."""
+        outcome = self.job.wait(self.sinks, self.deadline)
+        self.outcome = outcome
+        cell.outputs = self.collector.outputs()
+        if outcome.status != "succeeded":
+            cell.outputs.append(_error_output(outcome))
+            return outcome.status, outcome.exit_code, outcome.message
+        loader = _load_cell(self.job.checkpoint)
+        client.timeout = self._remaining()
+        client.execute_cell(loader, index)
+        self.nb.cells[index] = cell  # nbclient puts the cell it ran at `index`: keep the user's
+        cell.outputs.extend(loader.outputs)
+        self._echo(index, loader)
+        return None
+
+    def _echo(self, index: int, cell) -> None:
+        """Show a kernel cell's text output in the terminal too (e.g. the evaluation's accuracy)."""
+        if self.echo is None:
+            return
+        number = self.numbers[index]
+        label = f"[cell {number}] " if number else "[parameters] "
+        for output in cell.outputs:
+            text = output.get("text") if output.output_type == "stream" else output.get("data", {}).get("text/plain")
+            if text:
+                self.echo("".join(label + line + "\n" for line in str(text).rstrip("\n").split("\n")))
+
+    def _stopped(self, status: str, code: int, message: str) -> tuple[str, int, str]:
+        self.job.stop()
+        if self.outcome is None:
+            self.outcome = self.job.outcome(timed_out=status == "timeout", interrupted_by=code - 128 if status == "interrupted" else None)
+        return status, code, message
+
+    def _remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+
+
+class _Pump(threading.Thread):
+    """Streams the job's output from a background thread while the main thread runs kernel cells."""
+
+    def __init__(self, job: Job, sinks: Sequence[Sink]) -> None:
+        super().__init__(daemon=True, name="nbddp-pump")
+        self.job, self.sinks = job, sinks
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.05):
+            self.job.pump(self.sinks)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
+
+
+def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]):
+    """A copy of the notebook for the kernel: roles marked, parameters injected the papermill way.
+
+    The injected cell is written with the same literal writer as the script, so
+    the kernel and the ranks see exactly the same values. Returns the notebook
+    and, per cell, its number in the user's notebook (``None`` for the injected cell).
+    """
+    import copy
+
+    from nbformat.v4 import new_code_cell
+
+    nb = copy.deepcopy(notebook.nb)
+    numbers: list[int | None] = []
+    insert_at = 0
+    for number, cell in enumerate(nb.cells, start=1):
+        numbers.append(number)
+        role = cell_role(notebook.cells[number - 1], notebook.path)
+        if role is not None:
+            cell.metadata["nbddp_role"] = role
+        if role in (PARAMETERS, INJECTED):
+            insert_at = number
+    if parameters:
+        injected = new_code_cell("# Parameters (nbddp -p)\n" + "\n".join(assignments(parameters)),
+                                 metadata={"tags": ["injected-parameters"]})
+        nb.cells.insert(insert_at, injected)
+        numbers.insert(insert_at, None)
+    return nb, numbers
+
+
+def _load_cell(checkpoint: Path):
+    from nbformat.v4 import new_code_cell
+
+    return new_code_cell(
+        "from nbddp.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into\n"
+        f"_nbddp_states, _nbddp_note = _nbddp_load({str(checkpoint)!r})\n"
+        "print('[nbddp] loaded the trained', ', '.join(_nbddp_into(globals(), _nbddp_states)),"
+        f" 'on the CPU from {checkpoint.name}' + (f' ({{_nbddp_note}})' if _nbddp_note else ''))\n"
+        "del _nbddp_load, _nbddp_into, _nbddp_states, _nbddp_note"
+    )
+
+
+def _note(text: str) -> dict:
+    from nbformat.v4 import new_output
+
+    return new_output("stream", name="stdout", text=f"[nbddp] {text}\n")
+
+
+def _error_output(outcome: JobOutcome) -> dict:
+    from nbformat.v4 import new_output
+
+    first = outcome.errors[0] if outcome.errors else None
+    return new_output("error", ename=first.type if first else "RunFailed",
+                      evalue=outcome.message.splitlines()[0] if outcome.message else outcome.status,
+                      traceback=outcome.message.splitlines())
+
+
+def _short(exc: Exception) -> str:
+    ename, evalue = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc))
+    return f"{ename}: {evalue}"
+
+
+def _write_notebook(nb, path: Path) -> None:
+    import nbformat
+
+    for cell in nb.cells:
+        cell.metadata.pop("nbddp_role", None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+
+
+def _record(options: RunOptions, notebook: Notebook, engine: str, devices: Devices, job: Job,
+            outcome: JobOutcome | None, status: str, code: int, message: str) -> RunRecord:
+    ended = time.time()
+    return RunRecord(
+        status=status, exit_code=code, notebook=str(notebook.path), engine=engine,
+        devices={"kind": devices.kind, "nproc": devices.nproc}, world_size=devices.nproc,
+        parameters=dict(options.export.parameters), started_at=job.started_at, ended_at=ended,
+        wall_time_s=round(ended - job.started_at, 3),
+        rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
+        final_metrics=outcome.final_metrics if outcome else {},
+        checkpoint=str(job.checkpoint) if job.checkpoint.exists() else None,
+        error=message or None, script=str(job.script_path),
+    )
+
+
+def _summary(result: RunResult, devices: Devices) -> str:
+    record = result.record
+    line = (f"nbddp: {result.status} in {record.wall_time_s:.1f}s on {devices.describe()}; "
+            f"run dir {result.run_dir}; notebook {result.output}")
+    if record.final_metrics:
+        line += f"\n       final metrics: {format_metrics(record.final_metrics)}"
+    if result.message:
+        line = f"nbddp: error: {result.message}\n" + line
+    return line
