@@ -67,8 +67,11 @@ def save_atomic(payload: Any, path: str | Path) -> Path:
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise CheckpointError(f"could not write the checkpoint {path}: {exc.strerror or exc}.") from exc
+        # torch.save reports a short write (full disk, quota) as RuntimeError, not OSError.
+        if isinstance(exc, (OSError, RuntimeError)):
+            reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+            raise CheckpointError(f"could not write the checkpoint {path}: {reason}. "
+                                  "Free some disk space (or choose another --run-dir) and run again.") from exc
         raise
     try:  # make the rename itself durable
         dir_fd = os.open(path.parent, os.O_RDONLY)

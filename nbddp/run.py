@@ -10,8 +10,12 @@ before anything starts.
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -155,6 +159,7 @@ class _NotebookRun:
         self.job, self.nb, self.numbers, self.notebook, self.echo = job, nb, numbers, notebook, echo
         self.collector, self.sinks, self.deadline, self.cwd = collector, sinks, deadline, cwd
         self.outcome: JobOutcome | None = None
+        self._cleanup: list[Callable[[], Any]] = []
 
     def run(self) -> tuple[str, int, str]:
         from nbclient import NotebookClient
@@ -163,8 +168,11 @@ class _NotebookRun:
         from jupyter_client import KernelManager
 
         kernel_name = self.notebook.kernel_name or "python3"
-        # IPC sockets: local only, and no "running over TCP without encryption" warning.
-        manager = KernelManager(kernel_name=kernel_name, transport="ipc")
+        # IPC sockets: local only, no "running over TCP without encryption" warning. Their files
+        # default to the working directory, where two runs would collide: use a private temp dir.
+        sockets = tempfile.mkdtemp(prefix="nbddp-kernel-")
+        self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
+        manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
         client = NotebookClient(self.nb, km=manager, kernel_name=kernel_name,
                                 resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
         pump = _Pump(self.job, self.sinks)
@@ -201,6 +209,8 @@ class _NotebookRun:
             return self._stopped("interrupted", 128 + exc.signum, f"interrupted ({name}); every rank and the kernel were stopped.")
         finally:
             pump.stop()
+            for cleanup in self._cleanup:
+                cleanup()
 
     def _train(self, client, cell, index: int) -> tuple[str, int, str] | None:
         """Wait for the job in place of the training cell; ``None`` when it succeeded and loaded."""
@@ -235,8 +245,9 @@ class _NotebookRun:
             self.outcome = self.job.outcome(timed_out=status == "timeout", interrupted_by=code - 128 if status == "interrupted" else None)
         return status, code, message
 
-    def _remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.1, self.deadline - time.monotonic())
+    def _remaining(self) -> int | None:
+        """Seconds left for a kernel cell (nbclient takes whole seconds)."""
+        return None if self.deadline is None else max(1, math.ceil(self.deadline - time.monotonic()))
 
 
 class _Pump(threading.Thread):

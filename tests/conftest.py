@@ -106,3 +106,89 @@ def kill_group(pgid: int) -> None:
 
 
 PYTHON = sys.executable
+
+
+class CliRun:
+    """``nbddp ...`` as a real subprocess, with every descendant PID it ever had recorded.
+
+    The kernel and the ranks run in sessions of their own, so they are found
+    by walking /proc's parent links while the run is alive, not by group.
+    """
+
+    def __init__(self, args, cwd, env=None):
+        import subprocess
+        import threading
+
+        self.lines: list[str] = []
+        self.seen: set[int] = set()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, env=full_env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._reader.start()
+        self._watcher.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def _watch(self):
+        import time
+
+        while self.proc.poll() is None:
+            self.seen |= descendants(self.proc.pid)
+            time.sleep(0.1)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while text not in self.output:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never saw {text!r}; output:\n{self.output}")
+            time.sleep(0.05)
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            kill_group(self.proc.pid)
+        self._reader.join(5)
+        return code
+
+    def leftovers(self, grace: float = 3.0) -> set[int]:
+        """Descendants seen during the run that are still alive ``grace`` seconds after it ended."""
+        import time
+
+        deadline = time.monotonic() + grace
+        while (left := {p for p in self.seen if alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in left:  # don't let one failed test poison the next
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return left
+
+
+@pytest.fixture
+def cli_run():
+    runs = []
+
+    def start(args, cwd, env=None) -> CliRun:
+        run = CliRun(args, cwd, env)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        kill_group(run.proc.pid)
+        run.leftovers(grace=0)

@@ -1,0 +1,69 @@
+"""Returned weights: atomic writes, safe CPU loads, clear errors."""
+
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nbddp.checkpoint import load_into, load_returns, save_returns
+from nbddp.errors import CheckpointError
+
+
+def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    wrapped = torch.nn.DataParallel(model)  # same `.module` stripping as DDP
+    path = save_returns({"model": wrapped, "scale": 2.5}, tmp_path / "w.pt", note="final")
+    states, note = load_returns(path)
+    assert note == "final" and set(states["model"]) == {"weight", "bias"}
+    fresh = {"model": torch.nn.Linear(3, 2), "scale": 1.0}
+    assert load_into(fresh, states) == ["model", "scale"]
+    torch.testing.assert_close(fresh["model"].weight, model.weight)
+    assert fresh["scale"] == 2.5
+
+
+def test_missing_name_and_wrong_architecture_are_clear_errors(tmp_path):
+    states, _ = load_returns(save_returns({"model": torch.nn.Linear(3, 2)}, tmp_path / "w.pt"))
+    with pytest.raises(CheckpointError, match="no variable 'model'"):
+        load_into({}, states)
+    with pytest.raises(CheckpointError, match="don't fit the notebook's 'model'"):
+        load_into({"model": torch.nn.Linear(5, 2)}, states)
+
+
+def test_truncated_or_tampered_files_are_refused(tmp_path):
+    path = save_returns({"model": torch.nn.Linear(3, 2)}, tmp_path / "w.pt")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="refusing the checkpoint"):
+        load_returns(path)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"nbddp": 1, "returns": {"x": Evil()}}, path)
+    with pytest.raises(CheckpointError, match="not plain weights"):
+        load_returns(path)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load_returns(tmp_path / "missing.pt")
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
+    """A file-size limit stands in for a full disk: the save fails, the old file survives."""
+    path = save_returns({"model": torch.nn.Linear(2, 2)}, tmp_path / "w.pt")
+    before = path.read_bytes()
+    script = (
+        "import resource, torch\nfrom nbddp.checkpoint import save_returns\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        f"save_returns({{'model': torch.nn.Linear(500, 500)}}, {str(path)!r})\n"
+    )
+    import signal
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGXFSZ, signal.SIG_IGN))
+    assert done.returncode != 0
+    assert f"could not write the checkpoint {path}" in done.stderr
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["w.pt"]  # no temp file left behind

@@ -1,0 +1,217 @@
+"""``nbddp run`` with real processes: 2 ranks, gloo, a real kernel, checked by PID."""
+
+import json
+import re
+import shutil
+import signal
+import time
+
+import nbformat
+import pytest
+import torch
+
+from tests.conftest import EXAMPLES, code, md, write_notebook
+
+pytestmark = pytest.mark.slow
+
+SETUP = """#| ddp
+import time
+import torch
+import nbddp
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)"""
+
+EVALUATE = "print('kernel sees weight sum', round(float(model.weight.sum()), 6))"
+
+
+def run_dirs(folder):
+    return sorted((folder / "runs").iterdir())
+
+
+def result_of(run_dir):
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def cell_texts(path):
+    nb = nbformat.read(path, as_version=4)
+    return ["".join(o.get("text", "") for o in c.get("outputs", []) if o.output_type == "stream") for c in nb.cells]
+
+
+@pytest.mark.parametrize("name, epochs, minimum", [("digits_torch", 6, 0.9), ("digits_catalyst", 3, 0.85)])
+def test_examples_end_to_end_with_cpu_evaluation(tmp_path, cli_run, name, epochs, minimum):
+    shutil.copy(EXAMPLES / f"{name}.ipynb", tmp_path)
+    run = cli_run(["run", f"{name}.ipynb", "-p", "epochs", epochs], tmp_path)
+    assert run.wait() == 0, run.output
+    assert "no GPU visible: running on the CPU with 2 processes (gloo)." in run.output
+    assert "[rank 0]" in run.output and "[rank 1]" in run.output
+    accuracy = float(re.search(r"\[cell \d+\] test accuracy: ([\d.]+)", run.output).group(1))
+    assert accuracy > minimum
+    (run_dir,) = run_dirs(tmp_path)
+    for part in ("train.py", "train.py.map.json", "logs/rank-0.log", "logs/rank-1.log", "logs/launcher.log",
+                 "weights.pt", "metrics.jsonl", "result.json", "output.ipynb"):
+        assert (run_dir / part).exists(), part
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    result = result_of(run_dir)
+    assert result["status"] == "succeeded" and result["exit_code"] == 0
+    assert result["world_size"] == 2 and result["devices"] == {"kind": "cpu", "nproc": 2}
+    assert result["rank_exit_codes"] == {"0": 0, "1": 0} and result["parameters"] == {"epochs": epochs}
+    assert result["final_metrics"]["epoch"] == epochs
+    assert result["wall_time_s"] > 0 and result["ended_at"] > result["started_at"]
+    texts = cell_texts(run_dir / "output.ipynb")
+    assert any("[rank 1]" in t and "loaded the trained model" in t for t in texts)
+    assert f"test accuracy: {accuracy:.3f}" in texts[-1]
+    assert not run.leftovers()
+
+
+def test_ddp_matches_one_process_with_double_batch(tmp_path, cli_run):
+    """2 ranks x batch 8, plain SGD, no shuffle == 1 process x batch 16 (DDP averages gradients)."""
+    data = "X = torch.linspace(-1, 1, 64 * 4).reshape(64, 4)\nY = (X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])).squeeze(1)"
+    train = (
+        "#| ddp-train\n"
+        "ddp_model = nbddp.prepare(model)\n"
+        "loader = nbddp.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8))\n"
+        "opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)\n"
+        "for epoch in range(3):\n"
+        "    for x, y in loader:\n"
+        "        opt.zero_grad()\n"
+        "        ((ddp_model(x).squeeze(1) - y) ** 2).mean().backward()\n"
+        "        opt.step()"
+    )
+    setup = "#| ddp\nimport torch, nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n" + data
+    write_notebook(tmp_path / "eq.ipynb", [code(setup), code(train)])
+    run = cli_run(["run", "eq.ipynb", "--cpu", "--nproc", "2"], tmp_path)
+    assert run.wait() == 0, run.output
+    trained = torch.load(run_dirs(tmp_path)[0] / "weights.pt", weights_only=True)["returns"]["model"]
+
+    namespace = {}
+    exec(setup.replace("#| ddp\n", ""), namespace)
+    model, X, Y = namespace["model"], namespace["X"], namespace["Y"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(3):
+        for x, y in torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=16):
+            opt.zero_grad()
+            ((model(x).squeeze(1) - y) ** 2).mean().backward()
+            opt.step()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_path, cli_run):
+    (tmp_path / "data.txt").write_text("relative file ok")
+    value = "it's \"q\"\\ é\nline2"
+    write_notebook(tmp_path / "p.ipynb", [
+        code("tag = 'default'\nsteps = 1", "parameters"),
+        code(SETUP + "\ncontent = open('data.txt').read()"),
+        code("#| ddp-train\nprint(f'rank {nbddp.rank()} tag={tag!r} steps={steps} content={content}')"),
+        code("print(f'kernel tag={tag!r} steps={steps}')"),
+    ])
+    run = cli_run(["run", "p.ipynb", "-p", "tag", value, "-p", "steps", "3"], tmp_path)
+    assert run.wait() == 0, run.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} tag={value!r} steps=3 content=relative file ok" in run.output
+    assert f"kernel tag={value!r} steps=3" in run.output
+
+
+def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_run):
+    write_notebook(tmp_path / "boom.ipynb", [
+        md("# a markdown cell counts too"),
+        code(SETUP),
+        code(
+            "#| ddp-train\n"
+            "model = nbddp.prepare(model)\n"
+            "for step in range(1000):\n"
+            "    if step == 3 and nbddp.rank() == 1:\n"
+            "        raise ValueError('bad batch at step 3')\n"
+            "    torch.distributed.barrier()\n"
+            "    time.sleep(0.05)"
+        ),
+        code("print('EVALUATION RAN')"),
+    ])
+    started = time.monotonic()
+    run = cli_run(["run", "boom.ipynb"], tmp_path)
+    assert run.wait() == 1, run.output
+    assert time.monotonic() - started < 90
+    assert "rank 1 raised ValueError: bad batch at step 3" in run.output
+    assert "boom.ipynb, cell 3, line 5" in run.output
+    assert "raise ValueError('bad batch at step 3')" in run.output
+    assert "EVALUATION RAN" not in run.output
+    (run_dir,) = run_dirs(tmp_path)
+    result = result_of(run_dir)
+    assert result["status"] == "failed" and result["rank_exit_codes"]["1"] == 1
+    nb = nbformat.read(run_dir / "output.ipynb", as_version=4)
+    errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "ValueError" and "cell 3, line 5" in "\n".join(errors[0].traceback)
+    assert nb.cells[3].outputs == []
+    assert not run.leftovers()
+
+
+LONG_TRAINING = [code(SETUP), code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"), code("print('EVALUATION RAN')")]
+
+
+@pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expected):
+    write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
+    run = cli_run(["run", "long.ipynb"], tmp_path)
+    run.wait_for("[rank 1] step 3")
+    run.proc.send_signal(sig)
+    sent = time.monotonic()
+    assert run.wait(timeout=30) == expected, run.output
+    assert time.monotonic() - sent < 10
+    assert not run.leftovers(grace=1)
+    result = result_of(run_dirs(tmp_path)[0])
+    assert result["status"] == "interrupted" and result["exit_code"] == expected
+
+
+def test_timeout_stops_the_run_with_124(tmp_path, cli_run):
+    write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
+    run = cli_run(["run", "long.ipynb", "--timeout", "12"], tmp_path)
+    assert run.wait(timeout=60) == 124, run.output
+    assert "EVALUATION RAN" not in run.output
+    assert result_of(run_dirs(tmp_path)[0])["status"] == "timeout"
+    assert not run.leftovers()
+
+
+def test_two_concurrent_runs_in_one_folder(tmp_path, cli_run):
+    write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code("#| ddp-train\nmodel = nbddp.prepare(model)\nprint('rank', nbddp.rank(), 'trained')"), code(EVALUATE)])
+    runs = [cli_run(["run", "nb.ipynb"], tmp_path) for _ in range(2)]
+    assert [r.wait() for r in runs] == [0, 0], [r.output for r in runs]
+    dirs = run_dirs(tmp_path)
+    assert len(dirs) == 2 and all(result_of(d)["status"] == "succeeded" for d in dirs)
+    for run in runs:
+        assert not run.leftovers()
+
+
+def test_more_gpus_than_visible_is_an_error_before_anything_starts(tmp_path, cli_run):
+    write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code("#| ddp-train\npass")])
+    run = cli_run(["run", "nb.ipynb", "--gpus", "4"], tmp_path)
+    assert run.wait() == 3
+    assert "--gpus 4 asks for more GPUs than the 0 visible" in run.output
+    assert not (tmp_path / "runs").exists()
+
+
+def test_floods_bad_bytes_and_progress_bars_neither_block_nor_get_lost(tmp_path, cli_run):
+    write_notebook(tmp_path / "noisy.ipynb", [code(SETUP), code(
+        "#| ddp-train\n"
+        "import sys\n"
+        "for i in range(100000):\n"
+        "    print(f'line {i} ' + 'x' * 40)\n"
+        "sys.stdout.flush()\n"
+        "sys.stdout.buffer.write(b'bad bytes \\xff\\xfe end\\n')\n"
+        "for p in range(0, 101, 10):\n"
+        "    sys.stderr.write(f'\\rprogress {p}%')\n"
+        "sys.stderr.write('\\n')\n"
+        "print('DONE', nbddp.rank())"
+    ), code(EVALUATE)])
+    run = cli_run(["run", "noisy.ipynb"], tmp_path)
+    assert run.wait() == 0, run.output[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_bytes()
+        assert log.count(b"\nline ") == 100000  # nothing dropped (the first line is the rank banner)
+        assert b"bad bytes \xff\xfe end" in log
+        assert f"[rank {rank}] DONE {rank}" in run.output
+    assert "[rank 0] bad bytes \ufffd\ufffd end" in run.output
+    assert "[rank 1] progress 100%" in run.output
+    nb = nbformat.read(run_dir / "output.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert "more lines not shown: full logs in" in text and len(text) < 500_000
