@@ -173,13 +173,15 @@ class _NotebookRun:
         sockets = tempfile.mkdtemp(prefix="nbddp-kernel-")
         self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
         manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
-        client = NotebookClient(self.nb, km=manager, kernel_name=kernel_name,
+        client = NotebookClient(self.nb, km=manager, kernel_name=kernel_name, shutdown_kernel="immediate",
                                 resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
         pump = _Pump(self.job, self.sinks)
         pump.start()  # stream ranks while the kernel starts and runs the setup cells
         trained = False
         try:
-            with client.setup_kernel(cleanup_kc=True):  # we made the manager, we shut it down
+            # We made the manager, so we shut the kernel down. Its start-up overlaps the ranks'; at a
+            # lower CPU priority it never slows them where cores are scarce (it has slack until training ends).
+            with client.setup_kernel(cleanup_kc=True, preexec_fn=_lower_priority):
                 for index, cell in enumerate(self.nb.cells):
                     if cell.cell_type != "code":
                         continue
@@ -248,6 +250,10 @@ class _NotebookRun:
     def _remaining(self) -> int | None:
         """Seconds left for a kernel cell (nbclient takes whole seconds)."""
         return None if self.deadline is None else max(1, math.ceil(self.deadline - time.monotonic()))
+
+
+def _lower_priority() -> None:
+    os.nice(5)
 
 
 class _Pump(threading.Thread):

@@ -215,3 +215,38 @@ def test_floods_bad_bytes_and_progress_bars_neither_block_nor_get_lost(tmp_path,
     nb = nbformat.read(run_dir / "output.ipynb", as_version=4)
     text = "".join(o.get("text", "") for o in nb.cells[1].outputs)
     assert "more lines not shown: full logs in" in text and len(text) < 500_000
+
+
+CATALYST_SLOW = [
+    code(
+        "#| ddp\nimport time\nimport torch\nfrom torch.utils.data import DataLoader, TensorDataset\nfrom catalyst import dl\n"
+        "X, y = torch.randn(64, 4), torch.randint(0, 2, (64,))\n"
+        "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8)}\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "class Slow(dl.Callback):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(order=dl.CallbackOrder.External)\n"
+        "    def on_batch_end(self, runner):\n"
+        "        print('batch', runner.engine.process_index, runner.batch_step, flush=True)\n"
+        "        time.sleep(0.1)"
+    ),
+    code(
+        "#| ddp-train\nrunner = dl.SupervisedRunner()\n"
+        "runner.train(model=model, criterion=torch.nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "             loaders=loaders, num_epochs=1000, callbacks=[Slow()], verbose=False)"
+    ),
+    code("print('EVALUATION RAN')"),
+]
+
+
+def test_interrupted_catalyst_run_is_never_a_success(tmp_path, cli_run):
+    write_notebook(tmp_path / "cat.ipynb", CATALYST_SLOW)
+    run = cli_run(["run", "cat.ipynb"], tmp_path)
+    run.wait_for("[rank 1] batch 1")
+    run.proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert run.wait(timeout=30) == 130, run.output
+    assert time.monotonic() - sent < 10
+    assert "EVALUATION RAN" not in run.output
+    assert result_of(run_dirs(tmp_path)[0])["status"] == "interrupted"
+    assert not run.leftovers(grace=1)
