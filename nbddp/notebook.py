@@ -27,6 +27,12 @@ class Cell:
     source: str
     tags: tuple[str, ...] = ()
     cell_id: str | None = None
+    label: str | None = None
+    """How messages name the cell when it has no notebook position (``In [5]`` in a live kernel)."""
+
+    @property
+    def name(self) -> str:
+        return self.label or f"cell {self.number}"
 
 
 @dataclass(frozen=True)

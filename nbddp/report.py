@@ -30,12 +30,14 @@ class RankError:
     message: str
     cell: int | None
     line: int | None
+    location: str | None
+    """``nb.ipynb, cell 3, line 5`` or ``In [5], line 2``; ``None`` outside the notebook's code."""
     source_line: str
     traceback: str
     time: float
 
     def headline(self, notebook: str) -> str:
-        where = f"{notebook}, cell {self.cell}, line {self.line}" if self.cell else f"{notebook} (outside the notebook's cells)"
+        where = self.location or f"{notebook} (outside the notebook's cells)"
         text = f"rank {self.rank} raised {self.type}: {self.message}\n  at {where}"
         if self.source_line:
             text += f"\n      {self.source_line.strip()}"
@@ -50,18 +52,19 @@ def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        cell = line = None
+        cell = line = location = None
         source_line = ""
         for frame in reversed(data.get("frames", [])):  # innermost frame that is notebook code
             if Path(frame["file"]).name == Path(source_map.script).name:
                 where = source_map.lookup(frame["line"])
                 if where:
                     cell, line, _ = where
+                    location = source_map.where(frame["line"])
                     source_line = frame.get("text", "")
                     break
         errors.append(RankError(
             rank=data["rank"], type=data["type"], message=data["message"], cell=cell, line=line,
-            source_line=source_line, traceback=source_map.translate_traceback(data.get("traceback", "")),
+            location=location, source_line=source_line, traceback=source_map.translate_traceback(data.get("traceback", "")),
             time=data.get("time", 0.0),
         ))
     return sorted(errors, key=lambda e: e.time)

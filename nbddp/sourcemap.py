@@ -24,6 +24,8 @@ class Segment:
     """Cell number, or ``None`` for code nbddp wrote (command-line parameters)."""
     cell_line: int
     role: str
+    label: str | None = None
+    """Set for cells named otherwise than ``cell N`` (``In [5]``, ``the %%ddp_train cell``)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,14 @@ class SourceMap:
         for seg in self.segments:
             if seg.script_start <= script_line < seg.script_start + seg.length and seg.cell is not None:
                 return seg.cell, seg.cell_line + script_line - seg.script_start, seg.role
+        return None
+
+    def where(self, script_line: int) -> str | None:
+        """``nb.ipynb, cell 3, line 5`` (or ``In [5], line 2``) for a script line; ``None`` if nbddp wrote it."""
+        for seg in self.segments:
+            if seg.script_start <= script_line < seg.script_start + seg.length and seg.cell is not None:
+                line = seg.cell_line + script_line - seg.script_start
+                return f"{seg.label}, line {line}" if seg.label else f"{self.notebook}, cell {seg.cell}, line {line}"
         return None
 
     def to_json(self) -> str:
@@ -59,8 +69,8 @@ class SourceMap:
         frame = re.compile(r'(File "(?:[^"]*/)?' + name + r'", line (\d+))')
 
         def annotate(match: re.Match) -> str:
-            where = self.lookup(int(match.group(2)))
-            return match.group(1) + (f" [{self.notebook}: cell {where[0]}, line {where[1]}]" if where else "")
+            where = self.where(int(match.group(2)))
+            return match.group(1) + (f" [{where}]" if where else "")
 
         return frame.sub(annotate, text)
 

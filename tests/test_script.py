@@ -150,4 +150,4 @@ def test_traceback_is_translated_to_notebook_cells(notebook, tmp_path):
     ran = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 1
     translated = script.source_map.translate_traceback(ran.stderr)
-    assert "[" + str(tmp_path / "nb.ipynb") + ": cell 2, line 3]" in translated
+    assert "[" + str(tmp_path / "nb.ipynb") + ", cell 2, line 3]" in translated

@@ -1,0 +1,55 @@
+"""Names a script uses but never defines, found with Python's own ``symtable``.
+
+The ``%%ddp_train`` magic takes such names from the kernel when they hold
+plain data (papermill's injected parameters, values computed in untagged
+cells); anything else must be defined in a ``#| ddp`` cell, or the ranks
+would fail with a NameError after a long start-up.
+"""
+
+from __future__ import annotations
+
+import builtins
+import symtable
+
+_ALWAYS_DEFINED = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__",
+                   "__package__", "__annotations__"}
+
+
+def free_names(code: str, filename: str = "train.py") -> list[str]:
+    """Global names read somewhere in ``code`` but bound nowhere at module level, in order seen.
+
+    Returns ``[]`` when the code star-imports (its names can't be known statically).
+    """
+    top = symtable.symtable(code, filename, "exec")
+    bound: set[str] = set()
+    used: list[str] = []
+    star_import = False
+
+    def visit(table: symtable.SymbolTable, is_top: bool) -> None:
+        nonlocal star_import
+        for symbol in table.get_symbols():
+            name = symbol.get_name()
+            if name == "*":
+                star_import = True
+            if is_top:
+                if symbol.is_assigned() or symbol.is_imported() or _defines(table, name):
+                    bound.add(name)
+                if symbol.is_referenced() and name not in used:
+                    used.append(name)
+            else:
+                if symbol.is_global() and symbol.is_referenced() and name not in used:
+                    used.append(name)
+                if symbol.is_declared_global() and symbol.is_assigned():
+                    bound.add(name)
+        for child in table.get_children():
+            visit(child, False)
+
+    visit(top, True)
+    if star_import:
+        return []
+    return [n for n in used if n not in bound and n not in _ALWAYS_DEFINED and not hasattr(builtins, n)]
+
+
+def _defines(table: symtable.SymbolTable, name: str) -> bool:
+    """``def f`` / ``class C`` at module level bind their names (a child table of that name)."""
+    return any(child.get_name() == name and child.get_type() in ("function", "class") for child in table.get_children())
