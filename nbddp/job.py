@@ -24,7 +24,7 @@ from nbddp.engines import catalyst as catalyst_engine
 from nbddp.engines import torch as torch_engine
 from nbddp.errors import NbddpError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
-from nbddp.report import RankError, describe_exit, launcher_exit_codes, last_metrics, rank_errors
+from nbddp.report import RankError, RunRecord, describe_exit, launcher_exit_codes, last_metrics, rank_errors
 from nbddp.script import Script, write_script
 from nbddp.stream import RunFollower, Sink
 
@@ -150,6 +150,23 @@ class Job:
                     "A rank may have exited early; see the logs in " + str(self.run_dir / "logs"))
         tail = _tail(self.launch.spec.log_path)
         return f"the launcher failed ({describe_exit(code or 1)}):\n{tail}"
+
+    def record(self, status: str, exit_code: int, message: str, outcome: JobOutcome | None,
+               parameters: dict[str, Any], notebook: str) -> RunRecord:
+        """``result.json`` for this job, written into the run dir and returned."""
+        ended = time.time()
+        record = RunRecord(
+            status=status, exit_code=exit_code, notebook=notebook, engine=self.script.engine,
+            devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.devices.nproc,
+            parameters=dict(parameters), started_at=self.started_at, ended_at=ended,
+            wall_time_s=round(ended - self.started_at, 3),
+            rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
+            final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
+            checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
+            error=message or None, script=str(self.script_path),
+        )
+        record.write(self.run_dir)
+        return record
 
     def __enter__(self) -> "Job":
         return self

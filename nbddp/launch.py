@@ -5,7 +5,9 @@ session, so it and every rank share one process group that nbddp owns: a
 Ctrl-C in the terminal reaches only nbddp, which then stops the whole group
 SIGTERM → deadline → SIGKILL. Nothing here installs a signal handler (this
 also runs inside a Jupyter kernel). Output goes to a file, never a pipe that
-could fill up and block the launcher.
+could fill up and block the launcher. The launcher is started through
+:mod:`nbddp.guard`, so it (and through it every rank) dies with this process
+even when this process is killed without a chance to clean up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +35,10 @@ class Launch:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        guarded = [sys.executable, "-m", "nbddp.guard", str(os.getpid()), "--", *spec.argv]
         with open(spec.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                list(spec.argv), cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,
+                guarded, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         self.pgid = self.process.pid

@@ -143,8 +143,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo)
         status, code, message = runner.run()
     result = RunResult(status, code, run_dir, Path(output), message)
-    result.record = _record(options, notebook, script.engine, devices, job, runner.outcome, status, code, message)
-    result.record.write(run_dir)
+    result.record = job.record(status, code, message, runner.outcome, options.export.parameters, str(notebook.path))
     _write_notebook(executed, output)
     say(_summary(result, devices))
     return result
@@ -342,21 +341,6 @@ def _write_notebook(nb, path: Path) -> None:
         cell.metadata.pop("nbddp_role", None)
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
-
-
-def _record(options: RunOptions, notebook: Notebook, engine: str, devices: Devices, job: Job,
-            outcome: JobOutcome | None, status: str, code: int, message: str) -> RunRecord:
-    ended = time.time()
-    return RunRecord(
-        status=status, exit_code=code, notebook=str(notebook.path), engine=engine,
-        devices={"kind": devices.kind, "nproc": devices.nproc}, world_size=devices.nproc,
-        parameters=dict(options.export.parameters), started_at=job.started_at, ended_at=ended,
-        wall_time_s=round(ended - job.started_at, 3),
-        rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
-        final_metrics=outcome.final_metrics if outcome else {},
-        checkpoint=str(job.checkpoint) if job.checkpoint.exists() else None,
-        error=message or None, script=str(job.script_path),
-    )
 
 
 def _summary(result: RunResult, devices: Devices) -> str:

@@ -27,13 +27,9 @@ _state = {"trained": False, "patched": False}
 
 
 def apply_compat_shims() -> None:
-    """Restore ``accelerate.utils.DistributedType.TPU`` (renamed ``XLA``) for Catalyst 22.4."""
-    try:
-        from accelerate.utils import DistributedType
-    except ImportError:
-        return
-    if not hasattr(DistributedType, "TPU") and hasattr(DistributedType, "XLA"):
-        type.__setattr__(DistributedType, "TPU", DistributedType.XLA)
+    from nbddp.compat import apply_catalyst_shims
+
+    apply_catalyst_shims()
 
 
 def free_port() -> int:

@@ -1,0 +1,244 @@
+"""``%%ddp_train`` in a real ipykernel, driven by nbclient, papermill and the Jupyter protocol."""
+
+import json
+import re
+import threading
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from nbclient.util import run_sync
+from nbformat.v4 import new_code_cell, new_notebook
+
+from tests.conftest import alive, descendants
+
+pytestmark = pytest.mark.slow
+
+SETUP = ("#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 2)\n"
+         "X, Y = torch.randn(64, 4), torch.randint(0, 2, (64,))")
+TRAIN = (
+    "%%ddp_train --cpu\n"
+    "ddp_model = nbddp.prepare(model)\n"
+    "opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)\n"
+    "loader = nbddp.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8))\n"
+    "for epoch in range(epochs):\n"
+    "    for x, y in loader:\n"
+    "        opt.zero_grad()\n"
+    "        torch.nn.functional.cross_entropy(ddp_model(x), y).backward()\n"
+    "        opt.step()\n"
+    "    nbddp.log(epoch=epoch + 1, epochs=epochs, loss=0.5)\n"
+    "    print(f'rank {nbddp.rank()} lr={lr} epoch {epoch}')"
+)
+
+
+def notebook(*sources, parameters=None):
+    cells = [new_code_cell("%load_ext nbddp")]
+    if parameters is not None:
+        cells.append(new_code_cell(parameters, metadata={"tags": ["parameters"]}))
+    cells += [new_code_cell(s) for s in sources]
+    return new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+def text_of(cell) -> str:
+    parts = []
+    for output in cell.outputs:
+        parts.append(output.get("text", "") or output.get("data", {}).get("text/plain", ""))
+        parts.extend(output.get("traceback", []))
+    return "\n".join(parts)
+
+
+def run_dirs(folder):
+    return sorted((folder / "runs").iterdir()) if (folder / "runs").exists() else []
+
+
+def test_happy_path_weights_come_back_and_evaluate_on_the_cpu(tmp_path):
+    nb = notebook(SETUP, "lr = 0.5\nepochs = 3\nbefore = model.weight.detach().clone()", TRAIN,
+                  "changed = not torch.equal(before, model.weight)\nprint('changed', changed, model.weight.device)")
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    train_out = text_of(nb.cells[3])
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} lr=0.5 epoch 2" in train_out
+    assert "[metrics] epoch=3 epochs=3 loss=0.5" in train_out
+    assert "[nbddp] succeeded" in train_out and "loaded the trained model on the CPU" in train_out
+    assert "changed True cpu" in text_of(nb.cells[4])
+    widget_views = [o for o in nb.cells[3].outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert widget_views, "the live view is an ipywidgets display"
+    (run_dir,) = run_dirs(tmp_path)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["parameters"] == {"lr": 0.5, "epochs": 3}
+
+
+def test_non_plain_free_variable_is_rejected_before_launch(tmp_path):
+    nb = notebook(SETUP, "helper = lambda v: v * 2", "%%ddp_train --cpu\nprint(helper(1))")
+    with pytest.raises(CellExecutionError) as info:
+        NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    message = str(info.value)
+    assert "'helper' is a function in the kernel" in message and "'#| ddp' cell" in message
+    assert not run_dirs(tmp_path)
+
+
+def test_papermill_parameters_reach_every_rank_and_logs_land_in_the_output(tmp_path):
+    import papermill
+
+    nb = notebook(SETUP, TRAIN, "print('evaluated', float(model.weight.sum()) != 0)", parameters="lr = 0.1\nepochs = 2")
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    papermill.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"), parameters={"lr": 0.01},
+                               cwd=str(tmp_path), progress_bar=False, kernel_name="python3")
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    train = next(c for c in out.cells if c.source.startswith("%%ddp_train"))
+    for rank in (0, 1):
+        assert f"[rank {rank}] rank {rank} lr=0.01 epoch 1" in text_of(train)
+    assert "evaluated True" in text_of(out.cells[-1])
+
+
+def test_rank_failure_raises_in_the_cell_and_papermill_marks_it(tmp_path):
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    failing = ("%%ddp_train --cpu\n"
+               "model = nbddp.prepare(model)\n"
+               "for step in range(100):\n"
+               "    if step == 3 and nbddp.rank() == 1:\n"
+               "        raise RuntimeError('rank one broke')\n"
+               "    torch.distributed.barrier()")
+    nb = notebook(SETUP, failing, "print('SHOULD NOT RUN')")
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    with pytest.raises(PapermillExecutionError) as info:
+        papermill.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"), cwd=str(tmp_path),
+                                   progress_bar=False, kernel_name="python3")
+    assert info.value.ename == "RunFailed"
+    assert "rank 1 raised RuntimeError: rank one broke" in info.value.evalue
+    traceback = "\n".join(info.value.traceback)
+    assert "the %%ddp_train cell, line 4" in traceback and "raise RuntimeError('rank one broke')" in traceback
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert out.cells[-1].outputs == []  # the evaluation after the failed cell never ran
+    assert any("An Exception was encountered" in c.source for c in out.cells if c.cell_type == "markdown")
+    failed = next(c for c in out.cells if c.source.startswith("%%ddp_train"))
+    assert any(o.output_type == "error" and o.ename == "RunFailed" for o in failed.outputs)
+    (run_dir,) = run_dirs(tmp_path)
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "failed"
+
+
+LONG = "%%ddp_train --cpu\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"
+
+
+def _rank_pids(run_dir) -> set[int]:
+    pids = set()
+    for log in (run_dir / "logs").glob("rank-*.log"):
+        pids |= {int(p) for p in re.findall(r"started \(pid (\d+)\)", log.read_text(errors="replace"))}
+    return pids
+
+
+def _start_long_training(tmp_path):
+    nb = notebook(SETUP, LONG)
+    client = NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}})
+    errors = []
+    ready = threading.Event()
+
+    def execute():
+        with client.setup_kernel():
+            for index in range(2):
+                client.execute_cell(nb.cells[index], index)
+            ready.set()
+            try:
+                client.execute_cell(nb.cells[2], 2)
+            except Exception as exc:  # noqa: BLE001 - inspected by the test
+                errors.append(exc)
+
+    thread = threading.Thread(target=execute, daemon=True)
+    thread.start()
+    assert ready.wait(120)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        dirs = run_dirs(tmp_path)
+        if dirs and len(_rank_pids(dirs[0])) == 2 and "step 3" in (dirs[0] / "logs" / "rank-1.log").read_text():
+            break
+        time.sleep(0.1)
+    (run_dir,) = run_dirs(tmp_path)
+    kernel_pid = client.km.provisioner.process.pid
+    return client, thread, errors, run_dir, descendants(kernel_pid) | _rank_pids(run_dir)
+
+
+def _gone_within(pids, seconds):
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def test_kernel_interrupt_stops_every_rank(tmp_path):
+    client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
+    assert len(pids) >= 3  # the launcher and both ranks
+    run_sync(client.km.interrupt_kernel)()  # the stop button: SIGINT to the kernel's process group
+    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+    thread.join(60)
+    assert errors and errors[0].ename == "KeyboardInterrupt"
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+
+
+def test_kernel_restart_leaves_no_rank_alive(tmp_path):
+    client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
+    run_sync(client.km.restart_kernel)(now=True)  # SIGKILL: the kernel gets no chance to clean up
+    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+    run_sync(client.km.shutdown_kernel)(now=True)  # nbclient's liveness poll then ends the waiting cell
+    thread.join(30)
+
+
+class ProtocolKernel:
+    """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them."""
+
+    def __init__(self, cwd):
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        self.km.start_kernel(cwd=str(cwd))
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def execute(self, code, cell_id=None):
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": True}
+        msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id} if cell_id else {})
+        self.kc.shell_channel.send(msg)
+        text, displays = [], {}
+        while True:
+            reply = self.kc.get_iopub_msg(timeout=120)
+            if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            kind, content = reply["msg_type"], reply["content"]
+            if kind == "stream":
+                text.append(content["text"])
+            elif kind in ("display_data", "update_display_data"):  # the live view's text/plain copy
+                key = content.get("transient", {}).get("display_id") or len(displays)
+                displays[key] = content["data"].get("text/plain", "")
+            elif kind == "error":
+                text.append("\n".join(content["traceback"]))
+            elif kind == "status" and content["execution_state"] == "idle":
+                return "\n".join(displays.values()) + "\n" + "".join(text)
+
+    def close(self):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):
+    kernel = ProtocolKernel(tmp_path)
+    try:
+        kernel.execute("%load_ext nbddp", "c0")
+        kernel.execute("#| ddp\nimport torch\nmodel = torch.nn.Linear(2, 2)\nvalue = 'first version'", "c1")
+        kernel.execute("#| ddp\nextra = 1", "c2")
+        kernel.execute("#| ddp\nimport torch\nmodel = torch.nn.Linear(2, 2)\nvalue = 'second version'", "c1")
+        script = kernel.execute("%%ddp_train --dry-run --cpu\nprint(value, extra)", "c3")
+        assert "value = 'second version'" in script and "first version" not in script
+        assert script.index("second version") < script.index("extra = 1")  # keeps its place
+        assert "# %% In [4] [ddp]" in script and "# %% the %%ddp_train cell [ddp-train]" in script
+        kernel.execute("extra = 5  # no longer a ddp cell", "c2")
+        script = kernel.execute("%%ddp_train --dry-run --cpu\nprint(value, extra)", "c3")
+        assert "extra = 1" not in script and "extra = 5" in script  # now a plain value from the kernel
+        out = kernel.execute("%%ddp_train --cpu\nprint('ranks see', value, extra)", "c3")
+        assert "[rank 1] ranks see second version 5" in out, out
+    finally:
+        kernel.close()
