@@ -86,8 +86,12 @@ class Job:
         self.follower = RunFollower(run_dir, include_launcher=script.engine == "catalyst")
 
     def pump(self, sinks: Sequence[Sink], final: bool = False) -> None:
-        """Deliver what the ranks wrote since the last call."""
-        for event in self.follower.poll(final=final):
+        """Deliver what the ranks wrote since the last call.
+
+        All files are read before any sink runs: a slow sink (a plot being drawn) must not
+        stretch the moments at which different ranks' files are read, or their lines interleave badly.
+        """
+        for event in list(self.follower.poll(final=final)):
             for sink in sinks:
                 sink(event)
 

@@ -78,6 +78,8 @@ class WidgetView:
             self.refresh()
 
     def refresh(self, final: bool = False) -> None:
+        if not self.metrics and not final:
+            plot_png([])  # import matplotlib now, while the ranks start, not at the first metric
         self._last_refresh = time.monotonic()
         self._update_progress()
         self._update_panes()
