@@ -18,6 +18,14 @@ class NbddpError(Exception):
     def __reduce__(self):  # keep subclasses picklable whatever their __init__
         return (self.__class__, self.args)
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for it: the message, not nbddp's own stack (ipyparallel's trick).
+
+        The rank's traceback, translated to notebook cells, is already in the message.
+        """
+        lines = str(self).splitlines() or [""]
+        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
+
 
 class NotebookError(NbddpError):
     """The notebook can't be read or has nothing to train (bad input, before launch)."""

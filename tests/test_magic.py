@@ -112,6 +112,7 @@ def test_rank_failure_raises_in_the_cell_and_papermill_marks_it(tmp_path):
     assert "rank 1 raised RuntimeError: rank one broke" in info.value.evalue
     traceback = "\n".join(info.value.traceback)
     assert "the %%ddp_train cell, line 4" in traceback and "raise RuntimeError('rank one broke')" in traceback
+    assert "cell_job.py" not in traceback  # the message, not nbddp's own stack
     out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert out.cells[-1].outputs == []  # the evaluation after the failed cell never ran
     assert any("An Exception was encountered" in c.source for c in out.cells if c.cell_type == "markdown")
