@@ -153,10 +153,12 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: CellJobOpt
     deadline = time.monotonic() + options.timeout if options.timeout else None
     with Job(script, devices, run_dir, cwd) as job:
         try:
-            outcome = job.wait(sinks, deadline)
-        except BaseException as exc:  # KeyboardInterrupt from the kernel's stop button, or a bug
-            signum = 2 if isinstance(exc, KeyboardInterrupt) else 15
-            job.record("interrupted", 128 + signum, "interrupted", job.outcome(interrupted_by=signum), parameters, "the kernel")
+            outcome = job.wait(sinks, deadline)  # stops every rank before anything propagates
+        except KeyboardInterrupt:  # the kernel's stop button
+            job.record("interrupted", 130, "interrupted", job.outcome(interrupted_by=2), parameters, "the kernel")
+            raise
+        except Exception as exc:
+            job.record("failed", 1, f"{type(exc).__name__}: {exc}", None, parameters, "the kernel")
             raise
     return _finish(job, outcome, namespace, parameters)
 
