@@ -142,7 +142,7 @@ class ReturnModelCallback(Callback):
             for loader, metrics in runner.epoch_metrics.items() if not loader.startswith("_")
             for name, value in metrics.items() if "/" not in name and name not in ("lr", "momentum")
         }
-        runtime.log(epoch=runner.epoch_step, **values)
+        runtime.log(epoch=runner.epoch_step, epochs=runner.num_epochs, **values)
 
     def on_experiment_end(self, runner) -> None:  # noqa: ANN001
         from nbddp import checkpoint, runtime

@@ -239,6 +239,7 @@ def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):
         kernel.execute("extra = 5  # no longer a ddp cell", "c2")
         script = kernel.execute("%%ddp_train --dry-run --cpu\nprint(value, extra)", "c3")
         assert "extra = 1" not in script and "extra = 5" in script  # now a plain value from the kernel
+        assert not run_dirs(tmp_path)  # --dry-run launched nothing
         out = kernel.execute("%%ddp_train --cpu\nprint('ranks see', value, extra)", "c3")
         assert "[rank 1] ranks see second version 5" in out, out
     finally:
