@@ -11,7 +11,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device")
-__all__ = ["__version__", "load_ipython_extension", *_RUNTIME]
+__all__ = ["__version__", "batch", "load_ipython_extension", *_RUNTIME]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,6 +20,13 @@ def __getattr__(name: str) -> Any:
 
         return getattr(runtime, name)
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+def batch(notebook: Any, grid: Any, **options: Any) -> Any:
+    """Run ``notebook`` once per parameter set of ``grid``; see :func:`nbddp.batch.batch`."""
+    from nbddp.batch import batch as run
+
+    return run(notebook, grid, **options)
 
 
 def load_ipython_extension(ipython: Any) -> None:

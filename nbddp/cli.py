@@ -46,6 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop the run after this long (exit 124)")
     run.set_defaults(handler=_run)
+
+    batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
+    batch.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
+    batch.add_argument("--grid", required=True, type=Path,
+                       help="YAML/JSON: name -> list of values (all combinations), or a list of mappings")
+    batch.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                       dest="parameters", help="fix a parameter for every run")
+    batch.add_argument("--gpus-per-run", type=int, default=None, metavar="K", help="GPUs per run (default 1)")
+    batch.add_argument("--cpu", action="store_true", help="CPU processes with gloo")
+    batch.add_argument("--nproc", type=int, default=None, help="CPU processes per run (default 2)")
+    batch.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1)")
+    batch.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
+    batch.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
+    batch.add_argument("--engine", choices=("torch", "catalyst"), default=None)
+    batch.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="per run")
+    batch.set_defaults(handler=_batch)
     return parser
 
 
@@ -108,6 +124,65 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from nbddp.batch import BatchOptions, run_batch
+    from nbddp.parameters import parse_pairs
+    from nbddp.run import SignalReceived
+
+    options = BatchOptions(args.notebook, args.grid, parse_pairs(args.parameters), args.gpus_per_run, args.cpu,
+                           args.nproc, args.parallel, args.out, args.resume, args.engine, args.timeout)
+
+    def stop(signum, frame):  # noqa: ANN001
+        raise SignalReceived(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rows, code = run_batch(options, progress=_BatchProgress())
+    except KeyboardInterrupt:
+        print("\nnbddp: batch interrupted; every running run was stopped. Resume with --resume.", file=sys.stderr)
+        return 130
+    except SignalReceived as exc:
+        print(f"\nnbddp: batch stopped by {signal.Signals(exc.signum).name}. Resume with --resume.", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = sum(r["status"] != "succeeded" for r in rows)
+    print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
+          if rows else "nbddp: no runs", file=sys.stderr)
+    return code
+
+
+class _BatchProgress:
+    """One overall bar plus the running runs: redrawn in a terminal, a line per change otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+        self.drawn = 0
+
+    def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.batch.Batch
+        import time
+
+        states = batch.states
+        done = [s for s in states if s.status not in ("pending", "running")]
+        failed = [s for s in done if s.status not in ("succeeded", "skipped")]
+        width = 30
+        filled = int(width * len(done) / max(1, len(states)))
+        lines = [f"[{'#' * filled}{'.' * (width - filled)}] {len(done)}/{len(states)} runs done, {len(failed)} failed"]
+        for s in states:
+            if s.status == "running":
+                lines.append(f"  running {s.run.name} ({time.monotonic() - s.started:.0f}s)")
+        text = "\n".join(lines)
+        if self.tty:
+            sys.stderr.write("\x1b[F\x1b[K" * self.drawn + text + "\n")
+            self.drawn = len(lines)
+        elif text.split("(")[0] != self.last.split("(")[0]:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+        self.last = text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

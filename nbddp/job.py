@@ -37,8 +37,8 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
     """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private."""
     if run_dir is not None:
         run_dir = Path(run_dir)
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise NbddpError(f"--run-dir {run_dir} is not empty (it holds another run). Choose a new folder.")
+        if any((run_dir / name).exists() for name in ("result.json", "train.py", "logs")):
+            raise NbddpError(f"--run-dir {run_dir} already holds a run. Choose a new folder.")
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return run_dir.resolve()
     parent = notebook.resolve().parent / "runs"
