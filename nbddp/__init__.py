@@ -23,8 +23,12 @@ def __getattr__(name: str) -> Any:
 
 
 def batch(notebook: Any, grid: Any, **options: Any) -> Any:
-    """Run ``notebook`` once per parameter set of ``grid``; see :func:`nbddp.batch.batch`."""
-    from nbddp.batch import batch as run
+    """Run ``notebook`` once per parameter set of ``grid``; see :func:`nbddp.batches.batch`.
+
+    (The module is ``nbddp.batches``: a submodule named ``batch`` would replace this function
+    on the package as soon as it was imported.)
+    """
+    from nbddp.batches import batch as run
 
     return run(notebook, grid, **options)
 

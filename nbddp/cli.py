@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from nbddp.batch import BatchOptions, run_batch
+    from nbddp.batches import BatchOptions, run_batch
     from nbddp.parameters import parse_pairs
     from nbddp.run import SignalReceived
 
@@ -163,7 +163,7 @@ class _BatchProgress:
         self.last = ""
         self.drawn = 0
 
-    def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.batch.Batch
+    def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.batches.Batch
         import time
 
         states = batch.states

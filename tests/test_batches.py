@@ -1,0 +1,154 @@
+"""``nbddp batch`` with real runs on CPU (each a full ``nbddp run``: kernel + 2 gloo ranks)."""
+
+import csv
+import json
+import signal
+import time
+
+import pytest
+
+from nbddp.batches import declared_parameters, load_grid, plan
+from nbddp.errors import ParameterError
+from nbddp.notebook import read_notebook
+from tests.conftest import code, write_notebook
+
+PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0"
+SETUP = "#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nX = torch.randn(64, 4)\nY = X.sum(1, keepdim=True)"
+TRAIN = (
+    "#| ddp-train\n"
+    "if lr == fail_at:\n"
+    "    raise ValueError(f'diverged at lr={lr}')\n"
+    "ddp_model = nbddp.prepare(model)\n"
+    "loader = nbddp.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=batch_size))\n"
+    "opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)\n"
+    "for epoch in range(epochs):\n"
+    "    for x, y in loader:\n"
+    "        opt.zero_grad()\n"
+    "        loss = ((ddp_model(x) - y) ** 2).mean()\n"
+    "        loss.backward()\n"
+    "        opt.step()\n"
+    "        time.sleep(nap)\n"
+    "    nbddp.log(epoch=epoch + 1, loss=loss.item())"
+)
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    return write_notebook(tmp_path / "sweep.ipynb", [code(PARAMS, "parameters"), code(SETUP), code(TRAIN), code("print('done')")])
+
+
+def test_grid_forms(tmp_path):
+    assert load_grid({"a": [1, 2], "b": ["x"]}) == [{"a": 1, "b": "x"}, {"a": 2, "b": "x"}]
+    assert load_grid([{"a": 1}, {"a": 2, "b": 3}]) == [{"a": 1}, {"a": 2, "b": 3}]
+    (tmp_path / "g.json").write_text(json.dumps({"lr": [0.1, 0.2]}))
+    (tmp_path / "g.yaml").write_text("- {lr: 0.1}\n- {lr: 0.3, batch_size: 16}\n")
+    assert load_grid(tmp_path / "g.json") == [{"lr": 0.1}, {"lr": 0.2}]
+    assert load_grid(tmp_path / "g.yaml") == [{"lr": 0.1}, {"lr": 0.3, "batch_size": 16}]
+    for bad in ({"lr": 0.1}, [], "x", {"lr": []}, {"x=1\nimport os#": [1]}):
+        with pytest.raises(ParameterError):
+            load_grid(bad)
+
+
+def test_unknown_names_are_rejected_and_runs_are_named(sweep):
+    notebook = read_notebook(sweep)
+    assert declared_parameters(notebook) == ["lr", "batch_size", "fail_at", "epochs", "nap"]
+    with pytest.raises(ParameterError, match="unknown parameter lrate; the parameters cell defines lr, batch_size"):
+        plan(notebook, [{"lrate": 1}], {})
+    with pytest.raises(ParameterError, match="unknown parameter seed"):
+        plan(notebook, [{"lr": 1}], {"seed": 3})
+    runs = plan(notebook, load_grid({"lr": [0.1, 0.01], "batch_size": [8]}), {"epochs": 1})
+    assert [r.name for r in runs] == ["001-lr=0.1-batch_size=8", "002-lr=0.01-batch_size=8"]
+    assert runs[1].parameters == {"lr": 0.01, "batch_size": 8, "epochs": 1}
+
+
+@pytest.mark.slow
+def test_unknown_parameter_fails_before_anything_runs(sweep, tmp_path, cli_run):
+    (tmp_path / "grid.yaml").write_text("lrate: [0.1, 0.2]\n")
+    run = cli_run(["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--out", "out"], tmp_path)
+    assert run.wait() == 2
+    assert "unknown parameter lrate" in run.output
+    assert not (tmp_path / "out").exists()
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_two_by_two_grid_two_at_a_time_with_summaries(sweep, tmp_path, cli_run):
+    (tmp_path / "grid.yaml").write_text("lr: [0.05, 0.1]\nbatch_size: [8, 16]\n")
+    run = cli_run(["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--nproc", "2", "--parallel", "2",
+                   "--out", "out", "-p", "epochs", "3"], tmp_path)
+    assert run.wait() == 0, run.output
+    assert "4/4 runs done, 0 failed" in run.output
+    out = tmp_path / "out"
+    rows = read_csv(out / "summary.csv")
+    assert [(r["lr"], r["batch_size"], r["epochs"], r["status"]) for r in rows] == [
+        ("0.05", "8", "3", "succeeded"), ("0.05", "16", "3", "succeeded"),
+        ("0.1", "8", "3", "succeeded"), ("0.1", "16", "3", "succeeded")]
+    assert all(float(r["loss"]) >= 0 and float(r["wall_time_s"]) > 0 for r in rows)
+    results = [json.loads((out / r["run"] / "result.json").read_text()) for r in rows]
+    assert all(res["world_size"] == 2 for res in results)
+    spans = sorted((res["started_at"], res["ended_at"]) for res in results)
+    assert spans[1][0] < spans[0][1], "two runs overlapped in time"
+    assert all((out / r["run"] / "output.ipynb").exists() for r in rows)
+    markdown = (out / "summary.md").read_text()
+    assert "4 runs, 4 succeeded" in markdown and "Main metric: `loss`" in markdown
+    assert markdown.count("| succeeded |") == 4
+    assert (out / "summary.png").stat().st_size > 10_000
+    assert not run.leftovers()
+
+
+@pytest.mark.slow
+def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_path, cli_run):
+    (tmp_path / "grid.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.5, "fail_at": 0.5}, {"lr": 0.2}]))
+    args = ["batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--parallel", "2", "--out", "out", "-p", "epochs", "1"]
+    run = cli_run(args, tmp_path)
+    assert run.wait() == 1, run.output
+    out = tmp_path / "out"
+    rows = {r["lr"]: r for r in read_csv(out / "summary.csv")}
+    assert rows["0.1"]["status"] == rows["0.2"]["status"] == "succeeded"
+    assert rows["0.5"]["status"] == "failed"
+    assert "rank 0 raised ValueError: diverged at lr=0.5" in rows["0.5"]["error"] or \
+        "raised ValueError: diverged at lr=0.5" in rows["0.5"]["error"]
+    result = json.loads((out / rows["0.5"]["run"] / "result.json").read_text())
+    assert "sweep.ipynb, cell 3, line 3" in result["error"]
+    before = {name: (out / rows[name]["run"] / "result.json").stat().st_mtime for name in ("0.1", "0.2")}
+
+    again = cli_run([*args, "--resume"], tmp_path)
+    assert again.wait() == 1
+    assert {name: (out / rows[name]["run"] / "result.json").stat().st_mtime for name in ("0.1", "0.2")} == before
+    assert (out / f"{rows['0.5']['run']}.try1" / "result.json").exists()  # the first try is kept
+    assert [r["status"] for r in read_csv(out / "summary.csv")] == ["succeeded", "failed", "succeeded"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, cli_run):
+    (tmp_path / "grid.yaml").write_text("lr: [0.1, 0.2, 0.3]\n")
+    args = ["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out"]
+    run = cli_run([*args, "-p", "nap", "0.5", "-p", "epochs", "20"], tmp_path)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "out").glob("*/logs/rank-1.log")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)
+    run.proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert run.wait(timeout=60) == 130, run.output
+    assert time.monotonic() - sent < 15
+    assert not run.leftovers(grace=1)
+    statuses = [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")]
+    assert "succeeded" not in statuses and "interrupted" in statuses
+
+    resumed = cli_run([*args, "--resume", "-p", "epochs", "1"], tmp_path)  # now quick: no nap, 1 epoch
+    assert resumed.wait() == 0, resumed.output
+    assert [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")] == ["succeeded"] * 3
+
+
+@pytest.mark.slow
+def test_python_api_returns_the_summary(sweep, tmp_path):
+    import nbddp
+
+    summary = nbddp.batch(sweep, {"lr": [0.1]}, parameters={"epochs": 1}, cpu=True, out=tmp_path / "api")
+    records = summary.to_dict("records") if hasattr(summary, "to_dict") else summary
+    assert [(r["lr"], r["status"]) for r in records] == [(0.1, "succeeded")]
