@@ -152,3 +152,20 @@ def test_python_api_returns_the_summary(sweep, tmp_path):
     summary = nbddp.batch(sweep, {"lr": [0.1]}, parameters={"epochs": 1}, cpu=True, out=tmp_path / "api")
     records = summary.to_dict("records") if hasattr(summary, "to_dict") else summary
     assert [(r["lr"], r["status"]) for r in records] == [(0.1, "succeeded")]
+
+
+def test_gpu_slots_pin_disjoint_devices(monkeypatch):
+    """Simulated: this machine has no GPU, so the count is patched; the slot arithmetic is real."""
+    from nbddp import batches
+    from nbddp.batches import BatchOptions, device_slots
+    from nbddp.errors import DeviceError
+
+    monkeypatch.setattr(batches, "visible_gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6")
+    options = BatchOptions("nb.ipynb", {}, gpus_per_run=2)
+    assert device_slots(options, print) == ([("3", "4"), ("5", "6")], 2, "cuda")
+    assert device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=3), print) == ([("3", "4", "5")], 3, "cuda")
+    assert device_slots(BatchOptions("nb.ipynb", {}), print)[0] == [("3",), ("4",), ("5",), ("6",)]
+    assert device_slots(BatchOptions("nb.ipynb", {}, parallel=2), print)[0] == [("3",), ("4",)]
+    with pytest.raises(DeviceError, match="more GPUs than the 4 visible"):
+        device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=5), print)
