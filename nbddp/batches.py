@@ -60,6 +60,8 @@ class BatchOptions:
     resume: bool = False
     engine: str | None = None
     timeout: float | None = None
+    collective_timeout: float | None = None
+    idle_timeout: float | None = None
 
 
 def load_grid(grid: Any) -> list[dict[str, Any]]:
@@ -226,8 +228,10 @@ class Batch:
             argv += ["--cpu", "--nproc", str(self.nproc)]
         if self.options.engine:
             argv += ["--engine", self.options.engine]
-        if self.options.timeout:
-            argv += ["--timeout", str(self.options.timeout)]
+        for flag, value in (("--timeout", self.options.timeout), ("--collective-timeout", self.options.collective_timeout),
+                            ("--idle-timeout", self.options.idle_timeout)):
+            if value:
+                argv += [flag, str(value)]
         log = open(state.run_dir / "batch.log", "ab")
         try:
             state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ from nbddp.checkpoint import load_into, load_returns
 from nbddp.devices import Devices, resolve
 from nbddp.errors import CellError, RunFailed, RunInterrupted, RunTimeout
 from nbddp.freevars import free_names
-from nbddp.job import Job, JobOutcome, create_run_dir
+from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
 from nbddp.notebook import Cell
 from nbddp.parameters import is_plain_data
 from nbddp.report import RunRecord
@@ -74,6 +74,8 @@ class CellJobOptions:
     run_dir: Path | None = None
     timeout: float | None = None
     dry_run: bool = False
+    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
+    idle_timeout: float | None = None
 
 
 @dataclass
@@ -151,9 +153,9 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: CellJobOpt
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
     run_dir = create_run_dir(cwd / f"{stem}.ipynb", options.run_dir)
     deadline = time.monotonic() + options.timeout if options.timeout else None
-    with Job(script, devices, run_dir, cwd) as job:
+    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout) as job:
         try:
-            outcome = job.wait(sinks, deadline)  # stops every rank before anything propagates
+            outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
         except KeyboardInterrupt:  # the kernel's stop button
             job.record("interrupted", 130, "interrupted", job.outcome(interrupted_by=2), parameters, "the kernel")
             raise

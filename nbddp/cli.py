@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where the script, logs and weights go (default: runs/STEM-TIME beside the notebook)")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop the run after this long (exit 124)")
+    _add_fault_options(run)
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
     batch.add_argument("--engine", choices=("torch", "catalyst"), default=None)
     batch.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="per run")
+    _add_fault_options(batch)
     batch.set_defaults(handler=_batch)
     return parser
 
@@ -72,6 +74,13 @@ def _add_script_options(parser: argparse.ArgumentParser) -> None:
                         dest="parameters", help="override a parameter (value read as a Python literal, else a string)")
     parser.add_argument("--return", dest="returns", default="model", metavar="NAME[,NAME...]",
                         help="variables whose trained state comes back (default: model)")
+
+
+def _add_fault_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="a rank waiting longer than this in a collective fails the run, exit 124 (default 300)")
+    parser.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
+                        help="stop the run (exit 124) when no rank prints or logs anything for this long")
 
 
 def _add_device_options(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +141,8 @@ def _batch(args: argparse.Namespace) -> int:
     from nbddp.run import SignalReceived
 
     options = BatchOptions(args.notebook, args.grid, parse_pairs(args.parameters), args.gpus_per_run, args.cpu,
-                           args.nproc, args.parallel, args.out, args.resume, args.engine, args.timeout)
+                           args.nproc, args.parallel, args.out, args.resume, args.engine, args.timeout,
+                           args.collective_timeout, args.idle_timeout)
 
     def stop(signum, frame):  # noqa: ANN001
         raise SignalReceived(signum)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -24,11 +25,18 @@ from nbddp.engines import catalyst as catalyst_engine
 from nbddp.engines import torch as torch_engine
 from nbddp.errors import NbddpError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
-from nbddp.report import RankError, RunRecord, describe_exit, launcher_exit_codes, last_metrics, rank_errors
+from nbddp.report import (RankError, RunRecord, describe_exit, launcher_exit_codes, launcher_root_cause,
+                          last_metrics, rank_errors)
 from nbddp.script import Script, write_script
 from nbddp.stream import RunFollower, Sink
 
 POLL_SECONDS = 0.05
+RANK_CHECK_SECONDS = 0.5
+#: ``--collective-timeout`` default: long enough for a slow epoch's all-reduce, far below torch's 30 min.
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+_COLLECTIVE_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+#: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
 #: Exit codes for outcomes, as shells and CI read them.
 EXIT_CODES = {"succeeded": 0, "failed": 1, "timeout": 124, "interrupted": 130}
 
@@ -70,7 +78,7 @@ class Job:
     """A launched job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
 
     def __init__(self, script: Script, devices: Devices, run_dir: Path, cwd: Path,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT) -> None:
         self.script = script
         self.devices = devices
         self.run_dir = run_dir
@@ -81,29 +89,52 @@ class Job:
         argv = engine.launch_command(str(self.script_path), devices.nproc, python=python)
         env = rank_environment(os.environ, run_dir=run_dir, device_kind=devices.kind,
                                nproc=devices.nproc, checkpoint=self.checkpoint)
+        self.collective_timeout = collective_timeout
+        if collective_timeout:
+            env["NBDDP_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
+        self.early_exit: int | None = None
+        self.idle_for: float | None = None
         self.started_at = time.time()
         self.launch = Launch(LaunchSpec(tuple(argv), env, cwd, run_dir / "logs" / "launcher.log"))
         self.follower = RunFollower(run_dir, include_launcher=script.engine == "catalyst")
 
-    def pump(self, sinks: Sequence[Sink], final: bool = False) -> None:
+    def pump(self, sinks: Sequence[Sink], final: bool = False) -> bool:
         """Deliver what the ranks wrote since the last call.
 
         All files are read before any sink runs: a slow sink (a plot being drawn) must not
         stretch the moments at which different ranks' files are read, or their lines interleave badly.
         """
-        for event in list(self.follower.poll(final=final)):
+        events = list(self.follower.poll(final=final))
+        for event in events:
             for sink in sinks:
                 sink(event)
+        return bool(events)
 
-    def wait(self, sinks: Sequence[Sink], deadline: float | None = None) -> JobOutcome:
-        """Stream until the job ends (or the monotonic ``deadline`` passes), then judge it.
+    def wait(self, sinks: Sequence[Sink], deadline: float | None = None,
+             idle_timeout: float | None = None) -> JobOutcome:
+        """Stream until the job ends, then judge it. Stops every rank first when:
 
-        A KeyboardInterrupt (or any exception) while waiting stops every rank first.
+        * the monotonic ``deadline`` passes (``--timeout``),
+        * no rank printed or logged anything for ``idle_timeout`` seconds (``--idle-timeout``),
+        * a rank ended without finishing while the others still run (it would leave them
+          waiting in a collective: a hang, not a failure, under NCCL),
+        * or anything is raised here (KeyboardInterrupt included), which then propagates.
         """
+        last_activity = last_check = time.monotonic()
+        timed_out = False
         try:
             while self.launch.poll() is None:
-                self.pump(sinks)
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if self.pump(sinks):
+                    last_activity = now
+                if deadline is not None and now > deadline:
+                    timed_out = True
+                elif idle_timeout and now - last_activity > idle_timeout:
+                    self.idle_for, timed_out = idle_timeout, True
+                elif now - last_check > RANK_CHECK_SECONDS:
+                    last_check = now
+                    self.early_exit = self._rank_ended_early()
+                if timed_out or self.early_exit is not None:
                     self.launch.stop(signal.SIGTERM)
                     break
                 time.sleep(POLL_SECONDS)
@@ -114,7 +145,30 @@ class Job:
         if self.launch.stopped_by is None and self.launch.alive():
             self.launch.stop(signal.SIGTERM)  # the launcher left stragglers behind
         self.pump(sinks, final=True)
-        return self.outcome(timed_out=deadline is not None and time.monotonic() > deadline)
+        return self.outcome(timed_out=timed_out)
+
+    def _rank_ended_early(self, despite_errors: bool = False) -> int | None:
+        """A rank whose process is gone with neither a 'done' mark nor an error report.
+
+        While any rank has reported an error, a rank killed by the launcher in response looks
+        the same, so nobody is blamed unless ``despite_errors`` (the error says a peer vanished).
+        """
+        if not despite_errors and any((self.run_dir / "errors").glob("rank-*.json")):
+            return None
+        ranks = self.run_dir / "ranks"
+        for info in ranks.glob("rank-*.json") if ranks.is_dir() else ():
+            rank = int(info.stem.split("-")[1])
+            if (ranks / f"rank-{rank}.done").exists() or (self.run_dir / "errors" / f"rank-{rank}.json").exists():
+                continue
+            try:
+                pid = json.loads(info.read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if not _process_alive(pid):
+                time.sleep(0.2)  # its error report or done mark may be a moment behind its exit
+                if not ((ranks / f"rank-{rank}.done").exists() or (self.run_dir / "errors" / f"rank-{rank}.json").exists()):
+                    return rank
+        return None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.launch.stop(sig)
@@ -126,9 +180,38 @@ class Job:
         for error in errors:
             codes.setdefault(error.rank, 1)
         metrics = last_metrics(self.run_dir)
+        peer_gone = bool(errors) and bool(_PEER_GONE.search(errors[0].message))
+        signalled = {r: c for r, c in codes.items() if c < 0}
+        if signalled and (not errors or peer_gone) and not timed_out and interrupted_by is None \
+                and self.launch.stopped_by is None:
+            root = launcher_root_cause(self.launch.spec.log_path)
+            # The launcher SIGTERMs the survivors once one rank died: never blame its own SIGTERM.
+            rank = root if root in signalled else min(signalled, key=lambda r: (signalled[r] == -signal.SIGTERM, r))
+            exit_code = signalled[rank]
+            return JobOutcome("failed", 1, code, codes, errors, (
+                f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in "
+                f"{self.run_dir / 'logs' / f'rank-{rank}.log'}."), metrics)
+        if self.early_exit is None and peer_gone:
+            self.early_exit = self._rank_ended_early(despite_errors=True)
+        if self.early_exit is not None:
+            rank = self.early_exit
+            return JobOutcome("failed", 1, code, codes, errors, (
+                f"rank {rank} ended before the training finished, without an error, while the other ranks "
+                f"were still running (they would have waited for it in a collective). Look for sys.exit(), "
+                f"os._exit() or a return path that skips work on some ranks; its log: "
+                f"{self.run_dir / 'logs' / f'rank-{rank}.log'}"), metrics)
         interrupted_by = interrupted_by or (self.launch.stopped_by if not timed_out else None)
         if timed_out:
-            return JobOutcome("timeout", 124, code, codes, errors, "the run exceeded --timeout; every rank was stopped.", metrics)
+            message = (f"no rank printed or logged anything for {self.idle_for:g}s (--idle-timeout): stopped. "
+                       "A stuck data loader or a deadlock outside collectives?") if self.idle_for else \
+                "the run exceeded --timeout; every rank was stopped."
+            return JobOutcome("timeout", 124, code, codes, errors, message, metrics)
+        if errors and _COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in (
+                "RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError"):
+            return JobOutcome("timeout", 124, code, codes, errors, (
+                f"a collective timed out (--collective-timeout {self.collective_timeout:g}s): rank "
+                f"{errors[0].rank} waited for peers that never joined — did a rank skip an all_reduce, "
+                f"or stall?\n\n" + self._failure_message(code, errors, codes)), metrics)
         if interrupted_by is not None:
             status_code = 128 + interrupted_by
             return JobOutcome("interrupted", status_code, code, codes, errors,
@@ -178,6 +261,20 @@ class Job:
     def __exit__(self, *exc) -> None:
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")  # no /proc: trust kill(0)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

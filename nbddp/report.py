@@ -86,6 +86,17 @@ def launcher_exit_codes(launcher_log: Path) -> dict[int, int]:
     return codes
 
 
+def launcher_root_cause(launcher_log: Path) -> int | None:
+    """The rank torchrun names as the first observed failure, if it wrote its report."""
+    try:
+        text = launcher_log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    _, found, tail = text.rpartition("Root Cause (first observed failure)")
+    match = re.search(r"rank\s*:\s*(\d+)", tail) if found else None
+    return int(match.group(1)) if match else None
+
+
 def describe_exit(code: int) -> str:
     """``-9`` → ``killed by SIGKILL (out of memory?)``; positive codes as they are."""
     if code < 0:

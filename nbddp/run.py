@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
 from nbddp.errors import NbddpError
-from nbddp.job import Job, JobOutcome, create_run_dir
+from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.parameters import assignments
 from nbddp.report import RunRecord
@@ -54,13 +54,18 @@ class RunOptions:
     output: Path | None = None
     run_dir: Path | None = None
     timeout: float | None = None
+    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
+    idle_timeout: float | None = None
 
     @classmethod
     def from_cli(cls, args: Any, export: ExportOptions) -> "RunOptions":
-        if args.timeout is not None and args.timeout <= 0:
-            raise NbddpError(f"--timeout {args.timeout}: give a positive number of seconds.")
+        for flag in ("timeout", "collective_timeout", "idle_timeout"):
+            value = getattr(args, flag)
+            if value is not None and value <= 0:
+                raise NbddpError(f"--{flag.replace('_', '-')} {value}: give a positive number of seconds.")
         return cls(notebook=args.notebook, export=export, gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
-                   output=args.output, run_dir=args.run_dir, timeout=args.timeout)
+                   output=args.output, run_dir=args.run_dir, timeout=args.timeout,
+                   collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout)
 
 
 @dataclass
@@ -138,9 +143,10 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     all_sinks = [collector, *(sinks if sinks is not None else [terminal_sink()])]
     executed, numbers = kernel_notebook(notebook, options.export.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
-    with Job(script, devices, run_dir, cwd) as job:
+    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout) as job:
         echo = _stdout_write if sinks is None else None
-        runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo)
+        runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
+                              options.idle_timeout)
         status, code, message = runner.run()
     result = RunResult(status, code, run_dir, Path(output), message)
     result.record = job.record(status, code, message, runner.outcome, options.export.parameters, str(notebook.path))
@@ -154,8 +160,9 @@ class _NotebookRun:
 
     def __init__(self, job: Job, nb, numbers: list[int | None], notebook: Notebook,
                  collector: NotebookOutputSink, sinks: Sequence[Sink], deadline: float | None, cwd: Path,
-                 echo: Callable[[str], Any] | None = None) -> None:
+                 echo: Callable[[str], Any] | None = None, idle_timeout: float | None = None) -> None:
         self.job, self.nb, self.numbers, self.notebook, self.echo = job, nb, numbers, notebook, echo
+        self.idle_timeout = idle_timeout
         self.collector, self.sinks, self.deadline, self.cwd = collector, sinks, deadline, cwd
         self.outcome: JobOutcome | None = None
         self._cleanup: list[Callable[[], Any]] = []
@@ -215,7 +222,7 @@ class _NotebookRun:
 
     def _train(self, client, cell, index: int) -> tuple[str, int, str] | None:
         """Wait for the job in place of the training cell; ``None`` when it succeeded and loaded."""
-        outcome = self.job.wait(self.sinks, self.deadline)
+        outcome = self.job.wait(self.sinks, self.deadline, self.idle_timeout)
         self.outcome = outcome
         cell.outputs = self.collector.outputs()
         if outcome.status != "succeeded":

@@ -97,7 +97,7 @@ def start(engine: str = "torch") -> None:
         if _use_cuda():
             torch.cuda.set_device(local_rank())
         dist.init_process_group(
-            backend="nccl" if _use_cuda() else "gloo", timeout=_collective_timeout()
+            backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout()
         )
 
 
@@ -123,7 +123,18 @@ def become_rank(global_rank: int, size: int) -> None:
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record
+    ranks = directory / "ranks"
+    ranks.mkdir(exist_ok=True)
+    (ranks / f"rank-{global_rank}.json").write_text(json.dumps({"pid": os.getpid(), "world_size": size}))
     print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+
+
+def mark_done(global_rank: int) -> None:
+    """Tell the launcher this rank finished its training normally (see :mod:`nbddp.job`)."""
+    directory = run_dir()
+    if directory is not None:
+        (directory / "ranks").mkdir(exist_ok=True)
+        (directory / "ranks" / f"rank-{global_rank}.done").touch()
 
 
 def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
@@ -162,7 +173,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def _collective_timeout():
+def collective_timeout():
+    """``--collective-timeout`` (set by the launcher): how long a rank waits for its peers in a
+    collective before raising, instead of torch's 30 minutes for gloo."""
     from datetime import timedelta
 
     seconds = float(os.environ.get("NBDDP_COLLECTIVE_TIMEOUT", 0) or 0)
@@ -185,9 +198,12 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], engine: str = "tor
                 "cells. Name the variables to bring back with --return NAME[,NAME...]."
             )
         checkpoint.save_returns({n: namespace[n] for n in names}, checkpoint_path())
+    me = rank()
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    if engine != "catalyst":
+        mark_done(me)
 
 
 def checkpoint_path() -> Path:

@@ -69,8 +69,16 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
     port = free_port()
     kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": port, "world_size": nproc,
                               "num_node_workers": nproc}
+    group: dict[str, Any] = {"backend": "gloo"} if cpu else {}
+    from nbddp import runtime
+
+    timeout = runtime.collective_timeout()
+    if timeout is not None:
+        group["timeout"] = timeout
     if cpu:
-        kwargs.update(cpu=True, process_group_kwargs={"backend": "gloo"})
+        kwargs.update(cpu=True)
+    if group:
+        kwargs["process_group_kwargs"] = group
     # Catalyst's engine reads these before its own defaults (2112 would collide between runs).
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     return NbddpDistributedDataParallelEngine(**kwargs)
@@ -84,6 +92,7 @@ def _rank_main(local_rank: int, fn, world_size: int) -> None:
     apply_compat_shims()
     try:
         fn(local_rank, world_size)
+        runtime.mark_done(local_rank)
     except KeyboardInterrupt:
         sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
     except BaseException:

@@ -42,3 +42,12 @@ def test_describe_exit():
     assert "SIGKILL" in describe_exit(-9) and "out-of-memory" in describe_exit(-9)
     assert "SIGSEGV" in describe_exit(-11)
     assert describe_exit(3) == "exit code 3"
+
+
+def test_torchrun_root_cause(tmp_path):
+    from nbddp.report import launcher_root_cause
+
+    (tmp_path / "l.log").write_text(TORCHRUN)
+    assert launcher_root_cause(tmp_path / "l.log") == 0
+    (tmp_path / "m.log").write_text("nothing here")
+    assert launcher_root_cause(tmp_path / "m.log") is None

@@ -42,6 +42,8 @@ class DdpMagics(Magics):
     @argument("--return", dest="returns", default="model", help="variables whose trained state comes back")
     @argument("--run-dir", default=None, help="where the script, logs and weights go")
     @argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    @argument("--collective-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
+    @argument("--idle-timeout", type=float, default=None, help="stop when no rank prints or logs for this long")
     @argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
     @cell_magic
     def ddp_train(self, line: str, cell: str):
@@ -51,6 +53,7 @@ class DdpMagics(Magics):
             engine=args.engine, returns=tuple(n.strip() for n in args.returns.split(",") if n.strip()),
             gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
             run_dir=Path(args.run_dir) if args.run_dir else None, timeout=args.timeout, dry_run=args.dry_run,
+            collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
         )
         script, parameters = build_script(self.history, cell, self.shell.user_ns, options,
                                           self.shell.execution_count)

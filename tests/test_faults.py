@@ -1,0 +1,100 @@
+"""Fault injection: each test a row of docs/reliability.md, with real processes, checked by PID.
+
+Every test asserts the exit code, the message, and that no process of the run is left.
+"""
+
+import json
+import signal
+import time
+
+import pytest
+
+from tests.conftest import code, write_notebook
+
+pytestmark = pytest.mark.slow
+
+SETUP = "#| ddp\nimport os, sys, time, signal\nimport torch\nimport torch.distributed as dist\nimport nbddp\nmodel = torch.nn.Linear(2, 2)"
+
+
+def training(body: str):
+    return [code(SETUP), code("#| ddp-train\nmodel = nbddp.prepare(model)\n" + body), code("print('EVALUATION RAN')")]
+
+
+def result_of(folder):
+    (run_dir,) = (folder / "runs").iterdir()
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def run_faulty(tmp_path, cli_run, body, *args, timeout=120):
+    write_notebook(tmp_path / "f.ipynb", training(body))
+    run = cli_run(["run", "f.ipynb", *args], tmp_path)
+    code_ = run.wait(timeout=timeout)
+    assert "EVALUATION RAN" not in run.output
+    assert not run.leftovers(), "a process of the run outlived it"
+    return code_, run.output
+
+
+LOOP = "for step in range(1000):\n    {fault}\n    dist.all_reduce(torch.ones(1))\n    time.sleep(0.05)"
+
+
+@pytest.mark.parametrize("fault, named", [
+    ("if step == 3 and nbddp.rank() == 1: os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL (often the kernel's out-of-memory killer)"),
+    ("if step == 3 and nbddp.rank() == 1: __import__('ctypes').string_at(0)", "killed by SIGSEGV (a crash in native code)"),
+])
+def test_rank_killed_by_a_signal_is_named(tmp_path, cli_run, fault, named):
+    exit_code, output = run_faulty(tmp_path, cli_run, LOOP.format(fault=fault))
+    assert exit_code == 1, output
+    assert f"rank 1 died: {named}" in output
+
+
+def test_rank_exiting_0_early_is_a_failure_not_a_hang(tmp_path, cli_run):
+    started = time.monotonic()
+    exit_code, output = run_faulty(tmp_path, cli_run, LOOP.format(fault="if step == 3 and nbddp.rank() == 1: os._exit(0)"))
+    assert exit_code == 1, output
+    assert "rank 1 ended before the training finished, without an error" in output
+    assert time.monotonic() - started < 60
+
+
+def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path, cli_run):
+    body = ("if nbddp.rank() == 1:\n    time.sleep(600)  # skips the all_reduce below\n"
+            "else:\n    dist.all_reduce(torch.ones(1))")
+    started = time.monotonic()
+    exit_code, output = run_faulty(tmp_path, cli_run, body, "--collective-timeout", "5")
+    assert exit_code == 124, output
+    assert "a collective timed out (--collective-timeout 5s): rank 0 waited for peers" in output
+    assert "f.ipynb, cell 2, line 6" in output  # the all_reduce rank 0 was stuck in
+    assert time.monotonic() - started < 60
+    assert result_of(tmp_path)["status"] == "timeout"
+
+
+def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
+    body = "print('loading', flush=True)\ntime.sleep(600)  # a stuck data loader"
+    started = time.monotonic()
+    exit_code, output = run_faulty(tmp_path, cli_run, body, "--idle-timeout", "4")
+    assert exit_code == 124, output
+    assert "no rank printed or logged anything for 4s (--idle-timeout)" in output
+    assert time.monotonic() - started < 60
+
+
+def test_sighup_stops_everything_with_129(tmp_path, cli_run):
+    write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
+    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run.wait_for("[rank 1] step 2")
+    run.proc.send_signal(signal.SIGHUP)
+    sent = time.monotonic()
+    assert run.wait(timeout=30) == 129, run.output
+    assert time.monotonic() - sent < 10
+    assert not run.leftovers(grace=1)
+    assert result_of(tmp_path)["status"] == "interrupted"
+
+
+def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
+    """SIGKILL to nbddp itself: no cleanup code runs; the guard's parent-death signal must do it."""
+    write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
+    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run.wait_for("[rank 1] step 2")
+    ranks = set(run.seen)
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(10)
+    assert not run.leftovers(grace=10), "ranks outlived a SIGKILLed launcher"
+    assert ranks
