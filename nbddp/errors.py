@@ -45,6 +45,12 @@ class ParameterError(NbddpError):
     exit_code = 2
 
 
+class UsageError(NbddpError):
+    """An option can't be honoured as given (a run dir that holds another run, a bad number)."""
+
+    exit_code = 2
+
+
 class DeviceError(NbddpError):
     """The requested devices don't exist here (checked before anything starts)."""
 

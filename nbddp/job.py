@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from nbddp.devices import Devices
 from nbddp.engines import catalyst as catalyst_engine
 from nbddp.engines import torch as torch_engine
-from nbddp.errors import NbddpError
+from nbddp.errors import NbddpError, UsageError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
 from nbddp.report import (RankError, RunRecord, describe_exit, launcher_exit_codes, launcher_root_cause,
                           last_metrics, rank_errors)
@@ -46,7 +46,7 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
     if run_dir is not None:
         run_dir = Path(run_dir)
         if any((run_dir / name).exists() for name in ("result.json", "train.py", "logs")):
-            raise NbddpError(f"--run-dir {run_dir} already holds a run. Choose a new folder.")
+            raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return run_dir.resolve()
     parent = notebook.resolve().parent / "runs"

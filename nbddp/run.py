@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
-from nbddp.errors import NbddpError
+from nbddp.errors import NbddpError, UsageError
 from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.parameters import assignments
@@ -62,7 +62,7 @@ class RunOptions:
         for flag in ("timeout", "collective_timeout", "idle_timeout"):
             value = getattr(args, flag)
             if value is not None and value <= 0:
-                raise NbddpError(f"--{flag.replace('_', '-')} {value}: give a positive number of seconds.")
+                raise UsageError(f"--{flag.replace('_', '-')} {value}: give a positive number of seconds.")
         return cls(notebook=args.notebook, export=export, gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
                    output=args.output, run_dir=args.run_dir, timeout=args.timeout,
                    collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout)

@@ -117,9 +117,10 @@ def write_script(script: Script, path: str | Path) -> tuple[Path, Path]:
     from nbddp.sourcemap import sourcemap_path
 
     path = Path(path)
-    path.write_text(script.text, encoding="utf-8")
     map_path = sourcemap_path(path)
-    map_path.write_text(script.source_map.to_json(), encoding="utf-8")
+    for target, text in ((path, script.text), (map_path, script.source_map.to_json())):
+        target.write_text(text, encoding="utf-8")
+        target.chmod(0o644)  # readable, never world- or group-writable, whatever the umask
     return path, map_path
 
 

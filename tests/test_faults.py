@@ -98,3 +98,32 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     run.proc.wait(10)
     assert not run.leftovers(grace=10), "ranks outlived a SIGKILLed launcher"
     assert ranks
+
+
+def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
+    """torchrun's default 29500 and Catalyst's 2112 taken: runs pick free ports. A used run dir: exit 2."""
+    import socket
+
+    listeners = []
+    for port in (29500, 2112):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+            s.listen()
+            listeners.append(s)
+        except OSError:
+            pass  # already busy: even better
+    try:
+        write_notebook(tmp_path / "f.ipynb", training("dist.all_reduce(torch.ones(1))"))
+        run = cli_run(["run", "f.ipynb", "--run-dir", "r1"], tmp_path)
+        assert run.wait() == 0, run.output
+        mode = (tmp_path / "r1" / "train.py").stat().st_mode
+        assert not mode & 0o022 and (tmp_path / "r1").stat().st_mode & 0o777 == 0o700
+        again = cli_run(["run", "f.ipynb", "--run-dir", "r1"], tmp_path)
+        assert again.wait() == 2 and "already holds a run" in again.output
+        zero = cli_run(["run", "f.ipynb", "--cpu", "--nproc", "0"], tmp_path)
+        assert zero.wait() == 3 and "need at least 1 process" in zero.output
+    finally:
+        for s in listeners:
+            s.close()
