@@ -153,7 +153,7 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: CellJobOpt
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
     run_dir = create_run_dir(cwd / f"{stem}.ipynb", options.run_dir)
     deadline = time.monotonic() + options.timeout if options.timeout else None
-    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout) as job:
+    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel") as job:
         try:
             outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
         except KeyboardInterrupt:  # the kernel's stop button

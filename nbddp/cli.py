@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="per run")
     _add_fault_options(batch)
     batch.set_defaults(handler=_batch)
+
+    ps = commands.add_parser("ps", help="list the runs alive now")
+    ps.set_defaults(handler=_ps)
+    kill = commands.add_parser("kill", help="stop a live run and every process of it")
+    kill.add_argument("runs", nargs="+", metavar="RUN", help="run dir name or path (from nbddp ps), or its process group")
+    kill.set_defaults(handler=_kill)
     return parser
 
 
@@ -193,6 +199,36 @@ class _BatchProgress:
             sys.stderr.write(text + "\n")
         sys.stderr.flush()
         self.last = text
+
+
+def _ps(args: argparse.Namespace) -> int:
+    import time
+
+    from nbddp.registry import live_runs
+
+    runs = live_runs()
+    if not runs:
+        print("no live runs")
+        return 0
+    print(f"{'RUN':<40} {'AGE':>7} {'ENGINE':<9} {'WORLD':>5} {'OWNER':<14} RUN DIR")
+    for run in runs:
+        age = time.time() - run.started
+        print(f"{run.name:<40} {age:>6.0f}s {run.engine:<9} {run.world_size:>5} {run.owner + ' ' + str(run.owner_pid):<14} {run.run_dir}")
+    return 0
+
+
+def _kill(args: argparse.Namespace) -> int:
+    from nbddp.registry import find, kill
+
+    code = 0
+    for which in args.runs:
+        run = find(which)
+        if kill(run):
+            print(f"stopped {run.name}")
+        else:
+            print(f"nbddp: error: {run.name} still has processes after SIGKILL", file=sys.stderr)
+            code = 1
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

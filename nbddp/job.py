@@ -20,11 +20,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
+from nbddp import registry
 from nbddp.devices import Devices
 from nbddp.engines import catalyst as catalyst_engine
 from nbddp.engines import torch as torch_engine
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
+from nbddp.procs import process_alive
 from nbddp.report import (RankError, RunRecord, describe_exit, launcher_exit_codes, launcher_root_cause,
                           last_metrics, rank_errors)
 from nbddp.script import Script, write_script
@@ -78,7 +80,8 @@ class Job:
     """A launched job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
 
     def __init__(self, script: Script, devices: Devices, run_dir: Path, cwd: Path,
-                 python: str = sys.executable, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT) -> None:
+                 python: str = sys.executable, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
+                 owner: str = "cli") -> None:
         self.script = script
         self.devices = devices
         self.run_dir = run_dir
@@ -96,6 +99,7 @@ class Job:
         self.idle_for: float | None = None
         self.started_at = time.time()
         self.launch = Launch(LaunchSpec(tuple(argv), env, cwd, run_dir / "logs" / "launcher.log"))
+        self.live = registry.register(run_dir, self.launch.pgid, script.engine, devices.nproc, owner)
         self.follower = RunFollower(run_dir, include_launcher=script.engine == "catalyst")
 
     def pump(self, sinks: Sequence[Sink], final: bool = False) -> bool:
@@ -164,7 +168,7 @@ class Job:
                 pid = json.loads(info.read_text())["pid"]
             except (OSError, ValueError, KeyError):
                 continue
-            if not _process_alive(pid):
+            if not process_alive(pid):
                 time.sleep(0.2)  # its error report or done mark may be a moment behind its exit
                 if not ((ranks / f"rank-{rank}.done").exists() or (self.run_dir / "errors" / f"rank-{rank}.json").exists()):
                     return rank
@@ -180,6 +184,9 @@ class Job:
         for error in errors:
             codes.setdefault(error.rank, 1)
         metrics = last_metrics(self.run_dir)
+        if interrupted_by is None and not timed_out and (self.run_dir / registry.STOP_MARK).exists():
+            return JobOutcome("interrupted", 128 + signal.SIGTERM, code, codes, errors,
+                              "stopped by `nbddp kill`; every rank was stopped.", metrics)
         peer_gone = bool(errors) and bool(_PEER_GONE.search(errors[0].message))
         signalled = {r: c for r, c in codes.items() if c < 0}
         if signalled and (not errors or peer_gone) and not timed_out and interrupted_by is None \
@@ -261,20 +268,7 @@ class Job:
     def __exit__(self, *exc) -> None:
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop()
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc")  # no /proc: trust kill(0)
+        registry.unregister(self.live)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

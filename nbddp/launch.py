@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbddp.procs import group_alive
+
 
 @dataclass(frozen=True)
 class LaunchSpec:
@@ -83,13 +85,7 @@ class Launch:
     def alive(self) -> bool:
         """True while any process of the group is running (zombies of ours reaped first)."""
         self.process.poll()
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return _group_has_live_member(self.pgid)
+        return group_alive(self.pgid)
 
     def __enter__(self) -> "Launch":
         return self
@@ -97,23 +93,6 @@ class Launch:
     def __exit__(self, *exc) -> None:
         if self.poll() is None or self.alive():
             self.stop()
-
-
-def _group_has_live_member(pgid: int) -> bool:
-    """killpg(0) also succeeds for zombies (reaped later by init): look at /proc to be sure."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
 
 
 def rank_environment(base: dict[str, str], *, run_dir: Path, device_kind: str, nproc: int,

@@ -192,3 +192,9 @@ def cli_run():
     for run in runs:
         kill_group(run.proc.pid)
         run.leftovers(grace=0)
+
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path_factory, monkeypatch):
+    """Live-run registry per test (children inherit it through the environment)."""
+    monkeypatch.setenv("NBDDP_STATE_DIR", str(tmp_path_factory.mktemp("state")))

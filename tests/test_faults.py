@@ -127,3 +127,21 @@ def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
     finally:
         for s in listeners:
             s.close()
+
+
+def test_ps_lists_a_live_run_and_kill_ends_it(tmp_path, cli_run):
+    write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
+    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run.wait_for("[rank 1] step 2")
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    ps = cli_run(["ps"], tmp_path)
+    assert ps.wait() == 0 and run_dir.name in ps.output and "torch" in ps.output
+    kill = cli_run(["kill", run_dir.name], tmp_path)
+    assert kill.wait(timeout=30) == 0 and f"stopped {run_dir.name}" in kill.output
+    assert run.wait(timeout=30) == 143
+    assert not run.leftovers(grace=1)
+    assert result_of(tmp_path)["status"] == "interrupted"
+    after = cli_run(["ps"], tmp_path)
+    assert after.wait() == 0 and "no live runs" in after.output
+    unknown = cli_run(["kill", "nope"], tmp_path)
+    assert unknown.wait() == 2 and "no live run 'nope'" in unknown.output

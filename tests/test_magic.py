@@ -244,3 +244,16 @@ def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):
         assert "[rank 1] ranks see second version 5" in out, out
     finally:
         kernel.close()
+
+
+def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
+    from nbddp import registry
+
+    client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
+    live = registry.find(run_dir.name)
+    assert live.owner == "kernel"
+    assert registry.kill(live)
+    assert _gone_within(_rank_pids(run_dir), 10)
+    thread.join(60)
+    # The kernel answered the cell with RunInterrupted: it was not killed with its run.
+    assert errors and errors[0].ename == "RunInterrupted" and "nbddp kill" in errors[0].evalue

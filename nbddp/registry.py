@@ -1,0 +1,108 @@
+"""Runs that are alive right now, for ``nbddp ps`` and ``nbddp kill``.
+
+Each job writes one small file while it runs (``$NBDDP_STATE_DIR``, default
+``~/.local/state/nbddp/live``): who owns it (the ``nbddp run`` process or the
+kernel), the job's process group and its run dir. Entries whose processes are
+all gone are pruned when listed, so a crash never leaves a ghost behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbddp.errors import UsageError
+from nbddp.procs import group_alive, process_alive
+
+
+def state_dir() -> Path:
+    root = os.environ.get("NBDDP_STATE_DIR") or Path.home() / ".local" / "state" / "nbddp"
+    path = Path(root) / "live"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    name: str
+    run_dir: str
+    owner_pid: int
+    pgid: int
+    started: float
+    engine: str
+    world_size: int
+    owner: str = "cli"
+    """``cli``: an ``nbddp run`` process, asked to stop its own job. ``kernel``: a Jupyter kernel,
+    which is never signalled; its job's processes are stopped directly."""
+
+    @property
+    def entry(self) -> Path:
+        return state_dir() / f"{self.name}.json"
+
+
+STOP_MARK = "stop-requested"
+
+
+def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
+    run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner)
+    run.entry.write_text(json.dumps(run.__dict__), encoding="utf-8")
+    return run
+
+
+def unregister(run: LiveRun) -> None:
+    run.entry.unlink(missing_ok=True)
+
+
+def live_runs() -> list[LiveRun]:
+    """Registered runs with a live process; stale entries are removed."""
+    runs = []
+    for entry in sorted(state_dir().glob("*.json")):
+        try:
+            run = LiveRun(**json.loads(entry.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            entry.unlink(missing_ok=True)
+            continue
+        if group_alive(run.pgid):
+            runs.append(run)
+        else:
+            entry.unlink(missing_ok=True)
+    return runs
+
+
+def find(which: str) -> LiveRun:
+    """A live run by run-dir name, run-dir path or process group id."""
+    for run in live_runs():
+        if which in (run.name, run.run_dir, str(run.pgid), str(Path(which).resolve())):
+            return run
+    raise UsageError(f"no live run {which!r}. `nbddp ps` lists the runs alive now.")
+
+
+def kill(run: LiveRun, grace: float = 10.0) -> bool:
+    """End a run: ask its owner to stop it (recorded as interrupted), else stop its processes.
+
+    Returns True when nothing of the run is left.
+    """
+    (Path(run.run_dir) / STOP_MARK).touch()  # the owner records the run as interrupted, not failed
+    if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
+        os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
+    deadline = time.monotonic() + grace
+    while group_alive(run.pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_alive(run.pgid):
+            break
+        try:
+            os.killpg(run.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        deadline = time.monotonic() + 5
+        while group_alive(run.pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    gone = not group_alive(run.pgid)
+    if gone:
+        unregister(run)
+    return gone
