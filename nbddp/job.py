@@ -243,7 +243,9 @@ class Job:
             return (f"the ranks exited without saving the returned weights ({self.checkpoint.name}). "
                     "A rank may have exited early; see the logs in " + str(self.run_dir / "logs"))
         tail = _tail(self.launch.spec.log_path)
-        return f"the launcher failed ({describe_exit(code or 1)}):\n{tail}"
+        raised = [line for line in tail.splitlines() if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*:", line)]
+        headline = f"{raised[-1]}\n\n" if raised else ""
+        return f"{headline}the launcher failed ({describe_exit(code or 1)}); its last output:\n{tail}"
 
     def record(self, status: str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str) -> RunRecord:

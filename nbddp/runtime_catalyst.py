@@ -59,7 +59,72 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
     def spawn(self, fn, *args, **kwargs):  # noqa: ANN001
         import torch.multiprocessing as mp
 
+        check_picklable(fn)
         return mp.spawn(_rank_main, args=(fn, self._world_size), nprocs=self._num_local_workers, join=True)
+
+
+class UnpicklableError(TypeError):
+    """Something Catalyst's spawn must send to the ranks can't be pickled (raised before spawning)."""
+
+
+def check_picklable(fn) -> None:  # noqa: ANN001 - the runner's bound method
+    """Fail before spawning, naming the notebook cell of the culprit, instead of deep in pickle."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(fn)
+        return
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is reported the same way
+        reason = f"{type(exc).__name__}: {exc}"
+    path, culprit = _find_unpicklable(getattr(fn, "__self__", fn), "runner")
+    where = _where_defined(culprit)
+    raise UnpicklableError(
+        f"{where + ': ' if where else ''}Catalyst's DDP engine sends the runner and everything given to "
+        f"runner.train to its processes by pickling, and {path} ({type(culprit).__name__}) can't be pickled "
+        f"({reason}). Define it with `def`/`class` at the top level of a '#| ddp' cell instead of a lambda "
+        "or a nested function."
+    )
+
+
+def _find_unpicklable(obj, path: str, depth: int = 0):  # noqa: ANN001
+    """The innermost attribute/item of ``obj`` that fails to pickle, with a readable path to it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    if depth > 6:
+        return path, obj
+    children = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not callable(getattr(obj, "__code__", None)):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    import types
+
+    for child_path, child in children:
+        if isinstance(child, types.MethodType):
+            continue  # pickling a bound method pickles its owner: it leads back up, not down
+        try:
+            ForkingPickler.dumps(child)
+        except Exception:  # noqa: BLE001
+            return _find_unpicklable(child, child_path, depth + 1)
+    return path, obj
+
+
+def _where_defined(obj) -> str | None:  # noqa: ANN001
+    """``nb.ipynb, cell 3, line 4`` for a function defined in the generated script."""
+    from pathlib import Path
+
+    from nbddp.sourcemap import SourceMap, sourcemap_path
+
+    code = getattr(obj, "__code__", None)
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if code is None or main is None or Path(code.co_filename).resolve() != Path(main).resolve():
+        return None
+    try:
+        return SourceMap.load(sourcemap_path(main)).where(code.co_firstlineno)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def make_engine() -> NbddpDistributedDataParallelEngine:

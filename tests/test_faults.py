@@ -145,3 +145,43 @@ def test_ps_lists_a_live_run_and_kill_ends_it(tmp_path, cli_run):
     assert after.wait() == 0 and "no live runs" in after.output
     unknown = cli_run(["kill", "nope"], tmp_path)
     assert unknown.wait() == 2 and "no live run 'nope'" in unknown.output
+
+
+CATALYST = (
+    "#| ddp\nimport torch\nfrom torch.utils.data import DataLoader, TensorDataset\nfrom catalyst import dl\n"
+    "X, y = torch.randn(64, 4), torch.randint(0, 2, (64,))\n"
+    "model = torch.nn.Linear(4, 2)\n"
+    "class Boom(dl.Callback):\n"
+    "    def __init__(self):\n"
+    "        super().__init__(order=dl.CallbackOrder.External)\n"
+    "    def on_batch_end(self, runner):\n"
+    "        if runner.engine.process_index == 1 and runner.batch_step >= 3 and BOOM:\n"
+    "            raise ValueError('catalyst rank broke')\n"
+)
+CATALYST_TRAIN = (
+    "#| ddp-train\nrunner = dl.SupervisedRunner()\n"
+    "runner.train(model=model, criterion=torch.nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),\n"
+    "             loaders=loaders, num_epochs=2, callbacks=[Boom()], verbose=False)"
+)
+
+
+def test_catalyst_rank_raising_names_cell_line_and_rank(tmp_path, cli_run):
+    loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8)}"
+    write_notebook(tmp_path / "c.ipynb", [code("BOOM = True", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN),
+                                          code("print('EVALUATION RAN')")])
+    run = cli_run(["run", "c.ipynb"], tmp_path)
+    assert run.wait() == 1, run.output
+    assert "rank 1 raised ValueError: catalyst rank broke" in run.output
+    assert "c.ipynb, cell 2, line 12" in run.output and "EVALUATION RAN" not in run.output
+    assert not run.leftovers()
+
+
+def test_catalyst_lambda_that_spawn_must_pickle_is_named_before_the_ranks_start(tmp_path, cli_run):
+    loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8,\n                         collate_fn=lambda b: torch.utils.data.default_collate(b))}"
+    write_notebook(tmp_path / "c.ipynb", [code("BOOM = False", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN)])
+    run = cli_run(["run", "c.ipynb"], tmp_path)
+    assert run.wait() == 1, run.output
+    assert "UnpicklableError: c.ipynb, cell 2, line 14: Catalyst's DDP engine sends the runner" in run.output
+    assert "runner._loaders['train'].collate_fn (function) can't be pickled" in run.output
+    assert not list((tmp_path / "runs").glob("*/logs/rank-*.log"))  # no rank ever started
+    assert not run.leftovers()

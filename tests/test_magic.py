@@ -257,3 +257,17 @@ def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
     thread.join(60)
     # The kernel answered the cell with RunInterrupted: it was not killed with its run.
     assert errors and errors[0].ename == "RunInterrupted" and "nbddp kill" in errors[0].evalue
+
+
+def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
+    import papermill
+
+    nbformat.write(notebook(SETUP, LONG), tmp_path / "in.ipynb")
+    with pytest.raises(Exception) as info:
+        papermill.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"), cwd=str(tmp_path),
+                                   progress_bar=False, kernel_name="python3", execution_timeout=10)
+    assert "timed out" in str(info.value).lower() or "timeout" in type(info.value).__name__.lower()
+    (run_dir,) = run_dirs(tmp_path)
+    pids = _rank_pids(run_dir)
+    assert len(pids) == 2
+    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
