@@ -10,7 +10,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device")
+_RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",
+            "save_checkpoint", "restore", "restart_count")
 __all__ = ["__version__", "batch", "load_ipython_extension", *_RUNTIME]
 
 

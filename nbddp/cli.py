@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop the run after this long (exit 124)")
     _add_fault_options(run)
+    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                     help="restart failed ranks up to N times (torch engine); pair with nbddp.save_checkpoint/restore")
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")

@@ -36,7 +36,8 @@ POLL_SECONDS = 0.05
 RANK_CHECK_SECONDS = 0.5
 #: ``--collective-timeout`` default: long enough for a slow epoch's all-reduce, far below torch's 30 min.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-_COLLECTIVE_TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+#: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
+_COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
 #: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
 _PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
 #: Exit codes for outcomes, as shells and CI read them.
@@ -81,7 +82,7 @@ class Job:
 
     def __init__(self, script: Script, devices: Devices, run_dir: Path, cwd: Path,
                  python: str = sys.executable, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
-                 owner: str = "cli") -> None:
+                 owner: str = "cli", max_restarts: int = 0) -> None:
         self.script = script
         self.devices = devices
         self.run_dir = run_dir
@@ -89,7 +90,9 @@ class Job:
         self.checkpoint = run_dir / "weights.pt"
         (run_dir / "logs").mkdir(exist_ok=True)
         engine = catalyst_engine if script.engine == "catalyst" else torch_engine
-        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python)
+        if max_restarts and script.engine != "torch":
+            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python, max_restarts=max_restarts)
         env = rank_environment(os.environ, run_dir=run_dir, device_kind=devices.kind,
                                nproc=devices.nproc, checkpoint=self.checkpoint)
         self.collective_timeout = collective_timeout
@@ -151,14 +154,15 @@ class Job:
         self.pump(sinks, final=True)
         return self.outcome(timed_out=timed_out)
 
-    def _rank_ended_early(self, despite_errors: bool = False) -> int | None:
+    def _rank_ended_early(self, despite_errors: bool = False, live: bool = True) -> int | None:
         """A rank whose process is gone with neither a 'done' mark nor an error report.
 
         While any rank has reported an error, a rank killed by the launcher in response looks
         the same, so nobody is blamed unless ``despite_errors`` (the error says a peer vanished).
+        ``live``: called while the job runs, so a launcher exiting meanwhile defers to its report.
         """
         if not despite_errors and any((self.run_dir / "errors").glob("rank-*.json")):
-            return None
+            return None  # (after a restart too: stale reports make this check conservative)
         ranks = self.run_dir / "ranks"
         for info in ranks.glob("rank-*.json") if ranks.is_dir() else ():
             rank = int(info.stem.split("-")[1])
@@ -169,17 +173,34 @@ class Job:
             except (OSError, ValueError, KeyError):
                 continue
             if not process_alive(pid):
-                time.sleep(0.2)  # its error report or done mark may be a moment behind its exit
-                if not ((ranks / f"rank-{rank}.done").exists() or (self.run_dir / "errors" / f"rank-{rank}.json").exists()):
-                    return rank
+                # Its error report or done mark may be a moment behind its exit; and a launcher that
+                # saw it die (a signal, a crash) exits within its monitor interval with a better report.
+                deadline = time.monotonic() + 1.0
+                while time.monotonic() < deadline:
+                    if (live and self.launch.poll() is not None) or (ranks / f"rank-{rank}.done").exists() \
+                            or (self.run_dir / "errors" / f"rank-{rank}.json").exists():
+                        return None
+                    time.sleep(0.05)
+                return rank
         return None
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.launch.stop(sig)
 
+    def restarts(self) -> int:
+        """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
+        attempts = [0]
+        for info in (self.run_dir / "ranks").glob("rank-*.json"):
+            try:
+                attempts.append(int(json.loads(info.read_text()).get("attempt", 0)))
+            except (OSError, ValueError):
+                continue
+        return max(attempts)
+
     def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
         code = self.launch.poll()
-        errors = rank_errors(self.run_dir, self.script.source_map)
+        latest = self.restarts()  # errors of attempts torchrun recovered from don't count
+        errors = [e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest]
         codes = launcher_exit_codes(self.launch.spec.log_path)
         for error in errors:
             codes.setdefault(error.rank, 1)
@@ -188,18 +209,18 @@ class Job:
             return JobOutcome("interrupted", 128 + signal.SIGTERM, code, codes, errors,
                               "stopped by `nbddp kill`; every rank was stopped.", metrics)
         peer_gone = bool(errors) and bool(_PEER_GONE.search(errors[0].message))
-        signalled = {r: c for r, c in codes.items() if c < 0}
+        we_stopped = self.launch.stopped_by is not None
+        # SIGTERMs come from whoever stops the survivors (torchrun, spawn, or us): never the root cause.
+        signalled = {r: c for r, c in codes.items() if c < 0 and c != -signal.SIGTERM}
         if signalled and (not errors or peer_gone) and not timed_out and interrupted_by is None \
-                and self.launch.stopped_by is None:
+                and (not we_stopped or self.early_exit is not None):
             root = launcher_root_cause(self.launch.spec.log_path)
-            # The launcher SIGTERMs the survivors once one rank died: never blame its own SIGTERM.
-            rank = root if root in signalled else min(signalled, key=lambda r: (signalled[r] == -signal.SIGTERM, r))
-            exit_code = signalled[rank]
+            rank = root if root in signalled else min(signalled)
             return JobOutcome("failed", 1, code, codes, errors, (
-                f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in "
+                f"rank {rank} died: {describe_exit(signalled[rank])}. Its last output is in "
                 f"{self.run_dir / 'logs' / f'rank-{rank}.log'}."), metrics)
         if self.early_exit is None and peer_gone:
-            self.early_exit = self._rank_ended_early(despite_errors=True)
+            self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
         if self.early_exit is not None:
             rank = self.early_exit
             return JobOutcome("failed", 1, code, codes, errors, (
@@ -226,7 +247,10 @@ class Job:
         if code == 0 and self.checkpoint.exists() and not errors:
             codes = {r: 0 for r in range(self.devices.nproc)} | codes
             return JobOutcome("succeeded", 0, code, codes, [], "", metrics)
-        return JobOutcome("failed", 1, code, codes, errors, self._failure_message(code, errors, codes), metrics)
+        message = self._failure_message(code, errors, codes)
+        # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2.
+        bad_input = not errors and "UnpicklableError:" in message
+        return JobOutcome("failed", 2 if bad_input else 1, code, codes, errors, message, metrics)
 
     def _failure_message(self, code: int | None, errors: list[RankError], codes: dict[int, int]) -> str:
         notebook = self.script.source_map.notebook
@@ -258,6 +282,7 @@ class Job:
             wall_time_s=round(ended - self.started_at, 3),
             rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
             final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
+            restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
             error=message or None, script=str(self.script_path),
         )

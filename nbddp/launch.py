@@ -106,8 +106,6 @@ def rank_environment(base: dict[str, str], *, run_dir: Path, device_kind: str, n
         NBDDP_CHECKPOINT=str(checkpoint),
         PYTHONUNBUFFERED="1",
     )
-    # Single-machine runs: gloo's pairs listen on loopback only, however the hostname resolves.
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if "OMP_NUM_THREADS" not in env:  # torchrun would set 1 and warn about it
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     return env

@@ -35,6 +35,8 @@ class RankError:
     source_line: str
     traceback: str
     time: float
+    attempt: int = 0
+    """torchrun's restart count when it was raised (``--max-restarts``)."""
 
     def headline(self, notebook: str) -> str:
         where = self.location or f"{notebook} (outside the notebook's cells)"
@@ -64,7 +66,7 @@ def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
                     break
         errors.append(RankError(
             rank=data["rank"], type=data["type"], message=data["message"], cell=cell, line=line,
-            location=location, source_line=source_line, traceback=source_map.translate_traceback(data.get("traceback", "")),
+            location=location, source_line=source_line, attempt=int(data.get("attempt", 0)), traceback=source_map.translate_traceback(data.get("traceback", "")),
             time=data.get("time", 0.0),
         ))
     return sorted(errors, key=lambda e: e.time)
@@ -126,8 +128,8 @@ class RunRecord:
     wall_time_s: float
     rank_exit_codes: dict[str, int] = field(default_factory=dict)
     final_metrics: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
     checkpoint: str | None = None
-    returned_from: str = ""
     error: str | None = None
     script: str = "train.py"
 

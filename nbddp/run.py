@@ -56,6 +56,7 @@ class RunOptions:
     timeout: float | None = None
     collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
     idle_timeout: float | None = None
+    max_restarts: int = 0
 
     @classmethod
     def from_cli(cls, args: Any, export: ExportOptions) -> "RunOptions":
@@ -65,7 +66,8 @@ class RunOptions:
                 raise UsageError(f"--{flag.replace('_', '-')} {value}: give a positive number of seconds.")
         return cls(notebook=args.notebook, export=export, gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
                    output=args.output, run_dir=args.run_dir, timeout=args.timeout,
-                   collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout)
+                   collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
+                   max_restarts=args.max_restarts)
 
 
 @dataclass
@@ -143,7 +145,8 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     all_sinks = [collector, *(sinks if sinks is not None else [terminal_sink()])]
     executed, numbers = kernel_notebook(notebook, options.export.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
-    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout) as job:
+    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout,
+             max_restarts=options.max_restarts) as job:
         echo = _stdout_write if sinks is None else None
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
                               options.idle_timeout)

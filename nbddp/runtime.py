@@ -97,8 +97,27 @@ def start(engine: str = "torch") -> None:
         if _use_cuda():
             torch.cuda.set_device(local_rank())
         dist.init_process_group(
-            backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout()
+            backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(),
+            store=_attempt_store(), rank=rank(), world_size=world_size(),
         )
+
+
+def _attempt_store():
+    """torchrun's store, scoped to this restart attempt.
+
+    With ``--standalone`` and ``--max-restarts``, the agent's store outlives an attempt, so the
+    ranks of attempt 1 could read the gloo addresses of attempt 0's dead ranks and hang or be
+    refused. A prefix per attempt keeps every attempt's keys apart.
+    """
+    from datetime import timedelta
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),
+        is_master=not agent_store and rank() == 0, timeout=timedelta(seconds=300),
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"nbddp/attempt_{restart_count()}", store)
 
 
 def become_rank(global_rank: int, size: int) -> None:
@@ -125,7 +144,8 @@ def become_rank(global_rank: int, size: int) -> None:
     sys.excepthook = record
     ranks = directory / "ranks"
     ranks.mkdir(exist_ok=True)
-    (ranks / f"rank-{global_rank}.json").write_text(json.dumps({"pid": os.getpid(), "world_size": size}))
+    (ranks / f"rank-{global_rank}.json").write_text(
+        json.dumps({"pid": os.getpid(), "world_size": size, "attempt": restart_count()}))
     print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
 
 
@@ -150,6 +170,7 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
     ]
     report = {
         "rank": global_rank,
+        "attempt": restart_count(),
         "time": time.time(),
         "type": exc_type.__name__,
         "message": str(exc),
@@ -294,6 +315,50 @@ def log(**metrics: Any) -> None:
     record["time"] = time.time()
     with open(directory / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.write(json.dumps(record, default=str) + "\n")
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the ranks (``--max-restarts``); 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+
+
+def resume_path() -> Path:
+    directory = run_dir()
+    return (directory / "resume.pt") if directory else checkpoint_path().with_name("resume.pt")
+
+
+def save_checkpoint(**state: Any) -> None:
+    """Save training state (modules, optimizers, counters) so a restarted run can resume.
+
+    Rank 0 writes ``resume.pt`` atomically (a crash mid-save keeps the previous one); other
+    ranks return at once. Pair it with :func:`restore` at the top of the training cell.
+    """
+    if is_main():
+        checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
+
+
+def restore(**objects: Any) -> dict[str, Any]:
+    """Load the last :func:`save_checkpoint` into ``objects`` (modules/optimizers, by name).
+
+    Returns the other saved values (e.g. ``{"epoch": 3}``), or ``{}`` on a fresh start, so::
+
+        done = nbddp.restore(model=model, optimizer=optimizer)
+        for epoch in range(done.get("epoch", -1) + 1, epochs): ...
+    """
+    path = resume_path()
+    if not path.exists():
+        return {}
+    states, _ = checkpoint.load_returns(path)
+    targets = {name: getattr(obj, "module", obj) for name, obj in objects.items()}  # through DDP wrappers
+    checkpoint.load_into(targets, {k: v for k, v in states.items() if k in objects})
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):  # optimizer state was saved from the CPU copy
+            for value in obj.state.values():
+                for key, tensor in value.items():
+                    if isinstance(tensor, torch.Tensor):
+                        value[key] = tensor.to(device())
+    print(f"[nbddp] restart {restart_count()}: resumed from {path.name}", flush=True)
+    return {k: v for k, v in states.items() if k not in objects}
 
 
 def use_catalyst_ddp(returns: Iterable[str] = ("model",)) -> None:

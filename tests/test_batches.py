@@ -124,7 +124,8 @@ def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_pa
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, cli_run):
+@pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, cli_run, sig, expected):
     (tmp_path / "grid.yaml").write_text("lr: [0.1, 0.2, 0.3]\n")
     args = ["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out"]
     run = cli_run([*args, "-p", "nap", "0.5", "-p", "epochs", "20"], tmp_path)
@@ -132,9 +133,9 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     while not list((tmp_path / "out").glob("*/logs/rank-1.log")) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2)
-    run.proc.send_signal(signal.SIGINT)
+    run.proc.send_signal(sig)
     sent = time.monotonic()
-    assert run.wait(timeout=60) == 130, run.output
+    assert run.wait(timeout=60) == expected, run.output
     assert time.monotonic() - sent < 15
     assert not run.leftovers(grace=1)
     statuses = [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")]

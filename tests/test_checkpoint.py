@@ -67,3 +67,27 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     assert f"could not write the checkpoint {path}" in done.stderr
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["w.pt"]  # no temp file left behind
+
+
+def test_dying_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    """SIGKILL a writer while it saves, again and again: the file always loads, whole."""
+    import signal
+    import time
+
+    path = tmp_path / "w.pt"
+    writer = (
+        "import torch, itertools\nfrom nbddp.checkpoint import save_returns\n"
+        "for i in itertools.count():\n"
+        f"    save_returns({{'model': {{'w': torch.full((2000, 2000), float(i))}}}}, {str(path)!r}, note=str(i))\n"
+    )
+    for delay in (0.9, 1.3, 1.7):
+        proc = subprocess.Popen([sys.executable, "-c", writer])
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if path.exists():
+            states, note = load_returns(path)
+            assert torch.equal(states["model"]["w"], torch.full((2000, 2000), float(note)))
+    assert path.exists()
+    save_returns({"model": {"w": torch.zeros(1)}}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["w.pt"]  # temp files of killed writers cleaned up

@@ -180,7 +180,7 @@ def test_catalyst_lambda_that_spawn_must_pickle_is_named_before_the_ranks_start(
     loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8,\n                         collate_fn=lambda b: torch.utils.data.default_collate(b))}"
     write_notebook(tmp_path / "c.ipynb", [code("BOOM = False", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN)])
     run = cli_run(["run", "c.ipynb"], tmp_path)
-    assert run.wait() == 1, run.output
+    assert run.wait() == 2, run.output
     assert "UnpicklableError: c.ipynb, cell 2, line 14: Catalyst's DDP engine sends the runner" in run.output
     assert "runner._loaders['train'].collate_fn (function) can't be pickled" in run.output
     assert not list((tmp_path / "runs").glob("*/logs/rank-*.log"))  # no rank ever started
@@ -219,3 +219,35 @@ def test_what_listens_during_a_run_is_what_the_docs_say(tmp_path, cli_run):
     assert not run.leftovers(grace=1)
     still = {port for _, port, _ in _listeners()}
     assert not still & {port for _, port, _, _ in ours}, "the run's ports outlived it"
+
+
+def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, cli_run):
+    body = (
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "done = nbddp.restore(model=model, optimizer=opt)\n"
+        "start = done.get('epoch', -1) + 1\n"
+        "print('attempt', nbddp.restart_count(), 'starts at epoch', start, flush=True)\n"
+        "for epoch in range(start, 4):\n"
+        "    if epoch == 2 and nbddp.restart_count() == 0 and nbddp.rank() == 1:\n"
+        "        raise RuntimeError('transient failure')\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "    nbddp.save_checkpoint(model=model, optimizer=opt, epoch=epoch)\n"
+        "    nbddp.log(epoch=epoch)"
+    )
+    write_notebook(tmp_path / "f.ipynb", training(body)[:2])
+    run = cli_run(["run", "f.ipynb", "--max-restarts", "1"], tmp_path)
+    assert run.wait(timeout=120) == 0, run.output
+    assert "[rank 0] attempt 0 starts at epoch 0" in run.output
+    assert "[rank 0] attempt 1 starts at epoch 2" in run.output and "resumed from resume.pt" in run.output
+    result = result_of(tmp_path)
+    assert result["status"] == "succeeded" and result["restarts"] == 1 and result["final_metrics"]["epoch"] == 3
+    assert not run.leftovers()
+
+
+def test_bad_parameter_names_are_refused_before_anything_runs(tmp_path, cli_run):
+    write_notebook(tmp_path / "f.ipynb", [code("lr = 0.1", "parameters")] + training("pass"))
+    run = cli_run(["run", "f.ipynb", "-p", "x=1\nimport os#", "1"], tmp_path)
+    assert run.wait() == 2 and "not a valid Python variable name" in run.output
+    keyword = cli_run(["run", "f.ipynb", "-p", "class", "1"], tmp_path)
+    assert keyword.wait() == 2
+    assert not (tmp_path / "runs").exists()
