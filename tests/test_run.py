@@ -148,7 +148,7 @@ def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_ru
 LONG_TRAINING = [code(SETUP), code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"), code("print('EVALUATION RAN')")]
 
 
-@pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expected):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
     run = cli_run(["run", "long.ipynb"], tmp_path)
