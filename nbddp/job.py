@@ -150,7 +150,7 @@ class Job:
             self.pump(sinks, final=True)
             raise
         if self.launch.stopped_by is None and self.launch.alive():
-            self.launch.stop(signal.SIGTERM)  # the launcher left stragglers behind
+            self.launch.stop(signal.SIGTERM, reap=True)  # the launcher left stragglers behind
         self.pump(sinks, final=True)
         return self.outcome(timed_out=timed_out)
 

@@ -61,9 +61,13 @@ class Launch:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0) -> None:
-        """Signal the whole group, give it ``grace`` seconds, then SIGKILL what is left."""
-        if self.stopped_by is None:
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, reap: bool = False) -> None:
+        """Signal the whole group, give it ``grace`` seconds, then SIGKILL what is left.
+
+        ``reap``: the launcher already ended and this only clears processes it left behind
+        (spawned children still exiting): that doesn't make the run "stopped by nbddp".
+        """
+        if self.stopped_by is None and not reap:
             self.stopped_by = sig
         self._signal_group(sig)
         deadline = time.monotonic() + grace
