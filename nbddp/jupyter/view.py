@@ -125,8 +125,9 @@ class WidgetView:
                 self.panes.set_title(i, rank if isinstance(rank, str) else rank_prefix(rank).strip(" []"))
         texts = ["\n".join(self.lines)] + ["\n".join(self.rank_lines[r]) for r in ranks]
         for pane, text in zip(self.panes.children, texts):
-            pane.value = ("<pre style='max-height:18em;overflow:auto;margin:0;font-size:85%'>"
-                          f"{html.escape(text)}</pre>")
+            # column-reverse keeps the scroll at the bottom: the newest lines stay in view.
+            pane.value = ("<div style='max-height:18em;overflow:auto;display:flex;flex-direction:column-reverse'>"
+                          f"<pre style='margin:0;font-size:85%'>{html.escape(text)}</pre></div>")
 
     def _update_plot(self) -> None:
         self._last_plot, self._dirty_plot = time.monotonic(), False
