@@ -23,6 +23,7 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 REFRESH_SECONDS = 0.3
 PLOT_SECONDS = 2.0
 KEEP_LINES = 400
+PANE_LINES = 20
 #: Metric keys that are counters, not curves.
 _AXES = {"epoch", "epochs", "step", "time"}
 
@@ -123,11 +124,12 @@ class WidgetView:
             self.panes.children = [w.HTML() for _ in range(len(ranks) + 1)]
             for i, rank in enumerate(["all ranks", *ranks]):
                 self.panes.set_title(i, rank if isinstance(rank, str) else rank_prefix(rank).strip(" []"))
-        texts = ["\n".join(self.lines)] + ["\n".join(self.rank_lines[r]) for r in ranks]
-        for pane, text in zip(self.panes.children, texts):
-            # column-reverse keeps the scroll at the bottom: the newest lines stay in view.
-            pane.value = ("<div style='max-height:18em;overflow:auto;display:flex;flex-direction:column-reverse'>"
-                          f"<pre style='margin:0;font-size:85%'>{html.escape(text)}</pre></div>")
+        # The newest lines, always in view (a scrolled pane would sit at the top); every line is in
+        # logs/rank-N.log and in the text copy of this output.
+        texts = [list(self.lines)] + [list(self.rank_lines[r]) for r in ranks]
+        for pane, lines in zip(self.panes.children, texts):
+            shown = "\n".join(lines[-PANE_LINES:])
+            pane.value = f"<pre style='margin:0;font-size:85%'>{html.escape(shown)}</pre>"
 
     def _update_plot(self) -> None:
         self._last_plot, self._dirty_plot = time.monotonic(), False
