@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
-from nbddp.errors import NbddpError, UsageError
+from nbddp.errors import UsageError
 from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.parameters import assignments

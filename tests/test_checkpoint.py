@@ -1,7 +1,6 @@
 """Returned weights: atomic writes, safe CPU loads, clear errors."""
 
 import os
-import resource
 import subprocess
 import sys
 
