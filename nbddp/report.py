@@ -139,10 +139,10 @@ class RunRecord:
         return path
 
 
-def last_metrics(run_dir: Path) -> dict[str, Any]:
-    """The final ``nbddp.log`` record (without its timestamp)."""
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every ``nbddp.log`` record of a run, in order; unreadable lines skipped."""
     path = run_dir / "metrics.jsonl"
-    last: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
     if path.exists():
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
@@ -150,5 +150,11 @@ def last_metrics(run_dir: Path) -> dict[str, Any]:
             except ValueError:
                 continue
             if isinstance(record, dict):
-                last = {k: v for k, v in record.items() if k != "time"}
-    return last
+                records.append(record)
+    return records
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    """The final ``nbddp.log`` record (without its timestamp)."""
+    records = read_metrics(run_dir)
+    return {k: v for k, v in records[-1].items() if k != "time"} if records else {}

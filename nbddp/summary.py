@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from nbddp.report import read_metrics
+
 _COUNTERS = {"epoch", "epochs", "step", "time"}
 
 
@@ -31,7 +33,7 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
         row["error"] = error.splitlines()[0] if error else ""
         row["run_dir"] = str(run_dir)
         rows.append(row)
-        curves[run.name] = _metrics(run_dir / "metrics.jsonl")
+        curves[run.name] = read_metrics(run_dir)
     columns = _columns(rows)
     _write_csv(out / "summary.csv", rows, columns)
     metric = main_metric(metric_names)
@@ -134,14 +136,3 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-
-
-def _metrics(path: Path) -> list[dict[str, Any]]:
-    records = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
