@@ -92,7 +92,8 @@ class Job:
         engine = catalyst_engine if script.engine == "catalyst" else torch_engine
         if max_restarts and script.engine != "torch":
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
-        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python, max_restarts=max_restarts)
+        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python, max_restarts=max_restarts,
+                                     log_dir=str(run_dir / "logs" / "torchrun"))
         env = rank_environment(os.environ, run_dir=run_dir, device_kind=devices.kind,
                                nproc=devices.nproc, checkpoint=self.checkpoint)
         self.collective_timeout = collective_timeout
@@ -216,9 +217,7 @@ class Job:
                 and (not we_stopped or self.early_exit is not None):
             root = launcher_root_cause(self.launch.spec.log_path)
             rank = root if root in signalled else min(signalled)
-            return JobOutcome("failed", 1, code, codes, errors, (
-                f"rank {rank} died: {describe_exit(signalled[rank])}. Its last output is in "
-                f"{self.run_dir / 'logs' / f'rank-{rank}.log'}."), metrics)
+            return JobOutcome("failed", 1, code, codes, errors, self._death_message(rank, signalled[rank]), metrics)
         if self.early_exit is None and peer_gone:
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
         if self.early_exit is not None:
@@ -260,9 +259,7 @@ class Job:
                     f"{first.traceback.rstrip()}\n\nFull log: {self.run_dir / 'logs' / f'rank-{first.rank}.log'}")
         dead = {r: c for r, c in codes.items() if c != 0}
         if dead:
-            rank, exit_code = min(dead.items(), key=lambda rc: rc[0])
-            return (f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in "
-                    f"{self.run_dir / 'logs' / f'rank-{rank}.log'}.")
+            return self._death_message(*min(dead.items(), key=lambda rc: rc[0]))
         if code == 0:
             return (f"the ranks exited without saving the returned weights ({self.checkpoint.name}). "
                     "A rank may have exited early; see the logs in " + str(self.run_dir / "logs"))
@@ -270,6 +267,17 @@ class Job:
         raised = [line for line in tail.splitlines() if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*:", line)]
         headline = f"{raised[-1]}\n\n" if raised else ""
         return f"{headline}the launcher failed ({describe_exit(code or 1)}); its last output:\n{tail}"
+
+    def _death_message(self, rank: int, exit_code: int) -> str:
+        """A rank that ended badly; told truthfully when it had finished its training first."""
+        log = self.run_dir / "logs" / f"rank-{rank}.log"
+        if not (self.run_dir / "ranks" / f"rank-{rank}.done").exists():
+            return f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in {log}."
+        how = signal.Signals(-exit_code).name if exit_code < 0 and -exit_code in signal.valid_signals() \
+            else describe_exit(exit_code)
+        kept = f"The trained weights are kept in {self.checkpoint}. " if self.checkpoint.exists() else ""
+        return (f"rank {rank} finished training, then crashed while exiting ({how}): a defect in the process's "
+                f"teardown, not in the training. {kept}Its last output is in {log}.")
 
     def record(self, status: str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str) -> RunRecord:

@@ -220,11 +220,44 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], engine: str = "tor
             )
         checkpoint.save_returns({n: namespace[n] for n in names}, checkpoint_path())
     me = rank()
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_group()
     if engine != "catalyst":
         mark_done(me)
+
+
+def leave_group() -> None:
+    """Wait for every rank, then leave the process group so that the rank can exit cleanly.
+
+    Why not a plain ``barrier()`` + ``destroy_process_group()``: gloo runs collectives on worker
+    threads, and a barrier keeps weak references to the collectives still in flight, typically
+    DDP's last gradient all-reduce. That all-reduce captured torch's thread-local state during
+    ``backward()``, which holds a Python object (autograd's ``contextvars`` context). The worker
+    thread frees the barrier, and with it that object, *after* the main thread has seen the
+    barrier complete; when the main thread has meanwhile reached interpreter shutdown, the
+    worker's attempt to take the GIL makes CPython end the thread with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` destructor calls ``std::terminate``: "terminate called
+    without an active exception", SIGABRT, a finished rank reported dead. Busy CPUs widen the
+    window (1 run in ~10 with two runs and a CPU hog on two cores).
+
+    So the barrier's work object is kept alive for the life of the process: the gloo thread
+    never drops the last reference, nothing Python-owned is freed off the main thread, and the
+    process ends through normal interpreter shutdown with exit status 0. Works the barrier
+    did not capture were completely released before it started (gloo releases a finished work
+    under the same lock the barrier takes to snapshot the in-flight ones).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _keep_until_exit(work)
+    dist.destroy_process_group()
+
+
+def _keep_until_exit(obj: Any) -> None:
+    """A reference that even interpreter shutdown (which clears module globals) never drops."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def checkpoint_path() -> Path:

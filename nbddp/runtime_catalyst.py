@@ -62,6 +62,12 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         check_picklable(fn)
         return mp.spawn(_rank_main, args=(fn, self._world_size), nprocs=self._num_local_workers, join=True)
 
+    def cleanup(self) -> None:
+        """Leave the group the way the torch engine does (see :func:`nbddp.runtime.leave_group`)."""
+        from nbddp import runtime
+
+        runtime.leave_group()
+
 
 class UnpicklableError(TypeError):
     """Something Catalyst's spawn must send to the ranks can't be pickled (raised before spawning)."""

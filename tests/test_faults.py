@@ -47,6 +47,19 @@ def test_rank_killed_by_a_signal_is_named(tmp_path, cli_run, fault, named):
     assert f"rank 1 died: {named}" in output
 
 
+def test_rank_that_finished_then_crashed_while_exiting_is_told_truthfully(tmp_path, cli_run):
+    """The done mark was written, then the process aborted at exit: a defect, said as such; weights kept."""
+    body = "dist.all_reduce(torch.ones(1))\nif nbddp.rank() == 1:\n    import atexit\n    atexit.register(os.abort)"
+    exit_code, output = run_faulty(tmp_path, cli_run, body)
+    assert exit_code == 1, output
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "ranks" / "rank-1.done").exists()
+    assert "rank 1 finished training, then crashed while exiting (SIGABRT)" in output
+    assert f"The trained weights are kept in {run_dir / 'weights.pt'}" in output
+    assert (run_dir / "weights.pt").exists() and result_of(tmp_path)["status"] == "failed"
+    assert "rank 1 died" not in output
+
+
 def test_rank_exiting_0_early_is_a_failure_not_a_hang(tmp_path, cli_run):
     started = time.monotonic()
     exit_code, output = run_faulty(tmp_path, cli_run, LOOP.format(fault="if step == 3 and nbddp.rank() == 1: os._exit(0)"))

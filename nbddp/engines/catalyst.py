@@ -35,6 +35,10 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
     )
 
 
-def launch_command(script: str, nproc: int, *, python: str, max_restarts: int = 0) -> list[str]:
-    """Catalyst's engine spawns the ranks itself; the world size travels in NBDDP_NPROC."""
+def launch_command(script: str, nproc: int, *, python: str, max_restarts: int = 0,
+                   log_dir: str | None = None) -> list[str]:
+    """Catalyst's engine spawns the ranks itself; the world size travels in NBDDP_NPROC.
+
+    ``log_dir`` (torchrun's folder) has no meaning here: the spawn writes none.
+    """
     return [python, script]
