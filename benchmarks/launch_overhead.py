@@ -91,7 +91,7 @@ def _own_share(work: Path, epochs: int) -> dict[str, float]:
     """Time nbddp's own steps in-process: start → Launch, and job end → return."""
     start = time.perf_counter()
     from nbddp import job as job_module, run as run_module
-    from nbddp.script import ExportOptions
+    from nbddp.options import LaunchOptions
 
     marks: dict[str, float] = {}
     original_init, original_wait = job_module.Launch.__init__, job_module.Job.wait
@@ -109,7 +109,7 @@ def _own_share(work: Path, epochs: int) -> dict[str, float]:
     cwd = os.getcwd()
     os.chdir(work)
     try:
-        options = run_module.RunOptions(Path("digits_torch.ipynb"), ExportOptions(parameters={"epochs": epochs}))
+        options = run_module.RunOptions(Path("digits_torch.ipynb"), LaunchOptions(parameters={"epochs": epochs}))
         run_module.run_notebook(options, sinks=[], say=lambda text: None)
     finally:
         os.chdir(cwd)

@@ -10,7 +10,6 @@ what ``--resume`` matches on.
 
 from __future__ import annotations
 
-import ast
 import itertools
 import json
 import os
@@ -19,15 +18,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.cells import INJECTED, PARAMETERS, cell_role
 from nbddp.devices import resolve, visible_gpu_count
-from nbddp.errors import DeviceError, NbddpError, ParameterError
+from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
 from nbddp.notebook import Notebook, read_notebook
+from nbddp.options import LaunchOptions
+from nbddp.parameter_cell import check_overrides, declared_parameters
 from nbddp.parameters import check_name, is_plain_data
 
 POLL_SECONDS = 0.2
@@ -51,17 +51,28 @@ class BatchOptions:
     notebook: Path
     grid: Any
     """A path to a YAML/JSON file, or the grid itself (mapping of lists, or list of mappings)."""
-    parameters: dict[str, Any] = field(default_factory=dict)
+    launch: LaunchOptions = LaunchOptions()
+    """Every run's launch options (``launch.parameters``: fixed for every run; no run dir: each run gets one)."""
     gpus_per_run: int | None = None
-    cpu: bool = False
-    nproc: int | None = None
     parallel: int | None = None
     out: Path | None = None
     resume: bool = False
-    engine: str | None = None
-    timeout: float | None = None
-    collective_timeout: float | None = None
-    idle_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.launch.run_dir is not None:
+            raise UsageError("a batch gives each run its own run dir under --out; --run-dir is for one run.")
+        if self.launch.gpus is not None and self.gpus_per_run is not None and str(self.launch.gpus) != str(self.gpus_per_run):
+            raise UsageError("--gpus and --gpus-per-run both say how many GPUs a run uses: give one.")
+        if self.gpus_per_run is not None and self.gpus_per_run < 1:
+            raise UsageError(f"--gpus-per-run {self.gpus_per_run}: need at least 1.")
+        if self.parallel is not None and self.parallel < 1:
+            raise UsageError(f"--parallel {self.parallel}: need at least 1.")
+
+    @property
+    def per_run_gpus(self) -> int | None:
+        if self.gpus_per_run is not None:
+            return self.gpus_per_run
+        return None if self.launch.gpus is None or str(self.launch.gpus) == "all" else int(self.launch.gpus)
 
 
 def load_grid(grid: Any) -> list[dict[str, Any]]:
@@ -107,39 +118,16 @@ def _parse_grid_text(text: str, path: Path) -> Any:
         raise ParameterError(f"--grid {path}: not valid YAML ({exc}).") from None
 
 
-def declared_parameters(notebook: Notebook) -> list[str]:
-    """Names assigned in the notebook's ``parameters`` cell(s)."""
-    names: list[str] = []
-    for cell in notebook.code_cells:
-        if cell_role(cell, notebook.path) not in (PARAMETERS, INJECTED):
-            continue
-        try:
-            tree = ast.parse(cell.source)
-        except SyntaxError:
-            continue
-        for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-            for target in targets:
-                for sub in ast.walk(target):
-                    if isinstance(sub, ast.Name) and sub.id not in names:
-                        names.append(sub.id)
-    return names
-
-
 def plan(notebook: Notebook, sets: list[dict[str, Any]], fixed: dict[str, Any]) -> list[PlannedRun]:
     """Check every name against the parameters cell, then name the runs.
 
     Raises:
         ParameterError: a name the parameters cell doesn't define (papermill only warns).
     """
-    declared = declared_parameters(notebook)
-    if not declared:
+    if not declared_parameters(notebook):
         raise ParameterError(f"{notebook.path}: no 'parameters' cell, so a batch has nothing to vary. "
                              "Tag the cell that sets the hyperparameters 'parameters' (or start it with '#| parameters').")
-    unknown = sorted(({n for values in sets for n in values} | set(fixed)) - set(declared))
-    if unknown:
-        raise ParameterError(f"{notebook.path}: unknown parameter{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
-                             f"the parameters cell defines {', '.join(declared)}.")
+    check_overrides(notebook, {n for values in sets for n in values} | set(fixed))
     runs = []
     for index, values in enumerate(sets, start=1):
         parameters = {**values, **fixed}
@@ -204,7 +192,8 @@ class Batch:
                 data = json.loads(result.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            if data.get("status") == "succeeded" and json.dumps(data.get("parameters"), sort_keys=True, default=repr) == state.run.key:
+            overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
+            if data.get("status") == "succeeded" and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
                 state.run_dir, state.status = result.parent, "skipped"
                 return True
         return False
@@ -216,22 +205,14 @@ class Batch:
                 attempt += 1
             state.run_dir.rename(state.run_dir.with_name(f"{state.run_dir.name}.try{attempt}"))
         state.run_dir.mkdir(parents=True, mode=0o700)
-        argv = [sys.executable, "-m", "nbddp.cli", "run", str(self.options.notebook),
-                "--run-dir", str(state.run_dir), "-o", str(state.run_dir / "output.ipynb")]
-        for name, value in state.run.parameters.items():
-            argv += ["-p", name, repr(value) if not isinstance(value, str) else _string_arg(value)]
         env = dict(os.environ)
+        devices: dict[str, Any] = {"cpu": True, "nproc": self.nproc, "gpus": None}
         if self.device_kind == "cuda":
-            argv += ["--gpus", str(len(slot))]
+            devices = {"cpu": False, "nproc": None, "gpus": str(len(slot))}
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
-        else:
-            argv += ["--cpu", "--nproc", str(self.nproc)]
-        if self.options.engine:
-            argv += ["--engine", self.options.engine]
-        for flag, value in (("--timeout", self.options.timeout), ("--collective-timeout", self.options.collective_timeout),
-                            ("--idle-timeout", self.options.idle_timeout)):
-            if value:
-                argv += [flag, str(value)]
+        launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
+        argv = [sys.executable, "-m", "nbddp.cli", "run", str(self.options.notebook),
+                "-o", str(state.run_dir / "output.ipynb"), *launch.to_argv()]
         log = open(state.run_dir / "batch.log", "ab")
         try:
             state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -259,13 +240,6 @@ class Batch:
             state.status = _status_of(state.run_dir, state.process.returncode, default="interrupted")
 
 
-def _string_arg(value: str) -> str:
-    """A string value passed so that ``-p`` parsing gives the string back, never a literal."""
-    from nbddp.parameters import parse_value
-
-    return value if parse_value(value) == value else repr(value)
-
-
 def _status_of(run_dir: Path, code: int | None, default: str = "failed") -> str:
     try:
         return json.loads((run_dir / "result.json").read_text(encoding="utf-8"))["status"]
@@ -286,18 +260,15 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
     Raises:
         DeviceError: a run needs more GPUs than are visible.
     """
-    gpus = 0 if options.cpu else visible_gpu_count()
+    gpus = 0 if options.launch.cpu else visible_gpu_count()
     if gpus == 0:
-        if options.gpus_per_run:
-            raise DeviceError(f"--gpus-per-run {options.gpus_per_run}: no GPU is visible. Use --cpu --nproc N.")
-        devices = resolve(cpu=True, nproc=options.nproc)
-        if not options.cpu:
+        if options.per_run_gpus:
+            raise DeviceError(f"--gpus-per-run {options.per_run_gpus}: no GPU is visible. Use --cpu --nproc N.")
+        devices = resolve(cpu=True, nproc=options.launch.nproc)
+        if not options.launch.cpu:
             say(f"nbddp: no GPU visible: each run uses {devices.nproc} CPU processes (gloo).")
-        parallel = options.parallel or 1
-        if parallel < 1:
-            raise DeviceError(f"--parallel {parallel}: need at least 1.")
-        return [() for _ in range(parallel)], devices.nproc, "cpu"
-    per_run = options.gpus_per_run or 1
+        return [() for _ in range(options.parallel or 1)], devices.nproc, "cpu"
+    per_run = options.per_run_gpus or 1
     if per_run > gpus:
         raise DeviceError(f"--gpus-per-run {per_run} asks for more GPUs than the {gpus} visible.")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -323,7 +294,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
 
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     notebook = read_notebook(options.notebook)
-    runs = plan(notebook, load_grid(options.grid), options.parameters)
+    runs = plan(notebook, load_grid(options.grid), options.launch.parameters)
     slots, nproc, kind = device_slots(options, say)
     out = Path(options.out) if options.out else default_out(options.notebook)
     if options.resume and not out.exists():
@@ -340,11 +311,14 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
 
 
 def batch(notebook: str | Path, grid: Any, *, parameters: dict[str, Any] | None = None, gpus_per_run: int | None = None,
-          cpu: bool = False, nproc: int | None = None, parallel: int | None = None, out: str | Path | None = None,
-          resume: bool = False, engine: str | None = None, timeout: float | None = None):
-    """Run a parameter grid from Python; returns the summary (a pandas DataFrame if pandas is installed)."""
-    options = BatchOptions(Path(notebook), grid, dict(parameters or {}), gpus_per_run, cpu, nproc, parallel,
-                           Path(out) if out else None, resume, engine, timeout)
+          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, **launch: Any):
+    """Run a parameter grid from Python; returns the summary (a pandas DataFrame if pandas is installed).
+
+    ``launch``: any :class:`nbddp.options.LaunchOptions` field (``cpu``, ``nproc``, ``engine``, ``timeout``,
+    ``collective_timeout``, ``idle_timeout``, ``max_restarts``, ``returns``), as on the command line.
+    """
+    options = BatchOptions(Path(notebook), grid, LaunchOptions(parameters=dict(parameters or {}), **launch),
+                           gpus_per_run, parallel, Path(out) if out else None, resume)
     rows, _ = run_batch(options)
     try:
         import pandas

@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Hashable, Sequence
 
 from nbddp.cells import SETUP, TRAIN, cell_role, export_cell
 from nbddp.checkpoint import load_into, load_returns
 from nbddp.devices import Devices, resolve
-from nbddp.errors import CellError, RunFailed, RunInterrupted, RunTimeout
+from nbddp.errors import CellError, ParameterError, RunFailed, RunInterrupted, RunTimeout
 from nbddp.freevars import free_names
-from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
+from nbddp.job import Job, JobOutcome, create_run_dir
 from nbddp.notebook import Cell
+from nbddp.options import LaunchOptions
 from nbddp.parameters import is_plain_data
 from nbddp.report import RunRecord
 from nbddp.script import ExportOptions, Script, render
@@ -62,22 +63,6 @@ class CellHistory:
         return list(self._cells.values())
 
 
-@dataclass(frozen=True)
-class CellJobOptions:
-    """``%%ddp_train`` arguments, parsed once by the magic."""
-
-    engine: str | None = None
-    returns: tuple[str, ...] = ("model",)
-    gpus: str | None = None
-    cpu: bool = False
-    nproc: int | None = None
-    run_dir: Path | None = None
-    timeout: float | None = None
-    dry_run: bool = False
-    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
-    idle_timeout: float | None = None
-
-
 @dataclass
 class CellJobResult:
     status: str
@@ -101,13 +86,18 @@ class CellJobResult:
         return "\n".join(lines)
 
 
-def build_script(history: CellHistory, body: str, namespace: dict[str, Any], options: CellJobOptions,
+def build_script(history: CellHistory, body: str, namespace: dict[str, Any], options: LaunchOptions,
                  execution_count: int | None = None) -> tuple[Script, dict[str, Any]]:
-    """The script for one ``%%ddp_train`` cell, and the kernel's plain values written into it.
+    """The script for one ``%%ddp_train`` cell, and the plain values written into it.
+
+    Those values are the names the code uses but no ``#| ddp`` cell defines: taken from the kernel
+    (papermill's injected parameters, values from untagged cells), or from ``-p NAME VALUE``, which
+    overrides the kernel's value of such a name.
 
     Raises:
         CellError: a syntax error or unexportable IPython syntax (naming ``In [N]``
             and the line), or a free name whose kernel value can't reach the ranks.
+        ParameterError: a ``-p`` name the training code doesn't take from the kernel.
     """
     origin = "the kernel"
     exported = [export_cell(cell, SETUP, origin) for cell in history.cells()]
@@ -115,30 +105,37 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
     exported.append(export_cell(train, TRAIN, origin))
     export = ExportOptions(engine=options.engine, returns=options.returns, parameters_source="values in the kernel")
     first = render(exported, origin, export)
-    values = {}
-    for name in free_names(first.text):
-        if name in namespace and is_plain_data(namespace[name]):
-            values[name] = namespace[name]
-        elif name in namespace:
-            raise CellError(
-                f"{name!r} is a {type(namespace[name]).__name__} in the kernel; the ranks only receive plain "
-                f"values (numbers, strings, lists, dicts…). Move the code that defines {name!r} into a "
-                "'#| ddp' cell (so every rank builds it too) and run that cell again."
-            )
-        else:
-            raise CellError(
-                f"the training code uses {name!r}, which no '#| ddp' cell run so far defines and the kernel "
-                f"doesn't have. Define it in a '#| ddp' cell and run that cell first."
-            )
+    free = free_names(first.text)
+    unknown = sorted(set(options.parameters) - set(free))
+    if unknown:
+        raise ParameterError(
+            f"-p {', '.join(unknown)}: the training code takes no such value from the kernel"
+            + (f"; it takes {', '.join(free)}." if free else " (it defines everything it uses in '#| ddp' cells)."))
+    values = {name: options.parameters[name] if name in options.parameters else _kernel_value(name, namespace)
+              for name in free}
     if not values:
         return first, values
-    script = render(exported, origin, ExportOptions(engine=options.engine, returns=options.returns,
-                                                    parameters=values, parameters_source="values in the kernel"))
+    script = render(exported, origin, replace(export, parameters=values))
     return script, values
 
 
-def run_cell_job(script: Script, parameters: dict[str, Any], options: CellJobOptions, namespace: dict[str, Any],
-                 sinks: Sequence[Sink], cwd: Path | None = None, say=print) -> CellJobResult:
+def _kernel_value(name: str, namespace: dict[str, Any]) -> Any:
+    if name in namespace and is_plain_data(namespace[name]):
+        return namespace[name]
+    if name in namespace:
+        raise CellError(
+            f"{name!r} is a {type(namespace[name]).__name__} in the kernel; the ranks only receive plain "
+            f"values (numbers, strings, lists, dicts…). Move the code that defines {name!r} into a "
+            "'#| ddp' cell (so every rank builds it too) and run that cell again."
+        )
+    raise CellError(
+        f"the training code uses {name!r}, which no '#| ddp' cell run so far defines and the kernel "
+        f"doesn't have. Define it in a '#| ddp' cell and run that cell first."
+    )
+
+
+def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOptions, namespace: dict[str, Any],
+                 sinks: Sequence[Sink], cwd: Path | None = None, say=print, command: str = "") -> CellJobResult:
     """Launch the job, stream it to ``sinks``, load the returned weights into ``namespace``.
 
     Raises:
@@ -153,24 +150,26 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: CellJobOpt
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
     run_dir = create_run_dir(cwd / f"{stem}.ipynb", options.run_dir)
     deadline = time.monotonic() + options.timeout if options.timeout else None
-    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel") as job:
+    overrides = {k: v for k, v in parameters.items() if k in options.parameters}
+
+    def record(job: Job, status: str, code: int, message: str, outcome: JobOutcome | None) -> RunRecord:
+        return job.record(status, code, message, outcome, parameters, "the kernel", overrides, command)
+
+    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel",
+             max_restarts=options.max_restarts) as job:
         try:
             outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
         except KeyboardInterrupt:  # the kernel's stop button
-            job.record("interrupted", 130, "interrupted", job.outcome(interrupted_by=2), parameters, "the kernel")
+            record(job, "interrupted", 130, "interrupted", job.outcome(interrupted_by=2))
             raise
         except Exception as exc:
-            job.record("failed", 1, f"{type(exc).__name__}: {exc}", None, parameters, "the kernel")
+            record(job, "failed", 1, f"{type(exc).__name__}: {exc}", None)
             raise
-    return _finish(job, outcome, namespace, parameters)
-
-
-def _finish(job: Job, outcome: JobOutcome, namespace: dict[str, Any], parameters: dict[str, Any]) -> CellJobResult:
     if outcome.status != "succeeded":
-        job.record(outcome.status, outcome.exit_code, outcome.message, outcome, parameters, "the kernel")
+        record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
         error = {"timeout": RunTimeout, "interrupted": RunInterrupted}.get(outcome.status, RunFailed)
         raise error(outcome.message)
     states, note = load_returns(job.checkpoint)
     loaded = load_into(namespace, states)
-    record = job.record("succeeded", 0, "", outcome, parameters, "the kernel")
-    return CellJobResult("succeeded", job.run_dir, record, loaded, note)
+    return CellJobResult("succeeded", job.run_dir, record(job, "succeeded", 0, "", outcome), loaded, note)
+

@@ -15,6 +15,7 @@ from typing import Sequence
 
 from nbddp import __version__
 from nbddp.errors import NbddpError
+from nbddp.options import add_launch_arguments, add_script_arguments, launch_options, script_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,40 +32,28 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("notebook", type=Path, help="the .ipynb file")
     export.add_argument("-o", "--output", default=None,
                         help="script path (default: NOTEBOOK with .py); '-' prints it")
-    _add_script_options(export)
+    add_script_arguments(export)
     export.add_argument("--keep-markdown", action="store_true", help="keep markdown cells as comments")
     export.set_defaults(handler=_export)
 
     run = commands.add_parser("run", help="run a notebook with its training cells as a DDP job")
     run.add_argument("notebook", type=Path, help="the .ipynb file")
-    _add_script_options(run)
-    _add_device_options(run)
     run.add_argument("-o", "--output", type=Path, default=None,
                      help="executed notebook (default: RUN_DIR/output.ipynb)")
-    run.add_argument("--run-dir", type=Path, default=None,
-                     help="where the script, logs and weights go (default: runs/STEM-TIME beside the notebook)")
-    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                     help="stop the run after this long (exit 124)")
-    _add_fault_options(run)
-    run.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                     help="restart failed ranks up to N times (torch engine); pair with nbddp.save_checkpoint/restore")
+    add_launch_arguments(run)
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
     batch.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
     batch.add_argument("--grid", required=True, type=Path,
                        help="YAML/JSON: name -> list of values (all combinations), or a list of mappings")
-    batch.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                       dest="parameters", help="fix a parameter for every run")
-    batch.add_argument("--gpus-per-run", type=int, default=None, metavar="K", help="GPUs per run (default 1)")
-    batch.add_argument("--cpu", action="store_true", help="CPU processes with gloo")
-    batch.add_argument("--nproc", type=int, default=None, help="CPU processes per run (default 2)")
-    batch.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1)")
-    batch.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
-    batch.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
-    batch.add_argument("--engine", choices=("torch", "catalyst"), default=None)
-    batch.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="per run")
-    _add_fault_options(batch)
+    add_launch_arguments(batch, run_dir=False)
+    sweep = batch.add_argument_group("batch")
+    sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
+                       help="GPUs per run (default 1; --gpus K says the same)")
+    sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1)")
+    sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
+    sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
     batch.set_defaults(handler=_batch)
 
     ps = commands.add_parser("ps", help="list the runs alive now")
@@ -75,48 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_script_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("torch", "catalyst"), default=None,
-                        help="DDP engine (default: catalyst if the training cells call runner.train, else torch)")
-    parser.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                        dest="parameters", help="override a parameter (value read as a Python literal, else a string)")
-    parser.add_argument("--return", dest="returns", default="model", metavar="NAME[,NAME...]",
-                        help="variables whose trained state comes back (default: model)")
-
-
-def _add_fault_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--collective-timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="a rank waiting longer than this in a collective fails the run, exit 124 (default 300)")
-    parser.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
-                        help="stop the run (exit 124) when no rank prints or logs anything for this long")
-
-
-def _add_device_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", default=None, metavar="N|all", help="GPUs to use (default: all visible)")
-    parser.add_argument("--cpu", action="store_true", help="run CPU processes with gloo, even with GPUs")
-    parser.add_argument("--nproc", type=int, default=None, help="CPU processes (default 2)")
-
-
-def _export_options(args: argparse.Namespace, script_name: str):
-    from nbddp.parameters import parse_pairs
-    from nbddp.script import ExportOptions
-
-    return ExportOptions(
-        engine=args.engine,
-        parameters=parse_pairs(args.parameters),
-        returns=tuple(n.strip() for n in args.returns.split(",") if n.strip()),
-        keep_markdown=getattr(args, "keep_markdown", False),
-        script_name=script_name,
-    )
-
-
 def _export(args: argparse.Namespace) -> int:
     from nbddp.notebook import read_notebook
-    from nbddp.script import generate, write_script
+    from nbddp.script import ExportOptions, generate, write_script
 
     to_stdout = args.output == "-"
     target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
-    options = _export_options(args, "train.py" if target is None else target.name)
+    engine, parameters, returns = script_arguments(args)
+    options = ExportOptions(engine=engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
+                            script_name="train.py" if target is None else target.name)
     script = generate(read_notebook(args.notebook), options)
     if to_stdout:
         sys.stdout.write(script.text)
@@ -129,7 +85,7 @@ def _export(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nbddp.run import RunOptions, SignalReceived, run_notebook
 
-    options = RunOptions.from_cli(args, _export_options(args, "train.py"))
+    options = RunOptions(args.notebook, launch_options(args), args.output, command=_command())
 
     def stop(signum, frame):  # noqa: ANN001 - SIGINT already raises KeyboardInterrupt
         raise SignalReceived(signum)
@@ -145,12 +101,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def _batch(args: argparse.Namespace) -> int:
     from nbddp.batches import BatchOptions, run_batch
-    from nbddp.parameters import parse_pairs
     from nbddp.run import SignalReceived
 
-    options = BatchOptions(args.notebook, args.grid, parse_pairs(args.parameters), args.gpus_per_run, args.cpu,
-                           args.nproc, args.parallel, args.out, args.resume, args.engine, args.timeout,
-                           args.collective_timeout, args.idle_timeout)
+    options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
+                           args.out, args.resume)
 
     def stop(signum, frame):  # noqa: ANN001
         raise SignalReceived(signum)
@@ -231,6 +185,13 @@ def _kill(args: argparse.Namespace) -> int:
             print(f"nbddp: error: {run.name} still has processes after SIGKILL", file=sys.stderr)
             code = 1
     return code
+
+
+def _command() -> str:
+    """How this process was started, for ``result.json``."""
+    from nbddp.options import format_argv
+
+    return format_argv(["nbddp", *sys.argv[1:]])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

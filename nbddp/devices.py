@@ -11,7 +11,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from nbddp.errors import DeviceError
+from nbddp.errors import DeviceError, UsageError
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,10 @@ class Devices:
         return f"{self.nproc} GPU{'s' * (self.nproc != 1)}" if self.kind == "cuda" else f"{self.nproc} CPU processes (gloo)"
 
 
-def visible_gpu_count() -> int:
-    """GPUs this process may use: NVML's count, narrowed by ``CUDA_VISIBLE_DEVICES``."""
+def visible_gpu_count(physical: int | None = None) -> int:
+    """GPUs this process may use: NVML's count (or ``physical``), narrowed by ``CUDA_VISIBLE_DEVICES``."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = _nvml_device_count()
+    physical = _nvml_device_count() if physical is None else physical
     if visible is None:
         return physical
     entries = [e.strip() for e in visible.split(",") if e.strip()]
@@ -63,14 +63,14 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
     """Turn ``--gpus/--cpu/--nproc`` into :class:`Devices`, or raise before anything starts.
 
     Raises:
-        DeviceError: more GPUs than visible, fewer than one process, or
-            contradictory flags.
+        UsageError: a value that can never work (fewer than one process, contradictory flags), exit 2.
+        DeviceError: more GPUs than this machine shows, exit 3.
     """
     if nproc is not None and nproc < 1:
-        raise DeviceError(f"--nproc {nproc}: need at least 1 process.")
+        raise UsageError(f"--nproc {nproc}: need at least 1 process.")
     if cpu:
         if gpus is not None:
-            raise DeviceError("--cpu and --gpus contradict each other: choose one.")
+            raise UsageError("--cpu and --gpus contradict each other: choose one.")
         return Devices("cpu", nproc or 2)
     visible = visible_gpu_count() if visible is None else visible
     if gpus is None:
@@ -81,7 +81,7 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
             raise DeviceError(f"--nproc {nproc} asks for more GPUs than the {visible} visible.")
         return Devices("cuda", nproc or visible)
     if nproc is not None:
-        raise DeviceError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
+        raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
     if str(gpus).lower() == "all":
         if visible == 0:
             raise DeviceError("--gpus all: no GPU is visible here. Use --cpu --nproc N to run on the CPU.")
@@ -89,9 +89,9 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
     try:
         wanted = int(gpus)
     except ValueError:
-        raise DeviceError(f"--gpus {gpus!r}: give a number or 'all'.") from None
+        raise UsageError(f"--gpus {gpus!r}: give a number or 'all'.") from None
     if wanted < 1:
-        raise DeviceError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
+        raise UsageError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
     if wanted > visible:
         hint = " (CUDA_VISIBLE_DEVICES narrows them)" if "CUDA_VISIBLE_DEVICES" in os.environ else ""
         instead = f"Use --gpus {visible} or --cpu." if visible else "Use --cpu to run on the CPU."

@@ -53,3 +53,35 @@ def free_names(code: str, filename: str = "train.py") -> list[str]:
 def _defines(table: symtable.SymbolTable, name: str) -> bool:
     """``def f`` / ``class C`` at module level bind their names (a child table of that name)."""
     return any(child.get_name() == name and child.get_type() in ("function", "class") for child in table.get_children())
+
+
+def first_use(code: str, name: str) -> int | None:
+    """Line of the first read of global ``name`` in ``code`` (``None`` if it isn't read)."""
+    import ast
+
+    lines = [node.lineno for node in ast.walk(ast.parse(code))
+             if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)]
+    return min(lines) if lines else None
+
+
+def check_defined(script) -> None:  # noqa: ANN001 - nbddp.script.Script (no import cycle)
+    """Refuse a script that reads a name no exported cell, parameter or import defines.
+
+    In a rank that is a ``NameError`` after a long start-up; here it is an error before anything
+    starts, naming the cell and line of the first use.
+
+    Raises:
+        CellError: naming the first such name and where it is used.
+    """
+    from nbddp.errors import CellError
+
+    missing = free_names(script.text)
+    if not missing:
+        return
+    line = first_use(script.text, missing[0])
+    where = (script.source_map.where(line) if line else None) or script.source_map.notebook
+    others = f" (also: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+    raise CellError(
+        f"{where}: the training code uses {missing[0]!r}{others}, which no exported cell or parameter defines, so "
+        "every rank would fail with a NameError. Define it in a '#| ddp' cell (or the parameters cell): cells "
+        "without a tag run only in the kernel, never in the ranks.")

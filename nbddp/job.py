@@ -280,8 +280,12 @@ class Job:
                 f"teardown, not in the training. {kept}Its last output is in {log}.")
 
     def record(self, status: str, exit_code: int, message: str, outcome: JobOutcome | None,
-               parameters: dict[str, Any], notebook: str) -> RunRecord:
-        """``result.json`` for this job, written into the run dir and returned."""
+               parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
+               command: str = "") -> RunRecord:
+        """``result.json`` for this job, written into the run dir and returned.
+
+        ``parameters``: every value the run used; ``overrides``: those given on top of the defaults.
+        """
         ended = time.time()
         record = RunRecord(
             status=status, exit_code=exit_code, notebook=notebook, engine=self.script.engine,
@@ -292,7 +296,7 @@ class Job:
             final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
             restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
-            error=message or None, script=str(self.script_path),
+            error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
         )
         record.write(self.run_dir)
         return record

@@ -123,6 +123,8 @@ class RunRecord:
     devices: dict[str, Any]
     world_size: int
     parameters: dict[str, Any]
+    """Every parameter value the run used: the parameters cell's defaults with the overrides applied
+    (a default that isn't a literal is ``{"expression": "..."}``)."""
     started_at: float
     ended_at: float
     wall_time_s: float
@@ -132,11 +134,31 @@ class RunRecord:
     checkpoint: str | None = None
     error: str | None = None
     script: str = "train.py"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The parameters given on the command line (``-p``) or by the batch, which win over the defaults."""
+    command: str = ""
+    """How the run was started: the exact ``nbddp ...`` command, or the ``%%ddp_train`` line."""
+    versions: dict[str, str] = field(default_factory=lambda: versions())
+    """nbddp, torch and Python, as installed where the run was launched."""
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / "result.json"
         path.write_text(json.dumps(asdict(self), indent=1, default=repr), encoding="utf-8")
         return path
+
+
+def versions() -> dict[str, str]:
+    """nbddp, torch and Python versions, read from package metadata (no torch import)."""
+    import platform
+    from importlib import metadata
+
+    from nbddp import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return {"nbddp": __version__, "torch": torch_version, "python": platform.python_version()}
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

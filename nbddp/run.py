@@ -24,9 +24,11 @@ from typing import Any, Callable, Sequence
 
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
-from nbddp.errors import UsageError
-from nbddp.job import DEFAULT_COLLECTIVE_TIMEOUT, Job, JobOutcome, create_run_dir
+from nbddp.freevars import check_defined
+from nbddp.job import Job, JobOutcome, create_run_dir
 from nbddp.notebook import Notebook, read_notebook
+from nbddp.options import LaunchOptions
+from nbddp.parameter_cell import declared_parameters, effective_parameters
 from nbddp.parameters import assignments
 from nbddp.report import RunRecord
 from nbddp.script import ExportOptions, generate
@@ -47,27 +49,11 @@ class SignalReceived(BaseException):
 @dataclass(frozen=True)
 class RunOptions:
     notebook: Path
-    export: ExportOptions = ExportOptions()
-    gpus: str | None = None
-    cpu: bool = False
-    nproc: int | None = None
+    launch: LaunchOptions = LaunchOptions()
     output: Path | None = None
-    run_dir: Path | None = None
-    timeout: float | None = None
-    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
-    idle_timeout: float | None = None
-    max_restarts: int = 0
-
-    @classmethod
-    def from_cli(cls, args: Any, export: ExportOptions) -> "RunOptions":
-        for flag in ("timeout", "collective_timeout", "idle_timeout"):
-            value = getattr(args, flag)
-            if value is not None and value <= 0:
-                raise UsageError(f"--{flag.replace('_', '-')} {value}: give a positive number of seconds.")
-        return cls(notebook=args.notebook, export=export, gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
-                   output=args.output, run_dir=args.run_dir, timeout=args.timeout,
-                   collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
-                   max_restarts=args.max_restarts)
+    """The executed notebook (default: ``RUN_DIR/output.ipynb``), saved after every cell."""
+    command: str = ""
+    """How the run was started, for ``result.json``."""
 
 
 @dataclass
@@ -132,27 +118,32 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
                  say: Callable[[str], None] | None = None) -> RunResult:
     """Run the notebook; returns the result (never raises for a failed *run*, only for bad input)."""
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    launch = options.launch
     notebook = read_notebook(options.notebook)
-    devices = resolve(options.gpus, options.cpu, options.nproc)
-    script = generate(notebook, options.export)
+    devices = resolve(launch.gpus, launch.cpu, launch.nproc)
+    script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
+                                              returns=launch.returns))
+    check_defined(script)
+    parameters = effective_parameters(declared_parameters(notebook), launch.parameters)
     if devices.note:
         say(f"nbddp: {devices.note}")
     cwd = notebook.path.resolve().parent
-    run_dir = create_run_dir(notebook.path, options.run_dir)
-    output = options.output or run_dir / "output.ipynb"
-    deadline = time.monotonic() + options.timeout if options.timeout else None
+    run_dir = create_run_dir(notebook.path, launch.run_dir)
+    output = Path(options.output or run_dir / "output.ipynb")
+    deadline = time.monotonic() + launch.timeout if launch.timeout else None
     collector = NotebookOutputSink(run_dir)
     all_sinks = [collector, *(sinks if sinks is not None else [terminal_sink()])]
-    executed, numbers = kernel_notebook(notebook, options.export.parameters)
+    executed, numbers = kernel_notebook(notebook, launch.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
-    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout,
-             max_restarts=options.max_restarts) as job:
+    with Job(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout,
+             max_restarts=launch.max_restarts) as job:
         echo = _stdout_write if sinks is None else None
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
-                              options.idle_timeout)
+                              launch.idle_timeout, output)
         status, code, message = runner.run()
-    result = RunResult(status, code, run_dir, Path(output), message)
-    result.record = job.record(status, code, message, runner.outcome, options.export.parameters, str(notebook.path))
+    result = RunResult(status, code, run_dir, output, message)
+    result.record = job.record(status, code, message, runner.outcome, parameters, str(notebook.path),
+                               overrides=launch.parameters, command=options.command)
     _write_notebook(executed, output)
     say(_summary(result, devices))
     return result
@@ -163,9 +154,10 @@ class _NotebookRun:
 
     def __init__(self, job: Job, nb, numbers: list[int | None], notebook: Notebook,
                  collector: NotebookOutputSink, sinks: Sequence[Sink], deadline: float | None, cwd: Path,
-                 echo: Callable[[str], Any] | None = None, idle_timeout: float | None = None) -> None:
+                 echo: Callable[[str], Any] | None = None, idle_timeout: float | None = None,
+                 output: Path | None = None) -> None:
         self.job, self.nb, self.numbers, self.notebook, self.echo = job, nb, numbers, notebook, echo
-        self.idle_timeout = idle_timeout
+        self.idle_timeout, self.output = idle_timeout, output
         self.collector, self.sinks, self.deadline, self.cwd = collector, sinks, deadline, cwd
         self.outcome: JobOutcome | None = None
         self._cleanup: list[Callable[[], Any]] = []
@@ -199,6 +191,8 @@ class _NotebookRun:
                             cell.outputs = [_note("ran as part of the DDP job above")]
                             continue
                         pump.stop()
+                        cell.outputs = [_note("training as a DDP job; every rank's log is in the run dir")]
+                        self._save()
                         status = self._train(client, cell, index)
                         if status is not None:
                             return status
@@ -207,6 +201,7 @@ class _NotebookRun:
                     client.timeout = self._remaining()
                     client.execute_cell(cell, index)
                     self._echo(index, cell)
+                    self._save()
             return "succeeded", 0, ""
         except (CellExecutionError, CellTimeoutError) as exc:
             if isinstance(exc, CellTimeoutError):
@@ -238,6 +233,11 @@ class _NotebookRun:
         cell.outputs.extend(loader.outputs)
         self._echo(index, loader)
         return None
+
+    def _save(self) -> None:
+        """The executed notebook so far, as papermill saves it: any stop keeps the cells that ran."""
+        if self.output is not None:
+            _write_notebook(self.nb, self.output)
 
     def _echo(self, index: int, cell) -> None:
         """Show a kernel cell's text output in the terminal too (e.g. the evaluation's accuracy)."""
@@ -345,12 +345,19 @@ def _short(exc: Exception) -> str:
 
 
 def _write_notebook(nb, path: Path) -> None:
+    """Write atomically (a kill mid-write leaves the previous save), without nbddp's own cell marks."""
+    import copy
+
     import nbformat
 
+    nb = copy.copy(nb)
+    nb.cells = [copy.copy(cell) for cell in nb.cells]
     for cell in nb.cells:
-        cell.metadata.pop("nbddp_role", None)
+        cell.metadata = nbformat.from_dict({k: v for k, v in cell.metadata.items() if k != "nbddp_role"})
     path.parent.mkdir(parents=True, exist_ok=True)
-    nbformat.write(nb, path)
+    partial = path.with_name(f".{path.name}.partial")
+    nbformat.write(nb, partial)
+    os.replace(partial, path)
 
 
 def _summary(result: RunResult, devices: Devices) -> str:

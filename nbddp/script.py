@@ -20,6 +20,7 @@ from nbddp.cells import INJECTED, PARAMETERS, TRAIN, ExportedCell, select_cells
 from nbddp.engines import ENGINES, detect_engine, engine_code
 from nbddp.errors import NbddpError
 from nbddp.notebook import Notebook
+from nbddp.parameter_cell import check_overrides
 from nbddp.parameters import assignments, check_name
 from nbddp.sourcemap import Segment, SourceMap
 
@@ -57,7 +58,13 @@ class Script:
 
 
 def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Script:
-    """Notebook → script text + source map. Raises NotebookError/CellError on bad input."""
+    """Notebook → script text + source map.
+
+    Raises:
+        NotebookError, CellError: bad input. ParameterError: an override the parameters cell
+            doesn't declare.
+    """
+    check_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
     return render(select_cells(notebook), notebook.path, options, markdown)
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nbddp.batches import declared_parameters, load_grid, plan
+from nbddp.batches import load_grid, plan
 from nbddp.errors import ParameterError
 from nbddp.notebook import read_notebook
 from tests.conftest import code, write_notebook
@@ -51,7 +51,6 @@ def test_grid_forms(tmp_path):
 
 def test_unknown_names_are_rejected_and_runs_are_named(sweep):
     notebook = read_notebook(sweep)
-    assert declared_parameters(notebook) == ["lr", "batch_size", "fail_at", "epochs", "nap"]
     with pytest.raises(ParameterError, match="unknown parameter lrate; the parameters cell defines lr, batch_size"):
         plan(notebook, [{"lrate": 1}], {})
     with pytest.raises(ParameterError, match="unknown parameter seed"):
@@ -170,3 +169,26 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
     assert device_slots(BatchOptions("nb.ipynb", {}, parallel=2), print)[0] == [("3",), ("4",)]
     with pytest.raises(DeviceError, match="more GPUs than the 4 visible"):
         device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=5), print)
+
+
+@pytest.mark.slow
+def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
+    """--max-restarts and the timeouts mean in a batch what they mean in `nbddp run`."""
+    write_notebook(tmp_path / "r.ipynb", [
+        code("lr = 0.1", "parameters"),
+        code("#| ddp\nimport os\nimport torch\nimport nbddp\nmodel = torch.nn.Linear(2, 1)"),
+        code("#| ddp-train\nif nbddp.rank() == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+             "    raise RuntimeError('the first attempt fails')\nnbddp.prepare(model)\nnbddp.log(epoch=1, loss=lr)"),
+    ])
+    (tmp_path / "grid.yaml").write_text("lr: [0.1, 0.2]\n")
+    run = cli_run(["batch", "r.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out",
+                   "--max-restarts", "1", "--idle-timeout", "120", "--collective-timeout", "60"], tmp_path)
+    assert run.wait() == 0, run.output
+    results = [json.loads(p.read_text()) for p in sorted((tmp_path / "out").glob("*/result.json"))]
+    assert [r["overrides"] for r in results] == [{"lr": 0.1}, {"lr": 0.2}]
+    for result in results:
+        assert result["status"] == "succeeded" and result["restarts"] == 1, result
+        assert "--max-restarts 1" in result["command"] and "--idle-timeout 120.0" in result["command"]
+        assert "--collective-timeout 60.0" in result["command"]
+    again = cli_run(["batch", "r.ipynb", "--grid", "grid.yaml", "--cpu", "--out", "out", "--resume"], tmp_path)
+    assert again.wait() == 0 and "2/2 runs succeeded" in again.output

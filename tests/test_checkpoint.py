@@ -79,9 +79,14 @@ def test_dying_mid_save_keeps_the_previous_checkpoint(tmp_path):
         "for i in itertools.count():\n"
         f"    save_returns({{'model': {{'w': torch.full((2000, 2000), float(i))}}}}, {str(path)!r}, note=str(i))\n"
     )
-    for delay in (0.9, 1.3, 1.7):
+    for delay in (0.0, 0.05, 0.3):
         proc = subprocess.Popen([sys.executable, "-c", writer])
-        time.sleep(delay)
+        first = path.stat().st_mtime_ns if path.exists() else None
+        deadline = time.monotonic() + 120
+        while (path.stat().st_mtime_ns if path.exists() else None) == first:  # wait until this writer has saved
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer never saved"
+            time.sleep(0.01)
+        time.sleep(delay)  # not synchronisation: varies where in the next saves the kill lands
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if path.exists():

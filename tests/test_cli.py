@@ -62,3 +62,33 @@ def test_help_does_not_import_torch():
 def test_console_script_help():
     out = subprocess.run(["nbddp", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "export" in out.stdout and "run" in out.stdout
+
+
+def test_unknown_parameter_exits_2_listing_the_known_ones_for_export_and_run(notebook, capsys, tmp_path):
+    path = notebook([code("lr = 0.1\nepochs = 2", "parameters"), code("#| ddp-train\nprint(lr)")])
+    for command in (["export", str(path), "-o", "-"], ["run", str(path), "--cpu"]):
+        assert main([*command, "-p", "learning_rate", "0.1"]) == 2
+        assert "unknown parameter learning_rate; the parameters cell defines lr, epochs" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing was launched
+
+
+def test_bad_launch_values_exit_2_naming_the_option(notebook, capsys, tmp_path):
+    path = notebook(TRAIN)
+    for argv, message in ((["--nproc", "0"], "--nproc 0: need at least 1 process"),
+                          (["--timeout", "0"], "--timeout 0: give a positive number"),
+                          (["--max-restarts", "-2"], "--max-restarts -2: give 0 or more")):
+        assert main(["run", str(path), "--cpu", *argv]) == 2
+        assert message in capsys.readouterr().err
+        assert main(["batch", str(path), "--grid", str(tmp_path / "g.yaml"), "--cpu", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_name_no_exported_cell_defines_is_refused_before_launch(notebook, capsys, tmp_path):
+    path = notebook([code("import math\nscale = 2", "ddp"), code("steps = 3"),
+                     code("#| ddp-train\nx = math.sqrt(scale)\nfor i in range(steps):\n    print(i)")])
+    assert main(["run", str(path), "--cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "nb.ipynb, cell 3, line 3: the training code uses 'steps'" in err
+    assert "Define it in a '#| ddp' cell" in err
+    assert not (tmp_path / "runs").exists()

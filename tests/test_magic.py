@@ -271,3 +271,24 @@ def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
     pids = _rank_pids(run_dir)
     assert len(pids) == 2
     assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+
+
+def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):
+    """-p, --max-restarts, --idle-timeout and bad values: the same names and meanings as in `nbddp run`."""
+    fail_once = ("%%ddp_train --cpu --max-restarts 1 -p lr 0.25\n"
+                 "import os\n"
+                 "if nbddp.rank() == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+                 "    raise RuntimeError('the first attempt fails')\n"
+                 "print('trained with', lr, flush=True)")
+    nb = notebook(SETUP, "lr = 0.1", fail_once, "%%ddp_train --cpu -p nope 1\nprint(lr)",
+                  "%%ddp_train --cpu --nproc 0\nprint(lr)", "%%ddp_train --cpu --idle-timeout 3\ntime.sleep(600)")
+    NotebookClient(nb, timeout=300, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert "[rank 1] trained with 0.25" in text_of(nb.cells[3]), text_of(nb.cells[3])
+    first = json.loads((run_dirs(tmp_path)[0] / "result.json").read_text())
+    assert first["status"] == "succeeded" and first["restarts"] == 1
+    assert first["overrides"] == {"lr": 0.25} and first["command"].startswith("%%ddp_train --cpu --max-restarts 1")
+    assert "-p nope: the training code takes no such value from the kernel; it takes lr." in text_of(nb.cells[4])
+    assert "--nproc 0: need at least 1 process" in text_of(nb.cells[5])
+    stalled = text_of(nb.cells[6])
+    assert "RunTimeout" in stalled and "(--idle-timeout)" in stalled
+    assert len(run_dirs(tmp_path)) == 2  # the refused cells launched nothing

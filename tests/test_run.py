@@ -54,7 +54,10 @@ def test_examples_end_to_end_with_cpu_evaluation(tmp_path, cli_run, name, epochs
     result = result_of(run_dir)
     assert result["status"] == "succeeded" and result["exit_code"] == 0
     assert result["world_size"] == 2 and result["devices"] == {"kind": "cpu", "nproc": 2}
-    assert result["rank_exit_codes"] == {"0": 0, "1": 0} and result["parameters"] == {"epochs": epochs}
+    assert result["rank_exit_codes"] == {"0": 0, "1": 0} and result["overrides"] == {"epochs": epochs}
+    assert result["parameters"]["epochs"] == epochs and len(result["parameters"]) > 1  # the defaults too
+    assert result["command"] == f"nbddp run {name}.ipynb -p epochs {epochs}"
+    assert set(result["versions"]) == {"nbddp", "torch", "python"} and result["notebook"].endswith(f"{name}.ipynb")
     assert result["final_metrics"]["epoch"] == epochs
     assert result["wall_time_s"] > 0 and result["ended_at"] > result["started_at"]
     texts = cell_texts(run_dir / "output.ipynb")
@@ -250,3 +253,22 @@ def test_interrupted_catalyst_run_is_never_a_success(tmp_path, cli_run):
     assert "EVALUATION RAN" not in run.output
     assert result_of(run_dirs(tmp_path)[0])["status"] == "interrupted"
     assert not run.leftovers(grace=1)
+
+
+def test_sigkilled_run_keeps_an_executed_notebook_of_the_cells_that_ran(tmp_path, cli_run):
+    """The executed notebook is saved after every cell (as papermill does), so even SIGKILL keeps it."""
+    write_notebook(tmp_path / "k.ipynb", [
+        code("lr = 0.1", "parameters"), code("print('EXPLORED', lr)"), code(SETUP),
+        code("#| ddp-train\nfor step in range(10000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"),
+        code(EVALUATE),
+    ])
+    run = cli_run(["run", "k.ipynb", "--cpu", "-p", "lr", "0.5"], tmp_path)
+    run.wait_for("[rank 1] step 3")
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait(10)
+    assert not run.leftovers(grace=10)
+    (run_dir,) = run_dirs(tmp_path)
+    texts = cell_texts(run_dir / "output.ipynb")
+    assert "EXPLORED 0.5" in texts[2]  # the injected parameters cell sits at index 1
+    assert "training as a DDP job" in texts[4] and "kernel sees" not in "".join(texts)
+    assert not list(run_dir.glob(".*partial"))

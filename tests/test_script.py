@@ -75,7 +75,7 @@ def test_indent_code_skips_string_continuations():
 
 def test_command_line_parameters_follow_papermill_cells_and_win(notebook):
     script = make(notebook, [
-        code("lr = 0.1", "parameters"),
+        code("lr = 0.1\ntag = ''", "parameters"),
         code("lr = 0.2", "injected-parameters"),
         code("#| ddp\nseen = lr"),
         code("#| ddp-train\npass"),
@@ -88,8 +88,16 @@ def test_command_line_parameters_follow_papermill_cells_and_win(notebook):
 
 
 def test_parameters_without_a_parameters_cell_go_first(notebook):
-    script = make(notebook, [code("#| ddp\ny = x + 1"), code("#| ddp-train\npass")], parameters={"x": 1})
+    """As the magic writes values from the kernel; a notebook's -p needs a parameters cell."""
+    from nbddp.cells import select_cells
+    from nbddp.errors import ParameterError
+    from nbddp.script import render
+
+    nb = read_notebook(notebook([code("#| ddp\ny = x + 1"), code("#| ddp-train\npass")]))
+    script = render(select_cells(nb), nb.path, ExportOptions(parameters={"x": 1}))
     assert script.text.index("x = 1") < script.text.index("y = x + 1")
+    with pytest.raises(ParameterError, match="unknown parameter x: the notebook has no 'parameters' cell"):
+        generate(nb, ExportOptions(parameters={"x": 1}))
 
 
 @pytest.mark.parametrize("bad", [{"parameters": {"x=1\nimport os#": 1}}, {"returns": ("not a name",)},

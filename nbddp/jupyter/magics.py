@@ -7,14 +7,22 @@ id the front end sent) and turns the magic's line into options.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-
-from nbddp.cell_job import CellHistory, CellJobOptions, build_script, run_cell_job
-from nbddp.errors import NbddpError
+from nbddp.cell_job import CellHistory, build_script, run_cell_job
 from nbddp.compat import apply_catalyst_shims
+from nbddp.errors import NbddpError
+from nbddp.options import ArgumentParser, add_launch_arguments, launch_options, parse_line
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%%ddp_train", description="Train the cell with DDP; the weights come back here.")
+    add_launch_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
+    return parser
+
+
+_PARSER = _parser()
 
 
 @magics_class
@@ -34,30 +42,19 @@ class DdpMagics(Magics):
                 tags = ()
         self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, self.shell.execution_count)
 
-    @magic_arguments()
-    @argument("--gpus", default=None, help="GPUs to use: N or all (default: all visible)")
-    @argument("--cpu", action="store_true", help="CPU processes with gloo, even with GPUs")
-    @argument("--nproc", type=int, default=None, help="CPU processes (default 2)")
-    @argument("--engine", choices=("torch", "catalyst"), default=None, help="DDP engine (default: detected)")
-    @argument("--return", dest="returns", default="model", help="variables whose trained state comes back")
-    @argument("--run-dir", default=None, help="where the script, logs and weights go")
-    @argument("--timeout", type=float, default=None, help="stop after this many seconds")
-    @argument("--collective-timeout", type=float, default=300.0, help="seconds a rank may wait in a collective")
-    @argument("--idle-timeout", type=float, default=None, help="stop when no rank prints or logs for this long")
-    @argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
     @cell_magic
     def ddp_train(self, line: str, cell: str):
-        """Train this cell across the GPUs (or CPU processes) with DDP; weights come back here."""
-        args = parse_argstring(self.ddp_train, line)
-        options = CellJobOptions(
-            engine=args.engine, returns=tuple(n.strip() for n in args.returns.split(",") if n.strip()),
-            gpus=args.gpus, cpu=args.cpu, nproc=args.nproc,
-            run_dir=Path(args.run_dir) if args.run_dir else None, timeout=args.timeout, dry_run=args.dry_run,
-            collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
-        )
+        """Train this cell across the GPUs (or CPU processes) with DDP; weights come back here.
+
+        Options are those of ``nbddp run`` (``%%ddp_train --help`` lists them), plus ``--dry-run``.
+        """
+        args = parse_line(_PARSER, line)
+        if args is None:  # --help
+            return None
+        options = launch_options(args)
         script, parameters = build_script(self.history, cell, self.shell.user_ns, options,
                                           self.shell.execution_count)
-        if options.dry_run:
+        if args.dry_run:
             print(script.text)
             return None
         from nbddp.devices import resolve
@@ -66,7 +63,8 @@ class DdpMagics(Magics):
         view = make_view(resolve(options.gpus, options.cpu, options.nproc).nproc)
         status = "failed"
         try:
-            result = run_cell_job(script, parameters, options, self.shell.user_ns, [view])
+            result = run_cell_job(script, parameters, options, self.shell.user_ns, [view],
+                                  command=f"%%ddp_train {line}".strip())
             status = "succeeded"
         except KeyboardInterrupt:
             status = "interrupted"

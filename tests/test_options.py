@@ -1,0 +1,60 @@
+"""One options type and one argument definition for every front door."""
+
+import argparse
+
+import pytest
+
+from nbddp.errors import UsageError
+from nbddp.options import (ArgumentParser, LaunchOptions, add_launch_arguments, launch_options, parse_line)
+
+
+def parse(argv):
+    parser = ArgumentParser(prog="nbddp run")
+    add_launch_arguments(parser)
+    return launch_options(parser.parse_args(argv))
+
+
+def test_defaults_live_in_one_place():
+    assert parse([]) == LaunchOptions()
+    assert LaunchOptions().collective_timeout == 300.0 and LaunchOptions().returns == ("model",)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nproc", "0"], "--nproc 0: need at least 1 process"),
+    (["--gpus", "0"], "--gpus 0: need at least 1 GPU"),
+    (["--gpus", "two"], "--gpus 'two': give a number or 'all'"),
+    (["--cpu", "--gpus", "1"], "--cpu and --gpus contradict"),
+    (["--timeout", "-1"], "--timeout -1: give a positive number of seconds"),
+    (["--idle-timeout", "0"], "--idle-timeout 0: give a positive number of seconds"),
+    (["--collective-timeout", "-5"], "--collective-timeout -5"),
+    (["--timeout", "inf"], "--timeout inf"),
+    (["--max-restarts", "-1"], "--max-restarts -1: give 0 or more"),
+    (["--return", ","], "--return: name at least one variable"),
+    (["--return", "not a name"], "--return 'not a name'"),
+    (["-p", "x y", "1"], "-p: parameter name 'x y' is not a valid Python variable name"),
+    (["--engine", "catalyst", "--max-restarts", "1"], "--max-restarts needs the torch engine"),
+    (["--engine", "jax"], "argument --engine: invalid choice"),
+    (["--nproc", "two"], "argument --nproc: invalid int value"),
+])
+def test_bad_values_are_usage_errors_naming_the_option(argv, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")) as info:
+        parse(argv)
+    assert info.value.exit_code == 2
+
+
+def test_round_trip_through_argv():
+    """A batch hands each run its options as arguments: they must parse back to the same options."""
+    options = LaunchOptions(cpu=True, nproc=3, engine="torch", returns=("model", "opt"), timeout=60.5,
+                            collective_timeout=None, idle_timeout=9, max_restarts=2, run_dir=None,
+                            parameters={"lr": 0.1, "name": "x y", "quoted": "'a'", "num_str": "1", "flag": True,
+                                        "none": None, "items": [1, {"a": (2, 3)}], "text": "--looks-like-a-flag"})
+    assert parse(options.to_argv()) == options
+
+
+def test_help_in_a_magic_is_shown_not_an_error(capsys):
+    parser = ArgumentParser(prog="%%ddp_train")
+    add_launch_arguments(parser)
+    assert parse_line(parser, "--help") is None
+    assert "--max-restarts" in capsys.readouterr().out
+    assert parse_line(parser, "--cpu --nproc 2 -p lr '0.5'") == argparse.Namespace(**{
+        **vars(parser.parse_args([])), "cpu": True, "nproc": 2, "parameters": [["lr", "0.5"]]})

@@ -1,0 +1,35 @@
+"""The parameters cell: declared names and defaults, and overrides checked against them."""
+
+import pytest
+
+from nbddp.errors import ParameterError
+from nbddp.notebook import read_notebook
+from nbddp.parameter_cell import check_overrides, declared_parameters, effective_parameters
+from tests.conftest import code
+
+
+def test_declared_defaults_keep_literals_and_name_expressions(notebook):
+    nb = read_notebook(notebook([
+        code("lr = 0.1\nepochs: int = 3\nname = 'x'\nsteps = epochs * 10\na, b = 1, 2", "parameters"),
+        code("#| ddp\nhidden = 5"),
+        code("#| ddp-train\npass"),
+    ]))
+    assert declared_parameters(nb) == {"lr": 0.1, "epochs": 3, "name": "x", "steps": {"expression": "epochs * 10"},
+                                       "a": {"expression": "1, 2"}, "b": {"expression": "1, 2"}}
+    assert effective_parameters(declared_parameters(nb), {"lr": 0.5}) == {
+        "lr": 0.5, "epochs": 3, "name": "x", "steps": {"expression": "epochs * 10"},
+        "a": {"expression": "1, 2"}, "b": {"expression": "1, 2"}}
+
+
+def test_unknown_override_is_refused_listing_the_known_names(notebook):
+    nb = read_notebook(notebook([code("lr = 0.1\nepochs = 3", "parameters"), code("#| ddp-train\npass")]))
+    assert check_overrides(nb, {"lr": 1}) == {"lr": 0.1, "epochs": 3}
+    with pytest.raises(ParameterError, match="unknown parameter learning_rate; the parameters cell defines lr, epochs"):
+        check_overrides(nb, {"learning_rate": 0.1})
+
+
+def test_any_override_needs_a_parameters_cell(notebook):
+    nb = read_notebook(notebook([code("#| ddp-train\npass")]))
+    assert check_overrides(nb, {}) == {}
+    with pytest.raises(ParameterError, match="unknown parameter lr: the notebook has no 'parameters' cell"):
+        check_overrides(nb, ["lr"])
