@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from nbddp.notebook import Notebook, read_notebook
 from nbddp.options import LaunchOptions
 from nbddp.parameter_cell import check_overrides, declared_parameters
 from nbddp.parameters import check_name, is_plain_data
+from nbddp.procs import stop_groups
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -228,15 +228,10 @@ class Batch:
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
+        stop_groups([s.process.pid for s in running], grace=STOP_GRACE_SECONDS,
+                    reap=lambda: [s.process.poll() for s in running])
         for state in running:
-            _signal_group(state.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        while any(s.process.poll() is None for s in running) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        for state in running:
-            if state.process.poll() is None:
-                _signal_group(state.process.pid, signal.SIGKILL)
-                state.process.wait()
+            state.process.wait()
             state.status = _status_of(state.run_dir, state.process.returncode, default="interrupted")
 
 
@@ -245,13 +240,6 @@ def _status_of(run_dir: Path, code: int | None, default: str = "failed") -> str:
         return json.loads((run_dir / "result.json").read_text(encoding="utf-8"))["status"]
     except (OSError, ValueError, KeyError):
         return "succeeded" if code == 0 else default
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[list[tuple[str, ...]], int, str]:

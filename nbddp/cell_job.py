@@ -21,9 +21,10 @@ from typing import Any, Hashable, Sequence
 from nbddp.cells import SETUP, TRAIN, cell_role, export_cell
 from nbddp.checkpoint import load_into, load_returns
 from nbddp.devices import Devices, resolve
-from nbddp.errors import CellError, ParameterError, RunFailed, RunInterrupted, RunTimeout
+from nbddp.errors import CellError, ParameterError
 from nbddp.freevars import free_names
-from nbddp.job import Job, JobOutcome, create_run_dir
+from nbddp.job import Job, JobOutcome, JobSpec, create_run_dir
+from nbddp.outcome import Status, run_error
 from nbddp.notebook import Cell
 from nbddp.options import LaunchOptions
 from nbddp.parameters import is_plain_data
@@ -155,8 +156,9 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     def record(job: Job, status: str, code: int, message: str, outcome: JobOutcome | None) -> RunRecord:
         return job.record(status, code, message, outcome, parameters, "the kernel", overrides, command)
 
-    with Job(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel",
-             max_restarts=options.max_restarts) as job:
+    spec = JobSpec(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel",
+                   max_restarts=options.max_restarts)
+    with Job.start(spec) as job:
         try:
             outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
         except KeyboardInterrupt:  # the kernel's stop button
@@ -165,10 +167,9 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
         except Exception as exc:
             record(job, "failed", 1, f"{type(exc).__name__}: {exc}", None)
             raise
-    if outcome.status != "succeeded":
+    if outcome.status != Status.SUCCEEDED:
         record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
-        error = {"timeout": RunTimeout, "interrupted": RunInterrupted}.get(outcome.status, RunFailed)
-        raise error(outcome.message)
+        raise run_error(outcome, job.paths)
     states, note = load_returns(job.checkpoint)
     loaded = load_into(namespace, states)
     return CellJobResult("succeeded", job.run_dir, record(job, "succeeded", 0, "", outcome), loaded, note)

@@ -128,33 +128,29 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 class _BatchProgress:
-    """One overall bar plus the running runs: redrawn in a terminal, a line per change otherwise."""
+    """tqdm's bar over the batch's runs (on a terminal; one line per finished run otherwise)."""
 
     def __init__(self) -> None:
-        self.tty = sys.stderr.isatty()
-        self.last = ""
-        self.drawn = 0
+        self.bar = None
+        self.done = 0
 
     def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.batches.Batch
-        import time
+        from tqdm import tqdm
 
         states = batch.states
-        done = [s for s in states if s.status not in ("pending", "running")]
-        failed = [s for s in done if s.status not in ("succeeded", "skipped")]
-        width = 30
-        filled = int(width * len(done) / max(1, len(states)))
-        lines = [f"[{'#' * filled}{'.' * (width - filled)}] {len(done)}/{len(states)} runs done, {len(failed)} failed"]
-        for s in states:
-            if s.status == "running":
-                lines.append(f"  running {s.run.name} ({time.monotonic() - s.started:.0f}s)")
-        text = "\n".join(lines)
-        if self.tty:
-            sys.stderr.write("\x1b[F\x1b[K" * self.drawn + text + "\n")
-            self.drawn = len(lines)
-        elif text.split("(")[0] != self.last.split("(")[0]:
-            sys.stderr.write(text + "\n")
-        sys.stderr.flush()
-        self.last = text
+        finished = [s for s in states if s.status not in ("pending", "running")]
+        failed = sum(s.status not in ("succeeded", "skipped") for s in finished)
+        if self.bar is None:
+            self.bar = tqdm(total=len(states), unit="run", file=sys.stderr, dynamic_ncols=True,
+                            disable=not sys.stderr.isatty())
+        running = [s.run.name for s in states if s.status == "running"]
+        self.bar.set_postfix_str(f"{failed} failed; running {', '.join(running) or 'none'}", refresh=False)
+        self.bar.update(len(finished) - self.bar.n)
+        if self.bar.disable and len(finished) != self.done:
+            print(f"{len(finished)}/{len(states)} runs done, {failed} failed", file=sys.stderr, flush=True)
+        self.done = len(finished)
+        if len(finished) == len(states):
+            self.bar.close()
 
 
 def _ps(args: argparse.Namespace) -> int:

@@ -57,21 +57,49 @@ class DeviceError(NbddpError):
     exit_code = 3
 
 
-class RunFailed(NbddpError):
+class RunError(NbddpError):
+    """A run that didn't succeed, carrying its judged outcome (not only a message), picklable.
+
+    ``status`` (``failed``/``timeout``/``interrupted``), ``exit_code``, the failing ``rank``, the
+    exception type it raised (``exc_type``), the notebook ``cell`` and ``line``, and the ``run_dir``.
+    """
+
+    status = "failed"
+
+    def __init__(self, message: str, *, exit_code: int | None = None, rank: int | None = None,
+                 exc_type: str | None = None, cell: int | None = None, line: int | None = None,
+                 run_dir: str | None = None) -> None:
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+        self.rank, self.exc_type, self.cell, self.line, self.run_dir = rank, exc_type, cell, line, run_dir
+
+    def __reduce__(self):
+        fields = {k: getattr(self, k) for k in ("exit_code", "rank", "exc_type", "cell", "line", "run_dir")}
+        return (_rebuild, (self.__class__, self.args, fields))
+
+
+def _rebuild(cls: type, args: tuple, fields: dict) -> RunError:
+    return cls(*args, **fields)
+
+
+class RunFailed(RunError):
     """A rank failed; the message carries its error translated to the notebook."""
 
     exit_code = 1
 
 
-class RunTimeout(NbddpError):
-    """The run exceeded ``--timeout``; every rank was stopped."""
+class RunTimeout(RunError):
+    """The run exceeded a time limit (``--timeout``, ``--idle-timeout``, a collective); every rank was stopped."""
 
+    status = "timeout"
     exit_code = 124
 
 
-class RunInterrupted(NbddpError):
-    """The run was interrupted by a signal; every rank was stopped."""
+class RunInterrupted(RunError):
+    """The run was interrupted (a signal, the stop button, ``nbddp kill``); every rank was stopped."""
 
+    status = "interrupted"
     exit_code = 130
 
 

@@ -1,54 +1,45 @@
-"""One DDP job: write the script into a run dir, launch it, follow it, judge it.
+"""One DDP job: a plain spec; ``start()`` that fully starts it or leaves nothing behind; following it
+while it runs; and gathering the evidence that :func:`nbddp.outcome.judge` turns into the outcome.
 
-Used by ``nbddp run`` (with a kernel beside it) and by the ``%%ddp_train``
-magic (inside the kernel). The outcome never trusts an exit status alone:
-a job stopped by nbddp is *interrupted* or *timed out* even when Catalyst's
-children exit 0 after a signal, and a zero exit without the checkpoint the
-job promised is a failure.
+Used by ``nbddp run`` (with a kernel beside it), by the ``%%ddp_train`` magic (inside the kernel)
+and so by every run of ``nbddp batch``. How the processes are started is the launcher's business
+(:mod:`nbddp.launchers`); owning them is :class:`nbddp.launch.Launch`'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
 from nbddp import registry
 from nbddp.devices import Devices
-from nbddp.engines import catalyst as catalyst_engine
-from nbddp.engines import torch as torch_engine
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
+from nbddp.launchers import Launcher, launcher_for
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT
+from nbddp.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.procs import process_alive
-from nbddp.report import (RankError, RunRecord, describe_exit, launcher_exit_codes, launcher_root_cause,
-                          last_metrics, rank_errors)
+from nbddp.report import RunRecord, last_metrics, rank_errors
+from nbddp.rundir import RunDir, rank_of
 from nbddp.script import Script, write_script
 from nbddp.stream import RunFollower, Sink
 
 POLL_SECONDS = 0.05
 RANK_CHECK_SECONDS = 0.5
-#: ``--collective-timeout`` default: long enough for a slow epoch's all-reduce, far below torch's 30 min.
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-#: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
-_COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
-#: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
-#: Exit codes for outcomes, as shells and CI read them.
-EXIT_CODES = {"succeeded": 0, "failed": 1, "timeout": 124, "interrupted": 130}
 
 
 def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
     """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private."""
     if run_dir is not None:
         run_dir = Path(run_dir)
-        if any((run_dir / name).exists() for name in ("result.json", "train.py", "logs")):
+        if RunDir(run_dir).holds_a_run():
             raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         return run_dir.resolve()
@@ -65,46 +56,57 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
     raise NbddpError(f"could not create a run dir in {parent}.")
 
 
-@dataclass
-class JobOutcome:
-    status: str
-    """``succeeded``, ``failed``, ``timeout`` or ``interrupted``."""
-    exit_code: int
-    launcher_exit: int | None
-    rank_exit_codes: dict[int, int] = field(default_factory=dict)
-    errors: list[RankError] = field(default_factory=list)
-    message: str = ""
-    final_metrics: dict[str, Any] = field(default_factory=dict)
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, where, on what: everything a job needs before it starts."""
+
+    script: Script
+    devices: Devices
+    run_dir: Path
+    cwd: Path
+    python: str = sys.executable
+    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
+    owner: str = "cli"
+    """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
+    max_restarts: int = 0
 
 
 class Job:
-    """A launched job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
+    """A started job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
 
-    def __init__(self, script: Script, devices: Devices, run_dir: Path, cwd: Path,
-                 python: str = sys.executable, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
-                 owner: str = "cli", max_restarts: int = 0) -> None:
-        self.script = script
-        self.devices = devices
-        self.run_dir = run_dir
-        self.script_path, _ = write_script(script, run_dir / script.source_map.script)
-        self.checkpoint = run_dir / "weights.pt"
-        (run_dir / "logs").mkdir(exist_ok=True)
-        engine = catalyst_engine if script.engine == "catalyst" else torch_engine
-        if max_restarts and script.engine != "torch":
-            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
-        argv = engine.launch_command(str(self.script_path), devices.nproc, python=python, max_restarts=max_restarts,
-                                     log_dir=str(run_dir / "logs" / "torchrun"))
-        env = rank_environment(os.environ, run_dir=run_dir, device_kind=devices.kind,
-                               nproc=devices.nproc, checkpoint=self.checkpoint)
-        self.collective_timeout = collective_timeout
-        if collective_timeout:
-            env["NBDDP_COLLECTIVE_TIMEOUT"] = str(collective_timeout)
+    def __init__(self, spec: JobSpec, launcher: Launcher, launch: Launch, live: registry.LiveRun) -> None:
+        self.spec, self.launcher, self.launch, self.live = spec, launcher, launch, live
+        self.script, self.devices = spec.script, spec.devices
+        self.run_dir = spec.run_dir
+        self.paths = RunDir(spec.run_dir)
+        self.checkpoint = self.paths.weights
+        self.script_path = spec.run_dir / spec.script.source_map.script
+        self.collective_timeout = spec.collective_timeout
         self.early_exit: int | None = None
         self.idle_for: float | None = None
         self.started_at = time.time()
-        self.launch = Launch(LaunchSpec(tuple(argv), env, cwd, run_dir / "logs" / "launcher.log"))
-        self.live = registry.register(run_dir, self.launch.pgid, script.engine, devices.nproc, owner)
-        self.follower = RunFollower(run_dir, include_launcher=script.engine == "catalyst")
+        self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
+
+    @classmethod
+    def start(cls, spec: JobSpec) -> "Job":
+        """Write the script, start the launcher, register the run: all of it, or nothing left running."""
+        launcher = launcher_for(spec.script.engine)
+        if spec.max_restarts and not launcher.supports_restarts:
+            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+        paths = RunDir(spec.run_dir)
+        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
+        paths.logs.mkdir(exist_ok=True)
+        argv = launcher.command(script_path, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
+        env = rank_environment(os.environ, run_dir=spec.run_dir, device_kind=spec.devices.kind,
+                               nproc=spec.devices.nproc, checkpoint=paths.weights,
+                               collective_timeout=spec.collective_timeout)
+        launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log))
+        try:
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.devices.nproc, spec.owner)
+            return cls(spec, launcher, launch, live)
+        except BaseException:
+            launch.stop()
+            raise
 
     def pump(self, sinks: Sequence[Sink], final: bool = False) -> bool:
         """Deliver what the ranks wrote since the last call.
@@ -162,12 +164,12 @@ class Job:
         the same, so nobody is blamed unless ``despite_errors`` (the error says a peer vanished).
         ``live``: called while the job runs, so a launcher exiting meanwhile defers to its report.
         """
-        if not despite_errors and any((self.run_dir / "errors").glob("rank-*.json")):
+        paths = self.paths
+        if not despite_errors and any(paths.errors.glob("rank-*.json")):
             return None  # (after a restart too: stale reports make this check conservative)
-        ranks = self.run_dir / "ranks"
-        for info in ranks.glob("rank-*.json") if ranks.is_dir() else ():
-            rank = int(info.stem.split("-")[1])
-            if (ranks / f"rank-{rank}.done").exists() or (self.run_dir / "errors" / f"rank-{rank}.json").exists():
+        for info in paths.ranks.glob("rank-*.json") if paths.ranks.is_dir() else ():
+            rank = rank_of(info)
+            if paths.rank_done(rank).exists() or paths.rank_error(rank).exists():
                 continue
             try:
                 pid = json.loads(info.read_text())["pid"]
@@ -178,8 +180,8 @@ class Job:
                 # saw it die (a signal, a crash) exits within its monitor interval with a better report.
                 deadline = time.monotonic() + 1.0
                 while time.monotonic() < deadline:
-                    if (live and self.launch.poll() is not None) or (ranks / f"rank-{rank}.done").exists() \
-                            or (self.run_dir / "errors" / f"rank-{rank}.json").exists():
+                    if (live and self.launch.poll() is not None) or paths.rank_done(rank).exists() \
+                            or paths.rank_error(rank).exists():
                         return None
                     time.sleep(0.05)
                 return rank
@@ -191,95 +193,39 @@ class Job:
     def restarts(self) -> int:
         """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
         attempts = [0]
-        for info in (self.run_dir / "ranks").glob("rank-*.json"):
+        for info in self.paths.ranks.glob("rank-*.json"):
             try:
                 attempts.append(int(json.loads(info.read_text()).get("attempt", 0)))
             except (OSError, ValueError):
                 continue
         return max(attempts)
 
-    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
-        code = self.launch.poll()
+    def evidence(self, timed_out: bool = False, interrupted_by: int | None = None) -> Evidence:
+        """What the job's processes left behind, for :func:`nbddp.outcome.judge`."""
         latest = self.restarts()  # errors of attempts torchrun recovered from don't count
-        errors = [e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest]
-        codes = launcher_exit_codes(self.launch.spec.log_path)
-        for error in errors:
-            codes.setdefault(error.rank, 1)
-        metrics = last_metrics(self.run_dir)
-        if interrupted_by is None and not timed_out and (self.run_dir / registry.STOP_MARK).exists():
-            return JobOutcome("interrupted", 128 + signal.SIGTERM, code, codes, errors,
-                              "stopped by `nbddp kill`; every rank was stopped.", metrics)
-        peer_gone = bool(errors) and bool(_PEER_GONE.search(errors[0].message))
-        we_stopped = self.launch.stopped_by is not None
-        # SIGTERMs come from whoever stops the survivors (torchrun, spawn, or us): never the root cause.
-        signalled = {r: c for r, c in codes.items() if c < 0 and c != -signal.SIGTERM}
-        if signalled and (not errors or peer_gone) and not timed_out and interrupted_by is None \
-                and (not we_stopped or self.early_exit is not None):
-            root = launcher_root_cause(self.launch.spec.log_path)
-            rank = root if root in signalled else min(signalled)
-            return JobOutcome("failed", 1, code, codes, errors, self._death_message(rank, signalled[rank]), metrics)
-        if self.early_exit is None and peer_gone:
+        errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
+        log = _read(self.paths.launcher_log)
+        evidence = Evidence(
+            run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
+            rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
+            done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
+            checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
+            launcher_tail="\n".join(log.splitlines()[-15:]), stop_requested=self.paths.stop_mark.exists(),
+            timed_out=timed_out, idle_for=self.idle_for if timed_out else None,
+            interrupted_by=interrupted_by or (self.launch.stopped_by if not timed_out else None),
+            stopped_by_us=self.launch.stopped_by is not None, early_exit=self.early_exit,
+            collective_timeout=self.collective_timeout, nproc=self.devices.nproc,
+            final_metrics=last_metrics(self.run_dir),
+        )
+        if evidence.early_exit is None and evidence.peer_gone:  # who vanished, that the error speaks of?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
-        if self.early_exit is not None:
-            rank = self.early_exit
-            return JobOutcome("failed", 1, code, codes, errors, (
-                f"rank {rank} ended before the training finished, without an error, while the other ranks "
-                f"were still running (they would have waited for it in a collective). Look for sys.exit(), "
-                f"os._exit() or a return path that skips work on some ranks; its log: "
-                f"{self.run_dir / 'logs' / f'rank-{rank}.log'}"), metrics)
-        interrupted_by = interrupted_by or (self.launch.stopped_by if not timed_out else None)
-        if timed_out:
-            message = (f"no rank printed or logged anything for {self.idle_for:g}s (--idle-timeout): stopped. "
-                       "A stuck data loader or a deadlock outside collectives?") if self.idle_for else \
-                "the run exceeded --timeout; every rank was stopped."
-            return JobOutcome("timeout", 124, code, codes, errors, message, metrics)
-        if errors and _COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in (
-                "RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError"):
-            return JobOutcome("timeout", 124, code, codes, errors, (
-                f"a collective timed out (--collective-timeout {self.collective_timeout:g}s): rank "
-                f"{errors[0].rank} waited for peers that never joined — did a rank skip an all_reduce, "
-                f"or stall?\n\n" + self._failure_message(code, errors, codes)), metrics)
-        if interrupted_by is not None:
-            status_code = 128 + interrupted_by
-            return JobOutcome("interrupted", status_code, code, codes, errors,
-                              f"interrupted by {signal.Signals(interrupted_by).name}; every rank was stopped.", metrics)
-        if code == 0 and self.checkpoint.exists() and not errors:
-            codes = {r: 0 for r in range(self.devices.nproc)} | codes
-            return JobOutcome("succeeded", 0, code, codes, [], "", metrics)
-        message = self._failure_message(code, errors, codes)
-        # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2.
-        bad_input = not errors and "UnpicklableError:" in message
-        return JobOutcome("failed", 2 if bad_input else 1, code, codes, errors, message, metrics)
+            evidence = replace(evidence, early_exit=self.early_exit)
+        return evidence
 
-    def _failure_message(self, code: int | None, errors: list[RankError], codes: dict[int, int]) -> str:
-        notebook = self.script.source_map.notebook
-        if errors:
-            first = errors[0]
-            return (f"{first.headline(notebook)}\n\nTraceback (notebook cells in brackets):\n"
-                    f"{first.traceback.rstrip()}\n\nFull log: {self.run_dir / 'logs' / f'rank-{first.rank}.log'}")
-        dead = {r: c for r, c in codes.items() if c != 0}
-        if dead:
-            return self._death_message(*min(dead.items(), key=lambda rc: rc[0]))
-        if code == 0:
-            return (f"the ranks exited without saving the returned weights ({self.checkpoint.name}). "
-                    "A rank may have exited early; see the logs in " + str(self.run_dir / "logs"))
-        tail = _tail(self.launch.spec.log_path)
-        raised = [line for line in tail.splitlines() if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*:", line)]
-        headline = f"{raised[-1]}\n\n" if raised else ""
-        return f"{headline}the launcher failed ({describe_exit(code or 1)}); its last output:\n{tail}"
+    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
+        return judge(self.evidence(timed_out, interrupted_by))
 
-    def _death_message(self, rank: int, exit_code: int) -> str:
-        """A rank that ended badly; told truthfully when it had finished its training first."""
-        log = self.run_dir / "logs" / f"rank-{rank}.log"
-        if not (self.run_dir / "ranks" / f"rank-{rank}.done").exists():
-            return f"rank {rank} died: {describe_exit(exit_code)}. Its last output is in {log}."
-        how = signal.Signals(-exit_code).name if exit_code < 0 and -exit_code in signal.valid_signals() \
-            else describe_exit(exit_code)
-        kept = f"The trained weights are kept in {self.checkpoint}. " if self.checkpoint.exists() else ""
-        return (f"rank {rank} finished training, then crashed while exiting ({how}): a defect in the process's "
-                f"teardown, not in the training. {kept}Its last output is in {log}.")
-
-    def record(self, status: str, exit_code: int, message: str, outcome: JobOutcome | None,
+    def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
                command: str = "") -> RunRecord:
         """``result.json`` for this job, written into the run dir and returned.
@@ -288,7 +234,7 @@ class Job:
         """
         ended = time.time()
         record = RunRecord(
-            status=status, exit_code=exit_code, notebook=notebook, engine=self.script.engine,
+            status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=self.script.engine,
             devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.devices.nproc,
             parameters=dict(parameters), started_at=self.started_at, ended_at=ended,
             wall_time_s=round(ended - self.started_at, 3),
@@ -310,12 +256,8 @@ class Job:
         registry.unregister(self.live)
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def _read(path: Path) -> str:
     try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+        return path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=1, default=repr), encoding="utf-8")

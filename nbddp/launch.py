@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.procs import group_alive
+from nbddp.procs import group_alive, stop_groups
+from nbddp.rank_env import RankEnv
+from nbddp.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -69,22 +71,7 @@ class Launch:
         """
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        self._signal_group(sig)
-        deadline = time.monotonic() + grace
-        while self.alive() and time.monotonic() < deadline:
-            self.wait(0.05)
-        if self.alive():
-            self._signal_group(signal.SIGKILL)
-            self.wait(2.0)
-            deadline = time.monotonic() + 2.0
-            while self.alive() and time.monotonic() < deadline:
-                time.sleep(0.02)
-
-    def _signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_groups([self.pgid], sig, grace, reap=self.process.poll)
 
     def alive(self) -> bool:
         """True while any process of the group is running (zombies of ours reaped first)."""
@@ -100,16 +87,6 @@ class Launch:
 
 
 def rank_environment(base: dict[str, str], *, run_dir: Path, device_kind: str, nproc: int,
-                     checkpoint: Path) -> dict[str, str]:
+                     checkpoint: Path, collective_timeout: float | None = None) -> dict[str, str]:
     """The environment every rank gets (a dict for Popen; this process's env is not touched)."""
-    env = dict(base)
-    env.update(
-        NBDDP_RUN_DIR=str(run_dir),
-        NBDDP_DEVICE=device_kind,
-        NBDDP_NPROC=str(nproc),
-        NBDDP_CHECKPOINT=str(checkpoint),
-        PYTHONUNBUFFERED="1",
-    )
-    if "OMP_NUM_THREADS" not in env:  # torchrun would set 1 and warn about it
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    return env
+    return RankEnv(RunDir(run_dir), device_kind, nproc, checkpoint, collective_timeout).to_environ(base)

@@ -1,50 +1,74 @@
-"""Is a process, or any process of a group, still running? Read from /proc, zombies excluded.
+"""Processes and process groups: is anything still running, and the one way nbddp stops them.
 
-``kill(pid, 0)`` also succeeds for zombies waiting to be reaped, so it can't
-tell a finished rank from a running one; /proc's state field can.
+psutil reads the process table (zombies, which ``kill(pid, 0)`` can't tell from running
+processes, count as gone). :func:`stop_groups` is the one terminate → grace → kill sequence,
+used by the job's launch, by ``nbddp kill`` and by ``nbddp batch``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+from typing import Callable, Iterable
 
-
-def _stat(pid: int | str) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
+import psutil
 
 
 def process_alive(pid: int) -> bool:
-    fields = _stat(pid)
-    if fields is not None:
-        return fields[0] != "Z"
-    if os.path.isdir("/proc"):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    try:  # no /proc (not Linux): the best we can do
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def group_alive(pgid: int) -> bool:
     """True while any process of group ``pgid`` is running."""
     try:
-        os.killpg(pgid, 0)
+        os.killpg(pgid, 0)  # cheap answer for a group that is entirely gone
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    if not os.path.isdir("/proc"):
-        return True
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat(entry)
-            if fields is not None and int(fields[2]) == pgid and fields[0] != "Z":
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
                 return True
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
     return False
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_groups(pgids: Iterable[int], sig: int = signal.SIGTERM, grace: float = 5.0,
+                reap: Callable[[], None] = lambda: None) -> bool:
+    """Send ``sig`` to every group, give them ``grace`` seconds, SIGKILL what is left.
+
+    ``reap`` is called while waiting (a parent reaps its own children's zombies there).
+    Returns True when no process of any group is left.
+    """
+    pgids = list(pgids)
+    for pgid in pgids:
+        signal_group(pgid, sig)
+    if not _wait_gone(pgids, grace, reap):
+        for pgid in pgids:
+            signal_group(pgid, signal.SIGKILL)
+        return _wait_gone(pgids, 4.0, reap)
+    return True
+
+
+def _wait_gone(pgids: list[int], seconds: float, reap: Callable[[], None]) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        reap()
+        if not any(group_alive(pgid) for pgid in pgids):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)

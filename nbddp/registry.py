@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbddp.errors import UsageError
-from nbddp.procs import group_alive, process_alive
+from nbddp.procs import group_alive, process_alive, stop_groups
 
 
 def state_dir() -> Path:
@@ -90,18 +90,9 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
     if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
     deadline = time.monotonic() + grace
-    while group_alive(run.pgid) and time.monotonic() < deadline:
+    while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
         time.sleep(0.1)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if not group_alive(run.pgid):
-            break
-        try:
-            os.killpg(run.pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        deadline = time.monotonic() + 5
-        while group_alive(run.pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
+    stop_groups([run.pgid])
     gone = not group_alive(run.pgid)
     if gone:
         unregister(run)

@@ -10,7 +10,6 @@ the launcher's own failure report (torchrun's, or ``mp.spawn``'s).
 from __future__ import annotations
 
 import json
-import re
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,9 +17,6 @@ from typing import Any
 
 from nbddp.sourcemap import SourceMap
 
-_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-_SPAWN_FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
-_SPAWN_RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
 
 
 @dataclass(frozen=True)
@@ -70,33 +66,6 @@ def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
             time=data.get("time", 0.0),
         ))
     return sorted(errors, key=lambda e: e.time)
-
-
-def launcher_exit_codes(launcher_log: Path) -> dict[int, int]:
-    """Per-rank exit codes from torchrun's or mp.spawn's failure report (signals as -N)."""
-    try:
-        text = launcher_log.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return {}
-    codes: dict[int, int] = {}
-    for rank, code in _TORCHRUN_FAILURE.findall(text):
-        codes[int(rank)] = int(code)
-    for rank, code, sig in _SPAWN_FAILURE.findall(text):
-        codes[int(rank)] = int(code) if code else -int(getattr(signal, sig, 0))
-    for rank in _SPAWN_RAISED.findall(text):
-        codes.setdefault(int(rank), 1)
-    return codes
-
-
-def launcher_root_cause(launcher_log: Path) -> int | None:
-    """The rank torchrun names as the first observed failure, if it wrote its report."""
-    try:
-        text = launcher_log.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    _, found, tail = text.rpartition("Root Cause (first observed failure)")
-    match = re.search(r"rank\s*:\s*(\d+)", tail) if found else None
-    return int(match.group(1)) if match else None
 
 
 def describe_exit(code: int) -> str:

@@ -25,18 +25,16 @@ from typing import Any, Callable, Sequence
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
 from nbddp.freevars import check_defined
-from nbddp.job import Job, JobOutcome, create_run_dir
+from nbddp.job import Job, JobOutcome, JobSpec, create_run_dir
 from nbddp.notebook import Notebook, read_notebook
+from nbddp.outcome import Status, run_error
 from nbddp.options import LaunchOptions
 from nbddp.parameter_cell import declared_parameters, effective_parameters
 from nbddp.parameters import assignments
 from nbddp.report import RunRecord
 from nbddp.script import ExportOptions, generate
-from nbddp.stream import Event, LogLine, MetricsEvent, Sink, format_metrics, rank_prefix
-
-#: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
-NOTEBOOK_OUTPUT_LINES = 2000
-
+from nbddp.stream import Sink, format_metrics
+from nbddp.terminal import NotebookOutputSink, TerminalSink, stdout_write
 
 class SignalReceived(BaseException):
     """Raised in the main thread by the CLI's SIGTERM/SIGHUP handlers (SIGINT raises KeyboardInterrupt)."""
@@ -64,54 +62,18 @@ class RunResult:
     output: Path
     message: str = ""
     record: RunRecord | None = None
+    outcome: JobOutcome | None = None
 
+    def raise_for_status(self) -> None:
+        """Raise the run's :class:`nbddp.errors.RunError`, carrying its judged outcome, unless it succeeded."""
+        if self.status == Status.SUCCEEDED:
+            return
+        if self.outcome is not None and self.outcome.status == self.status:
+            raise run_error(self.outcome, self.run_dir)
+        from nbddp.errors import RunFailed, RunInterrupted, RunTimeout  # a kernel cell failed, not a rank
 
-def _stdout_write(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def terminal_sink(write: Callable[[str], Any] = _stdout_write) -> Sink:
-    """Print rank output as ``[rank N] line`` and metrics as ``[metrics] k=v``."""
-    last_progress: dict[int | None, float] = {}
-
-    def sink(event: Event) -> None:
-        if isinstance(event, LogLine):
-            if event.progress:  # a redrawn progress bar: at most one line a second per rank
-                now = time.monotonic()
-                if now - last_progress.get(event.rank, 0.0) < 1.0:
-                    return
-                last_progress[event.rank] = now
-            write(f"{rank_prefix(event.rank)}{event.text}\n")
-        elif isinstance(event, MetricsEvent):
-            write(f"[metrics] {format_metrics(event.values)}\n")
-
-    return sink
-
-
-class NotebookOutputSink:
-    """Collects rank output as the training cell's stream outputs, capped."""
-
-    def __init__(self, run_dir: Path, limit: int = NOTEBOOK_OUTPUT_LINES) -> None:
-        self.lines: list[str] = []
-        self.limit = limit
-        self.dropped = 0
-        self.run_dir = run_dir
-
-    def __call__(self, event: Event) -> None:
-        if isinstance(event, LogLine) and not event.progress:
-            if len(self.lines) < self.limit:
-                self.lines.append(f"{rank_prefix(event.rank)}{event.text}\n")
-            else:
-                self.dropped += 1
-
-    def outputs(self) -> list[dict]:
-        from nbformat.v4 import new_output
-
-        text = "".join(self.lines)
-        if self.dropped:
-            text += f"[nbddp] {self.dropped} more lines not shown: full logs in {self.run_dir / 'logs'}\n"
-        return [new_output("stream", name="stdout", text=text)] if text else []
+        cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(Status(self.status), RunFailed)
+        raise cls(self.message, exit_code=self.exit_code, run_dir=str(self.run_dir))
 
 
 def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
@@ -132,16 +94,22 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     output = Path(options.output or run_dir / "output.ipynb")
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     collector = NotebookOutputSink(run_dir)
-    all_sinks = [collector, *(sinks if sinks is not None else [terminal_sink()])]
+    terminal = TerminalSink() if sinks is None else None
+    all_sinks = [collector, *(sinks if terminal is None else [terminal])]
     executed, numbers = kernel_notebook(notebook, launch.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
-    with Job(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout,
-             max_restarts=launch.max_restarts) as job:
-        echo = _stdout_write if sinks is None else None
+    spec = JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout,
+                   max_restarts=launch.max_restarts)
+    with Job.start(spec) as job:
+        echo = stdout_write if sinks is None else None
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
                               launch.idle_timeout, output)
-        status, code, message = runner.run()
-    result = RunResult(status, code, run_dir, output, message)
+        try:
+            status, code, message = runner.run()
+        finally:
+            if terminal is not None:
+                terminal.close()
+    result = RunResult(status, code, run_dir, output, message, outcome=runner.outcome)
     result.record = job.record(status, code, message, runner.outcome, parameters, str(notebook.path),
                                overrides=launch.parameters, command=options.command)
     _write_notebook(executed, output)

@@ -23,6 +23,8 @@ from typing import Any, Sequence
 from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
+from nbddp import rank_process, runtime
+
 _state = {"trained": False, "patched": False}
 
 
@@ -43,9 +45,30 @@ def requested_processes() -> tuple[int, bool]:
     """``(world size, cpu)`` from the launcher's environment, else from the hardware."""
     import torch
 
-    cpu = os.environ.get("NBDDP_DEVICE") == "cpu" or not torch.cuda.is_available()
-    default = 2 if cpu else torch.cuda.device_count()
-    return int(os.environ.get("NBDDP_NPROC") or default), cpu
+    from nbddp.rank_env import RankEnv
+
+    env = RankEnv.from_environ()
+    cpu = env.device == "cpu" or not torch.cuda.is_available()
+    return env.nproc or (2 if cpu else torch.cuda.device_count()), cpu
+
+
+def start() -> None:
+    """Called by the catalyst engine's script at import time (and so in every spawned rank)."""
+    rank_process.use_notebook_folder()
+    apply_compat_shims()
+
+
+def use_ddp(returns: Sequence[str] = ("model",)) -> None:
+    """Make every Catalyst ``Runner.train`` below run on Catalyst's DDP engine; its trained model
+    comes back under the first name of ``returns``."""
+    patch_runner_train(tuple(returns))
+
+
+def finish(namespace: dict[str, Any], returns: Sequence[str]) -> None:
+    """End of the training block: nothing to do once rank 0 of the spawned ranks saved the model."""
+    if trained():
+        return
+    runtime.finish(namespace, returns, mark=False)  # runner.train never ran: save like the torch engine
 
 
 def trained() -> bool:
@@ -63,10 +86,8 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         return mp.spawn(_rank_main, args=(fn, self._world_size), nprocs=self._num_local_workers, join=True)
 
     def cleanup(self) -> None:
-        """Leave the group the way the torch engine does (see :func:`nbddp.runtime.leave_group`)."""
-        from nbddp import runtime
-
-        runtime.leave_group()
+        """Leave the group the way the torch engine does (see :func:`nbddp.rank_process.leave_group`)."""
+        rank_process.leave_group()
 
 
 class UnpicklableError(TypeError):
@@ -141,9 +162,7 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
     kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": port, "world_size": nproc,
                               "num_node_workers": nproc}
     group: dict[str, Any] = {"backend": "gloo"} if cpu else {}
-    from nbddp import runtime
-
-    timeout = runtime.collective_timeout()
+    timeout = rank_process.collective_timeout()
     if timeout is not None:
         group["timeout"] = timeout
     if cpu:
@@ -157,17 +176,15 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
 
 def _rank_main(local_rank: int, fn, world_size: int) -> None:
     """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function."""
-    from nbddp import runtime
-
-    runtime.become_rank(local_rank, world_size)
+    rank_process.become_rank(local_rank, world_size)
     apply_compat_shims()
     try:
         fn(local_rank, world_size)
-        runtime.mark_done(local_rank)
+        rank_process.mark_done(local_rank)
     except KeyboardInterrupt:
         sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
     except BaseException:
-        runtime.record_exception(local_rank, *sys.exc_info())
+        rank_process.record_exception(local_rank, *sys.exc_info())
         raise
 
 
@@ -213,8 +230,6 @@ class ReturnModelCallback(Callback):
 
     def on_epoch_end(self, runner) -> None:  # noqa: ANN001
         """Catalyst's epoch metrics become ``nbddp.log`` records: live view, summary, batches."""
-        from nbddp import runtime
-
         if runner.engine.process_index != 0:
             return
         values = {
@@ -225,7 +240,7 @@ class ReturnModelCallback(Callback):
         runtime.log(epoch=runner.epoch_step, epochs=runner.num_epochs, **values)
 
     def on_experiment_end(self, runner) -> None:  # noqa: ANN001
-        from nbddp import checkpoint, runtime
+        from nbddp import checkpoint
 
         if runner.engine.process_index != 0:
             return
@@ -239,7 +254,7 @@ class ReturnModelCallback(Callback):
             loaded = torch.load(path, map_location="cpu", weights_only=True)
             if isinstance(loaded, dict) and loaded.keys() == state.keys():
                 state, note = loaded, f"the runner's best checkpoint {path} ({name}={metric:.4g})"
-        checkpoint.save_returns({self.name: state}, runtime.checkpoint_path(), note=note)
+        checkpoint.save_returns({self.name: state}, rank_process.checkpoint_path(), note=note)
         print(f"[nbddp] returning {note}", flush=True)
 
 

@@ -1,7 +1,7 @@
 """Judging a job's outcome from what its processes did (real processes, no ranks needed)."""
 
 from nbddp.devices import Devices
-from nbddp.job import Job
+from nbddp.job import Job, JobSpec
 from nbddp.script import Script
 from nbddp.sourcemap import SourceMap
 from tests.conftest import alive
@@ -16,7 +16,7 @@ def test_stragglers_of_a_failed_launcher_are_reaped_without_calling_it_an_interr
     script = Script(text, SourceMap("nb.ipynb", "train.py", ()), "catalyst", ())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with Job(script, Devices("cpu", 2), run_dir, tmp_path) as job:
+    with Job.start(JobSpec(script, Devices("cpu", 2), run_dir, tmp_path)) as job:
         outcome = job.wait([])
     assert outcome.status == "failed" and outcome.exit_code == 1, outcome
     assert "the launcher failed (exit code 3)" in outcome.message

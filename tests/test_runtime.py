@@ -58,17 +58,29 @@ def test_leave_group_keeps_the_final_barrier_alive_until_exit(tmp_path, monkeypa
     """
     import sys
 
-    from nbddp import runtime
+    from nbddp import rank_process
 
-    keep, kept = runtime._keep_until_exit, []
-    monkeypatch.setattr(runtime, "_keep_until_exit", lambda work: (kept.append(work), keep(work)))
+    keep, kept = rank_process._keep_until_exit, []
+    monkeypatch.setattr(rank_process, "_keep_until_exit", lambda work: (kept.append(work), keep(work)))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     ddp = nbddp.prepare(torch.nn.Linear(2, 2))
     ddp(torch.randn(3, 2)).sum().backward()  # DDP's all-reduce, queued from inside backward()
-    runtime.leave_group()
+    rank_process.leave_group()
     assert not dist.is_initialized()
     (work,) = kept
     kept.clear()
     assert work.is_completed()
     assert sys.getrefcount(work) == 3  # `work` here, getrefcount's argument, and the one kept until exit
-    runtime.leave_group()  # no group any more: nothing to do
+    rank_process.leave_group()  # no group any more: nothing to do
+
+
+def test_no_submodule_shadows_the_api_of_training_cells():
+    """``nbddp.rank()`` etc. must stay functions once every submodule is imported (a module named
+    ``nbddp.rank`` once replaced it, and every rank failed with 'module' object is not callable)."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.walk_packages(nbddp.__path__, "nbddp."):
+        importlib.import_module(module.name)
+    for name in nbddp._RUNTIME:
+        assert callable(getattr(nbddp, name)) and not isinstance(getattr(nbddp, name), type(nbddp)), name

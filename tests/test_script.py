@@ -124,9 +124,9 @@ def test_catalyst_script_keeps_the_users_train_call(notebook):
     script = make(notebook, CATALYST_CELLS)
     text = script.text
     assert "    runner.train(model=model, loaders=loaders, num_epochs=1)\n" in text
-    assert "_nbddp.use_catalyst_ddp(returns=['model'])" in text
-    assert text.index("use_catalyst_ddp") < text.index("runner.train(")
-    assert "_nbddp.start(engine='catalyst')" in text
+    assert "_nbddp.use_ddp(returns=['model'])" in text
+    assert text.index("use_ddp") < text.index("runner.train(")
+    assert "import nbddp.runtime_catalyst as _nbddp\n_nbddp.start()" in text
 
 
 def test_engine_can_be_forced(notebook):

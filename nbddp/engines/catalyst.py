@@ -22,23 +22,14 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         )
     return EngineCode(
         imports=(
-            "import nbddp.runtime as _nbddp",
-            "_nbddp.start(engine='catalyst')",
+            "import nbddp.runtime_catalyst as _nbddp",
+            "_nbddp.start()  # Catalyst's compatibility shims; the ranks are spawned by runner.train",
         ),
         train_prologue=(
-            f"_nbddp.use_catalyst_ddp(returns={list(returns)!r})  # runner.train(...) runs on Catalyst's DDP engine",
+            f"_nbddp.use_ddp(returns={list(returns)!r})  # runner.train(...) runs on Catalyst's DDP engine",
         ),
         train_epilogue=(
-            f"_nbddp.finish(globals(), returns={list(returns)!r}, engine='catalyst')",
+            f"_nbddp.finish(globals(), returns={list(returns)!r})",
         ),
         launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU; NBDDP_NPROC=2 on CPU)",
     )
-
-
-def launch_command(script: str, nproc: int, *, python: str, max_restarts: int = 0,
-                   log_dir: str | None = None) -> list[str]:
-    """Catalyst's engine spawns the ranks itself; the world size travels in NBDDP_NPROC.
-
-    ``log_dir`` (torchrun's folder) has no meaning here: the spawn writes none.
-    """
-    return [python, script]

@@ -1,0 +1,167 @@
+"""A rank's plumbing, shared by both engines: log to files, report an exception, mark a finish,
+leave the process group cleanly.
+
+Launched by nbddp (``NBDDP_RUN_DIR`` set, see :mod:`nbddp.rank_env`) each rank writes its output to
+``logs/rank-N.log``, its uncaught exception to ``errors/rank-N.json`` and a ``done`` mark when its
+training finished: files, not pipes, so a flood of output can never block a rank and a dying
+launcher can't take a rank's last words with it. :mod:`nbddp.runtime` (the torch engine and the
+user API) and :mod:`nbddp.runtime_catalyst` both build on this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nbddp.rank_env import RankEnv
+from nbddp.rundir import RunDir
+
+
+def use_notebook_folder() -> None:
+    """A kernel imports modules from the notebook's folder; so do the ranks (their cwd is that folder)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(1, cwd)
+
+
+def run_dir() -> RunDir | None:
+    """The run dir nbddp launched this rank for (``None`` without a launcher)."""
+    return RankEnv.from_environ().run_dir
+
+
+def become_rank(global_rank: int, size: int) -> None:
+    """Per-rank plumbing shared by both engines: die with the parent, log to files."""
+    _die_with_parent()
+    directory = run_dir()
+    if directory is None:
+        print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+        return
+    directory.logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    previous_hook = sys.excepthook
+
+    def record(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
+        record_exception(global_rank, exc_type, exc, tb)
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = record
+    directory.ranks.mkdir(exist_ok=True)
+    directory.rank_info(global_rank).write_text(
+        json.dumps({"pid": os.getpid(), "world_size": size, "attempt": restart_count()}))
+    print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+
+
+def mark_done(global_rank: int) -> None:
+    """Tell the launcher this rank finished its training normally (see :mod:`nbddp.job`)."""
+    directory = run_dir()
+    if directory is not None:
+        directory.ranks.mkdir(exist_ok=True)
+        directory.rank_done(global_rank).touch()
+
+
+def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
+    """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook."""
+    directory = run_dir()
+    if directory is None or exc_type in (KeyboardInterrupt, SystemExit):
+        return
+    directory.errors.mkdir(parents=True, exist_ok=True)
+    frames = [
+        {"file": f.filename, "line": f.lineno, "function": f.name, "text": f.line or ""}
+        for f in traceback.extract_tb(tb)
+    ]
+    report = {
+        "rank": global_rank,
+        "attempt": restart_count(),
+        "time": time.time(),
+        "type": exc_type.__name__,
+        "message": str(exc),
+        "frames": frames,
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+    }
+    directory.rank_error(global_rank).write_text(json.dumps(report), encoding="utf-8")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this rank when its parent (torchrun / Catalyst) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def collective_timeout():
+    """``--collective-timeout`` (set by the launcher): how long a rank waits for its peers in a
+    collective before raising, instead of torch's 30 minutes for gloo."""
+    from datetime import timedelta
+
+    seconds = RankEnv.from_environ().collective_timeout
+    return timedelta(seconds=seconds) if seconds else None
+
+
+def leave_group() -> None:
+    """Wait for every rank, then leave the process group so that the rank can exit cleanly.
+
+    Why not a plain ``barrier()`` + ``destroy_process_group()``: gloo runs collectives on worker
+    threads, and a barrier keeps weak references to the collectives still in flight, typically
+    DDP's last gradient all-reduce. That all-reduce captured torch's thread-local state during
+    ``backward()``, which holds a Python object (autograd's ``contextvars`` context). The worker
+    thread frees the barrier, and with it that object, *after* the main thread has seen the
+    barrier complete; when the main thread has meanwhile reached interpreter shutdown, the
+    worker's attempt to take the GIL makes CPython end the thread with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` destructor calls ``std::terminate``: "terminate called
+    without an active exception", SIGABRT, a finished rank reported dead. Busy CPUs widen the
+    window (1 run in ~10 with two runs and a CPU hog on two cores).
+
+    So the barrier's work object is kept alive for the life of the process: the gloo thread
+    never drops the last reference, nothing Python-owned is freed off the main thread, and the
+    process ends through normal interpreter shutdown with exit status 0. Works the barrier
+    did not capture were completely released before it started (gloo releases a finished work
+    under the same lock the barrier takes to snapshot the in-flight ones).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _keep_until_exit(work)
+    dist.destroy_process_group()
+
+
+def _keep_until_exit(obj: Any) -> None:
+    """A reference that even interpreter shutdown (which clears module globals) never drops."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def checkpoint_path() -> Path:
+    """``$NBDDP_CHECKPOINT``, else ``weights.pt`` in the run dir, else beside the script."""
+    env = RankEnv.from_environ()
+    if env.checkpoint is not None:
+        return env.checkpoint
+    if env.run_dir is not None:
+        return env.run_dir.weights
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "train.py"
+    return Path(main).with_suffix(".weights.pt")
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the ranks (``--max-restarts``); 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)

@@ -1,0 +1,107 @@
+"""The run-dir contract: every file and folder of a run, named in one place.
+
+The launcher side (job, report, stream, registry) and the rank side (runtime) both address a run's
+files through :class:`RunDir`, so the two can never disagree about a name. Nothing here imports torch.
+
+::
+
+    RUN_DIR/
+      train.py, train.py.map.json   the generated script and its source map
+      logs/rank-N.log               each rank's stdout and stderr, interleaved as written
+      logs/launcher.log             torchrun's (or the Catalyst parent's) own output
+      logs/torchrun/                torchrun's own folder (per-attempt error files)
+      ranks/rank-N.json             a started rank: pid, world size, restart attempt
+      ranks/rank-N.done             a rank that finished its training normally
+      errors/rank-N.json            a rank's uncaught exception, with its traceback
+      metrics.jsonl                 rank 0's nbddp.log records
+      weights.pt                    the returned variables' trained state (weights only)
+      resume.pt                     nbddp.save_checkpoint's training state (--max-restarts)
+      stop-requested                `nbddp kill` asked this run to stop
+      result.json                   how the run ended, with what, by whom
+      output.ipynb                  the executed notebook (nbddp run), saved after every cell
+      batch.log                     a batch run's own terminal output (nbddp batch)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    @property
+    def launcher_log(self) -> Path:
+        return self.logs / "launcher.log"
+
+    @property
+    def torchrun_logs(self) -> Path:
+        return self.logs / "torchrun"
+
+    @property
+    def ranks(self) -> Path:
+        return self.path / "ranks"
+
+    def rank_info(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.json"
+
+    def rank_done(self, rank: int) -> Path:
+        return self.ranks / f"rank-{rank}.done"
+
+    @property
+    def errors(self) -> Path:
+        return self.path / "errors"
+
+    def rank_error(self, rank: int) -> Path:
+        return self.errors / f"rank-{rank}.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def weights(self) -> Path:
+        return self.path / "weights.pt"
+
+    @property
+    def resume(self) -> Path:
+        return self.path / "resume.pt"
+
+    @property
+    def stop_mark(self) -> Path:
+        return self.path / "stop-requested"
+
+    @property
+    def result(self) -> Path:
+        return self.path / "result.json"
+
+    @property
+    def output(self) -> Path:
+        return self.path / "output.ipynb"
+
+    @property
+    def batch_log(self) -> Path:
+        return self.path / "batch.log"
+
+    def holds_a_run(self) -> bool:
+        return any(p.exists() for p in (self.result, self.path / "train.py", self.logs))
+
+
+def rank_of(path: Path) -> int:
+    """``rank-3.json`` / ``rank-3.done`` / ``rank-3.log`` → 3."""
+    return int(path.name.split(".")[0].split("-")[1])

@@ -1,0 +1,92 @@
+"""Judging a job's outcome: a pure function of the evidence, one row per branch."""
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from nbddp.outcome import Evidence, Status, judge
+from nbddp.report import RankError
+from nbddp.rundir import RunDir
+
+RUN = RunDir(Path("/runs/r1"))
+
+
+def error(rank=1, type_="ValueError", message="bad value", time=1.0):
+    return RankError(rank, type_, message, 3, 5, "nb.ipynb, cell 3, line 5", "x = f()", "Traceback...", time)
+
+
+def evidence(**fields):
+    base = dict(run_dir=RUN, notebook="nb.ipynb", launcher_exit=0, checkpoint_exists=True, nproc=2)
+    return Evidence(**{**base, **fields})
+
+
+ROWS = [
+    # (row, evidence fields, status, exit code, blamed rank, words in the message)
+    ("all ranks finished, weights written", {}, Status.SUCCEEDED, 0, None, ""),
+    ("nbddp kill", {"stop_requested": True, "launcher_exit": -15}, Status.INTERRUPTED, 143, None,
+     "stopped by `nbddp kill`"),
+    ("a rank killed by SIGKILL", {"launcher_exit": 1, "rank_exit_codes": {1: -9, 0: -15}, "root_cause": 1},
+     Status.FAILED, 1, 1, "rank 1 died: killed by SIGKILL"),
+    ("the root cause wins over other signals", {"launcher_exit": 1, "rank_exit_codes": {0: -11, 1: -9}, "root_cause": 1},
+     Status.FAILED, 1, 1, "rank 1 died: killed by SIGKILL"),
+    ("finished, then crashed while exiting", {"launcher_exit": 1, "rank_exit_codes": {1: -6}, "done_ranks": frozenset({0, 1})},
+     Status.FAILED, 1, 1, "rank 1 finished training, then crashed while exiting (SIGABRT)"),
+    ("SIGTERMs to survivors are never the cause", {"launcher_exit": 1, "rank_exit_codes": {0: -15}, "errors": (error(),),
+                                                   "checkpoint_exists": False},
+     Status.FAILED, 1, 1, "rank 1 raised ValueError: bad value\n  at nb.ipynb, cell 3, line 5"),
+    ("a rank gone early without a word", {"launcher_exit": -15, "stopped_by_us": True, "early_exit": 1},
+     Status.FAILED, 1, 1, "rank 1 ended before the training finished, without an error"),
+    ("a peer vanished mid-collective, signal known", {"launcher_exit": 1, "rank_exit_codes": {1: -9},
+                                                      "errors": (error(0, "RuntimeError", "Connection closed by peer"),)},
+     Status.FAILED, 1, 1, "rank 1 died: killed by SIGKILL"),
+    ("--timeout", {"launcher_exit": -15, "timed_out": True, "stopped_by_us": True}, Status.TIMEOUT, 124, None,
+     "exceeded --timeout"),
+    ("--idle-timeout", {"launcher_exit": -15, "timed_out": True, "idle_for": 4.0}, Status.TIMEOUT, 124, None,
+     "no rank printed or logged anything for 4s (--idle-timeout)"),
+    ("a collective timed out", {"launcher_exit": 1, "collective_timeout": 5.0, "checkpoint_exists": False,
+                                "errors": (error(0, "DistBackendError", "Timed out waiting 5000ms for recv"),)},
+     Status.TIMEOUT, 124, 0, "a collective timed out (--collective-timeout 5s): rank 0 waited"),
+    ("Ctrl-C", {"launcher_exit": -2, "interrupted_by": signal.SIGINT, "stopped_by_us": True}, Status.INTERRUPTED, 130,
+     None, "interrupted by SIGINT"),
+    ("SIGTERM to nbddp, even when Catalyst's children exit 0", {"interrupted_by": signal.SIGTERM, "stopped_by_us": True},
+     Status.INTERRUPTED, 143, None, "interrupted by SIGTERM"),
+    ("exit 0 without the weights", {"checkpoint_exists": False}, Status.FAILED, 1, None,
+     "the ranks exited without saving the returned weights (weights.pt)"),
+    ("the launcher failed before any rank", {"launcher_exit": 2, "checkpoint_exists": False,
+                                             "launcher_tail": "usage: torchrun ...\nValueError: bad flag"},
+     Status.FAILED, 1, None, "ValueError: bad flag\n\nthe launcher failed (exit code 2)"),
+    ("unpicklable for Catalyst's spawn is bad input", {"launcher_exit": 1, "checkpoint_exists": False,
+                                                       "launcher_tail": "nbddp.runtime_catalyst.UnpicklableError: x"},
+     Status.FAILED, 2, None, "UnpicklableError: x"),
+    ("an error means failure even with weights", {"errors": (error(),)}, Status.FAILED, 1, 1, "rank 1 raised ValueError"),
+]
+
+
+@pytest.mark.parametrize("row, fields, status, code, rank, words", ROWS, ids=[r[0] for r in ROWS])
+def test_judge(row, fields, status, code, rank, words):
+    outcome = judge(evidence(**fields))
+    assert (outcome.status, outcome.exit_code, outcome.rank) == (status, code, rank), outcome.message
+    assert words in outcome.message
+
+
+def test_success_fills_in_every_rank_and_status_carries_its_exit_code():
+    assert judge(evidence()).rank_exit_codes == {0: 0, 1: 0}
+    assert [s.exit_code for s in Status] == [0, 1, 124, 130] and str(Status.TIMEOUT) == "timeout"
+    assert Status("failed") is Status.FAILED and Status.FAILED == "failed"
+
+
+def test_the_exception_of_a_failed_run_carries_its_outcome_and_pickles():
+    import pickle
+
+    from nbddp.errors import RunFailed, RunInterrupted, RunTimeout
+    from nbddp.outcome import run_error
+
+    failed = run_error(judge(evidence(errors=(error(),), launcher_exit=1)), RUN)
+    assert isinstance(failed, RunFailed) and failed.status == "failed" and failed.exit_code == 1
+    assert (failed.rank, failed.exc_type, failed.cell, failed.line, failed.run_dir) == (1, "ValueError", 3, 5, "/runs/r1")
+    again = pickle.loads(pickle.dumps(failed))
+    assert type(again) is RunFailed and str(again) == str(failed) and again.__dict__ == failed.__dict__
+    stopped = run_error(judge(evidence(interrupted_by=signal.SIGTERM, stopped_by_us=True)), RUN)
+    assert isinstance(stopped, RunInterrupted) and stopped.exit_code == 143 and stopped.status == "interrupted"
+    assert isinstance(run_error(judge(evidence(timed_out=True)), RUN), RunTimeout)
