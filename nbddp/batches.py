@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.devices import resolve, visible_gpu_count
+from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.options import LaunchOptions
@@ -72,7 +72,7 @@ class BatchOptions:
     def per_run_gpus(self) -> int | None:
         if self.gpus_per_run is not None:
             return self.gpus_per_run
-        return None if self.launch.gpus is None or str(self.launch.gpus) == "all" else int(self.launch.gpus)
+        return None if self.launch.gpus is None else requested_gpus(self.launch.gpus)
 
 
 def load_grid(grid: Any) -> list[dict[str, Any]]:

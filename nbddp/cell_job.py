@@ -13,7 +13,6 @@ Nothing here imports IPython or ipywidgets: :mod:`nbddp.jupyter` is the shell.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Hashable, Sequence
@@ -23,7 +22,7 @@ from nbddp.checkpoint import load_into, load_returns
 from nbddp.devices import Devices, resolve
 from nbddp.errors import CellError, ParameterError
 from nbddp.freevars import free_names
-from nbddp.job import Job, JobOutcome, JobSpec, create_run_dir
+from nbddp.job import Job, JobOutcome, deadline_of, job_spec
 from nbddp.outcome import Status, run_error
 from nbddp.notebook import Cell
 from nbddp.options import LaunchOptions
@@ -141,7 +140,8 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
 
     Raises:
         DeviceError: before anything starts.
-        RunFailed / RunTimeout: the job failed; the message names the cell and line.
+        RunFailed / RunTimeout / RunInterrupted: the job didn't succeed; the exception carries the
+            judged outcome and its message names the cell and line.
         KeyboardInterrupt: re-raised after every rank is stopped (the run is recorded as interrupted).
     """
     devices: Devices = resolve(options.gpus, options.cpu, options.nproc)
@@ -149,15 +149,13 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
         say(f"[nbddp] {devices.note}")
     cwd = Path(cwd or os.getcwd())
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
-    run_dir = create_run_dir(cwd / f"{stem}.ipynb", options.run_dir)
-    deadline = time.monotonic() + options.timeout if options.timeout else None
+    spec = job_spec(script, options, devices, cwd / f"{stem}.ipynb", cwd, owner="kernel")
+    deadline = deadline_of(options)
     overrides = {k: v for k, v in parameters.items() if k in options.parameters}
 
     def record(job: Job, status: str, code: int, message: str, outcome: JobOutcome | None) -> RunRecord:
         return job.record(status, code, message, outcome, parameters, "the kernel", overrides, command)
 
-    spec = JobSpec(script, devices, run_dir, cwd, collective_timeout=options.collective_timeout, owner="kernel",
-                   max_restarts=options.max_restarts)
     with Job.start(spec) as job:
         try:
             outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates

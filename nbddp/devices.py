@@ -58,6 +58,23 @@ def _nvml_device_count() -> int:
     return count.value if ok else 0
 
 
+def requested_gpus(gpus: str | int) -> int | None:
+    """``--gpus`` as a count, ``None`` for ``all``.
+
+    Raises:
+        UsageError: neither a positive number nor ``all`` (exit 2).
+    """
+    if str(gpus).lower() == "all":
+        return None
+    try:
+        wanted = int(gpus)
+    except ValueError:
+        raise UsageError(f"--gpus {gpus!r}: give a number or 'all'.") from None
+    if wanted < 1:
+        raise UsageError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
+    return wanted
+
+
 def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None = None,
             visible: int | None = None) -> Devices:
     """Turn ``--gpus/--cpu/--nproc`` into :class:`Devices`, or raise before anything starts.
@@ -82,16 +99,11 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
         return Devices("cuda", nproc or visible)
     if nproc is not None:
         raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
-    if str(gpus).lower() == "all":
+    wanted = requested_gpus(gpus)
+    if wanted is None:
         if visible == 0:
             raise DeviceError("--gpus all: no GPU is visible here. Use --cpu --nproc N to run on the CPU.")
         return Devices("cuda", visible)
-    try:
-        wanted = int(gpus)
-    except ValueError:
-        raise UsageError(f"--gpus {gpus!r}: give a number or 'all'.") from None
-    if wanted < 1:
-        raise UsageError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
     if wanted > visible:
         hint = " (CUDA_VISIBLE_DEVICES narrows them)" if "CUDA_VISIBLE_DEVICES" in os.environ else ""
         instead = f"Use --gpus {visible} or --cpu." if visible else "Use --cpu to run on the CPU."

@@ -23,7 +23,7 @@ from nbddp.devices import Devices
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launch import Launch, LaunchSpec, rank_environment
 from nbddp.launchers import Launcher, launcher_for
-from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, LaunchOptions
 from nbddp.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.procs import process_alive
 from nbddp.report import RunRecord, last_metrics, rank_errors
@@ -69,6 +69,19 @@ class JobSpec:
     owner: str = "cli"
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
     max_restarts: int = 0
+
+
+def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: Path, cwd: Path,
+             owner: str = "cli") -> JobSpec:
+    """The one way a front door turns its options into a job: its run dir created, its limits carried over."""
+    run_dir = create_run_dir(notebook, launch.run_dir)
+    return JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout, owner=owner,
+                   max_restarts=launch.max_restarts)
+
+
+def deadline_of(launch: LaunchOptions) -> float | None:
+    """``--timeout`` as a monotonic deadline, counted from now."""
+    return time.monotonic() + launch.timeout if launch.timeout else None
 
 
 class Job:

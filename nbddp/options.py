@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
+from nbddp.devices import requested_gpus
 from nbddp.engines import ENGINES
 from nbddp.errors import UsageError
 
@@ -49,7 +50,7 @@ class LaunchOptions:
         if self.nproc is not None and self.nproc < 1:
             raise UsageError(f"--nproc {self.nproc}: need at least 1 process.")
         if self.gpus is not None:
-            _check_gpus(self.gpus)
+            requested_gpus(self.gpus)
             if self.cpu:
                 raise UsageError("--cpu and --gpus contradict each other: choose one.")
             if self.nproc is not None:
@@ -102,17 +103,6 @@ def _value_arg(value: Any) -> str:
     if isinstance(value, str) and parse_value(value) == value and not value.startswith("-"):
         return value
     return repr(value)  # a string that reads as a literal or an option goes quoted
-
-
-def _check_gpus(gpus: str) -> None:
-    if str(gpus).lower() == "all":
-        return
-    try:
-        wanted = int(gpus)
-    except ValueError:
-        raise UsageError(f"--gpus {gpus!r}: give a number or 'all'.") from None
-    if wanted < 1:
-        raise UsageError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
 
 
 def _as_usage(check, name: str, flag: str) -> None:  # noqa: ANN001

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
 from nbddp.devices import Devices, resolve
 from nbddp.freevars import check_defined
-from nbddp.job import Job, JobOutcome, JobSpec, create_run_dir
+from nbddp.job import Job, JobOutcome, deadline_of, job_spec
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.outcome import Status, run_error
 from nbddp.options import LaunchOptions
@@ -90,16 +90,15 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     if devices.note:
         say(f"nbddp: {devices.note}")
     cwd = notebook.path.resolve().parent
-    run_dir = create_run_dir(notebook.path, launch.run_dir)
+    spec = job_spec(script, launch, devices, notebook.path, cwd)
+    run_dir = spec.run_dir
     output = Path(options.output or run_dir / "output.ipynb")
-    deadline = time.monotonic() + launch.timeout if launch.timeout else None
+    deadline = deadline_of(launch)
     collector = NotebookOutputSink(run_dir)
     terminal = TerminalSink() if sinks is None else None
     all_sinks = [collector, *(sinks if terminal is None else [terminal])]
     executed, numbers = kernel_notebook(notebook, launch.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
-    spec = JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout,
-                   max_restarts=launch.max_restarts)
     with Job.start(spec) as job:
         echo = stdout_write if sinks is None else None
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,

@@ -154,12 +154,11 @@ def _where_defined(obj) -> str | None:  # noqa: ANN001
         return None
 
 
-def make_engine() -> NbddpDistributedDataParallelEngine:
-    """Catalyst's DDP engine for the requested devices, on a free loopback port."""
-    apply_compat_shims()
+def engine_kwargs() -> dict[str, Any]:
+    """What nbddp builds Catalyst's DDP engine with: the requested devices on a free loopback port
+    (on CPU ``cpu=True`` and gloo, without which every rank believes it is the main process)."""
     nproc, cpu = requested_processes()
-    port = free_port()
-    kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": port, "world_size": nproc,
+    kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": free_port(), "world_size": nproc,
                               "num_node_workers": nproc}
     group: dict[str, Any] = {"backend": "gloo"} if cpu else {}
     timeout = rank_process.collective_timeout()
@@ -169,8 +168,15 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
         kwargs.update(cpu=True)
     if group:
         kwargs["process_group_kwargs"] = group
+    return kwargs
+
+
+def make_engine() -> NbddpDistributedDataParallelEngine:
+    """Catalyst's DDP engine built with :func:`engine_kwargs`."""
+    apply_compat_shims()
+    kwargs = engine_kwargs()
     # Catalyst's engine reads these before its own defaults (2112 would collide between runs).
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = kwargs["address"], str(kwargs["port"])
     return NbddpDistributedDataParallelEngine(**kwargs)
 
 

@@ -129,9 +129,9 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     args = ["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out"]
     run = cli_run([*args, "-p", "nap", "0.5", "-p", "epochs", "20"], tmp_path)
     deadline = time.monotonic() + 120
-    while not list((tmp_path / "out").glob("*/logs/rank-1.log")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)
+    while len(list((tmp_path / "out").glob("*/metrics.jsonl"))) < 2:  # two runs are mid-training
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.output
+        time.sleep(0.05)
     run.proc.send_signal(sig)
     sent = time.monotonic()
     assert run.wait(timeout=60) == expected, run.output

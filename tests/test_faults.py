@@ -124,7 +124,7 @@ def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
         again = cli_run(["run", "f.ipynb", "--run-dir", "r1"], tmp_path)
         assert again.wait() == 2 and "already holds a run" in again.output
         zero = cli_run(["run", "f.ipynb", "--cpu", "--nproc", "0"], tmp_path)
-        assert zero.wait() == 3 and "need at least 1 process" in zero.output
+        assert zero.wait() == 2 and "--nproc 0: need at least 1 process" in zero.output  # a bad value, not a device problem
     finally:
         for s in listeners:
             s.close()

@@ -11,15 +11,23 @@ from nbddp import runtime_catalyst  # noqa: E402
 
 
 def test_cpu_engine_uses_gloo_cpu_and_a_free_port_not_2112(monkeypatch):
+    import os
+
     monkeypatch.setenv("NBDDP_DEVICE", "cpu")
     monkeypatch.setenv("NBDDP_NPROC", "2")
+    monkeypatch.setenv("NBDDP_COLLECTIVE_TIMEOUT", "30")
     monkeypatch.setenv("MASTER_PORT", "")  # restored after the test: make_engine sets it
     monkeypatch.setenv("MASTER_ADDR", "")
-    first, second = runtime_catalyst.make_engine(), runtime_catalyst.make_engine()
-    assert isinstance(first, dl.DistributedDataParallelEngine)
-    assert first._process_group_kwargs == {"backend": "gloo"} and first._kwargs["cpu"] is True
-    assert first._world_size == first._num_local_workers == 2
-    assert 2112 not in (first._port, second._port) and first._port != second._port
+    kwargs = runtime_catalyst.engine_kwargs()
+    assert kwargs["cpu"] is True and kwargs["process_group_kwargs"]["backend"] == "gloo"
+    assert kwargs["process_group_kwargs"]["timeout"].total_seconds() == 30
+    assert kwargs["world_size"] == kwargs["num_node_workers"] == 2 and kwargs["address"] == "127.0.0.1"
+    first = runtime_catalyst.make_engine()
+    first_port = int(os.environ["MASTER_PORT"])
+    second = runtime_catalyst.make_engine()
+    assert isinstance(first, dl.DistributedDataParallelEngine) and isinstance(second, dl.DistributedDataParallelEngine)
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+    assert 2112 not in (first_port, int(os.environ["MASTER_PORT"])) and first_port != int(os.environ["MASTER_PORT"])
 
 
 def test_single_process_catalyst_metrics_work_with_the_shim():
