@@ -26,9 +26,11 @@ from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.options import LaunchOptions
+from nbddp.outcome import Status
 from nbddp.parameter_cell import check_overrides, declared_parameters
 from nbddp.parameters import check_name, is_plain_data
 from nbddp.procs import stop_groups
+from nbddp.rundir import RunDir
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -193,7 +195,7 @@ class Batch:
             except (OSError, ValueError):
                 continue
             overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
-            if data.get("status") == "succeeded" and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
+            if data.get("status") == Status.SUCCEEDED and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
                 state.run_dir, state.status = result.parent, "skipped"
                 return True
         return False
@@ -212,8 +214,8 @@ class Batch:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
         launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
         argv = [sys.executable, "-m", "nbddp.cli", "run", str(self.options.notebook),
-                "-o", str(state.run_dir / "output.ipynb"), *launch.to_argv()]
-        log = open(state.run_dir / "batch.log", "ab")
+                "-o", str(RunDir(state.run_dir).output), *launch.to_argv()]
+        log = open(RunDir(state.run_dir).batch_log, "ab")
         try:
             state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
@@ -232,14 +234,14 @@ class Batch:
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
             state.process.wait()
-            state.status = _status_of(state.run_dir, state.process.returncode, default="interrupted")
+            state.status = _status_of(state.run_dir, state.process.returncode, default=Status.INTERRUPTED)
 
 
-def _status_of(run_dir: Path, code: int | None, default: str = "failed") -> str:
+def _status_of(run_dir: Path, code: int | None, default: str = Status.FAILED) -> str:
     try:
-        return json.loads((run_dir / "result.json").read_text(encoding="utf-8"))["status"]
+        return json.loads(RunDir(run_dir).result.read_text(encoding="utf-8"))["status"]
     except (OSError, ValueError, KeyError):
-        return "succeeded" if code == 0 else default
+        return Status.SUCCEEDED if code == 0 else default
 
 
 def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[list[tuple[str, ...]], int, str]:
@@ -294,7 +296,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
         states = batch.run()
     finally:
         rows = summarize(out, [(s.run, s.run_dir, s.status) for s in batch.states])
-    failed = [s for s in states if s.status not in ("succeeded", "skipped")]
+    failed = [s for s in states if s.status not in (Status.SUCCEEDED, "skipped")]
     return rows, 1 if failed else 0
 
 

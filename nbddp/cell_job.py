@@ -13,6 +13,7 @@ Nothing here imports IPython or ipywidgets: :mod:`nbddp.jupyter` is the shell.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Hashable, Sequence
@@ -153,22 +154,22 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     deadline = deadline_of(options)
     overrides = {k: v for k, v in parameters.items() if k in options.parameters}
 
-    def record(job: Job, status: str, code: int, message: str, outcome: JobOutcome | None) -> RunRecord:
+    def record(job: Job, status: Status, code: int, message: str, outcome: JobOutcome | None) -> RunRecord:
         return job.record(status, code, message, outcome, parameters, "the kernel", overrides, command)
 
     with Job.start(spec) as job:
         try:
             outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
         except KeyboardInterrupt:  # the kernel's stop button
-            record(job, "interrupted", 130, "interrupted", job.outcome(interrupted_by=2))
+            record(job, Status.INTERRUPTED, 130, "interrupted", job.outcome(interrupted_by=signal.SIGINT))
             raise
         except Exception as exc:
-            record(job, "failed", 1, f"{type(exc).__name__}: {exc}", None)
+            record(job, Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None)
             raise
     if outcome.status != Status.SUCCEEDED:
         record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
         raise run_error(outcome, job.paths)
     states, note = load_returns(job.checkpoint)
     loaded = load_into(namespace, states)
-    return CellJobResult("succeeded", job.run_dir, record(job, "succeeded", 0, "", outcome), loaded, note)
+    return CellJobResult(Status.SUCCEEDED, job.run_dir, record(job, Status.SUCCEEDED, 0, "", outcome), loaded, note)
 

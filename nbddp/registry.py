@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nbddp.errors import UsageError
 from nbddp.procs import group_alive, process_alive, stop_groups
+from nbddp.rundir import RunDir
 
 
 def state_dir() -> Path:
@@ -42,9 +43,6 @@ class LiveRun:
     @property
     def entry(self) -> Path:
         return state_dir() / f"{self.name}.json"
-
-
-STOP_MARK = "stop-requested"
 
 
 def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
@@ -86,7 +84,7 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
 
     Returns True when nothing of the run is left.
     """
-    (Path(run.run_dir) / STOP_MARK).touch()  # the owner records the run as interrupted, not failed
+    RunDir(Path(run.run_dir)).stop_mark.touch()  # the owner records the run as interrupted, not failed
     if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
     deadline = time.monotonic() + grace

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from nbddp.sourcemap import SourceMap
+from nbddp.rundir import RunDir
 
 
 
@@ -45,7 +46,7 @@ class RankError:
 def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
     """Every rank's recorded exception, earliest first."""
     errors = []
-    for path in sorted((run_dir / "errors").glob("rank-*.json")):
+    for path in sorted(RunDir(run_dir).errors.glob("rank-*.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -111,7 +112,7 @@ class RunRecord:
     """nbddp, torch and Python, as installed where the run was launched."""
 
     def write(self, run_dir: Path) -> Path:
-        path = run_dir / "result.json"
+        path = RunDir(run_dir).result
         path.write_text(json.dumps(asdict(self), indent=1, default=repr), encoding="utf-8")
         return path
 
@@ -132,7 +133,7 @@ def versions() -> dict[str, str]:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every ``nbddp.log`` record of a run, in order; unreadable lines skipped."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     records: list[dict[str, Any]] = []
     if path.exists():
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():

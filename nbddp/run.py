@@ -32,6 +32,7 @@ from nbddp.options import LaunchOptions
 from nbddp.parameter_cell import declared_parameters, effective_parameters
 from nbddp.parameters import assignments
 from nbddp.report import RunRecord
+from nbddp.rundir import RunDir
 from nbddp.script import ExportOptions, generate
 from nbddp.stream import Sink, format_metrics
 from nbddp.terminal import NotebookOutputSink, TerminalSink, stdout_write
@@ -92,7 +93,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     cwd = notebook.path.resolve().parent
     spec = job_spec(script, launch, devices, notebook.path, cwd)
     run_dir = spec.run_dir
-    output = Path(options.output or run_dir / "output.ipynb")
+    output = Path(options.output or RunDir(run_dir).output)
     deadline = deadline_of(launch)
     collector = NotebookOutputSink(run_dir)
     terminal = TerminalSink() if sinks is None else None
@@ -169,17 +170,17 @@ class _NotebookRun:
                     client.execute_cell(cell, index)
                     self._echo(index, cell)
                     self._save()
-            return "succeeded", 0, ""
+            return Status.SUCCEEDED, 0, ""
         except (CellExecutionError, CellTimeoutError) as exc:
             if isinstance(exc, CellTimeoutError):
-                return self._stopped("timeout", 124, "the run exceeded --timeout.")
+                return self._stopped(Status.TIMEOUT, 124, "the run exceeded --timeout.")
             number = self.numbers[index]
-            return "failed", 1, f"{self.notebook.path}: cell {number} raised in the kernel:\n{_short(exc)}"
+            return Status.FAILED, 1, f"{self.notebook.path}: cell {number} raised in the kernel:\n{_short(exc)}"
         except KeyboardInterrupt:
-            return self._stopped("interrupted", 130, "interrupted (SIGINT); every rank and the kernel were stopped.")
+            return self._stopped(Status.INTERRUPTED, 130, "interrupted (SIGINT); every rank and the kernel were stopped.")
         except SignalReceived as exc:
             name = signal.Signals(exc.signum).name
-            return self._stopped("interrupted", 128 + exc.signum, f"interrupted ({name}); every rank and the kernel were stopped.")
+            return self._stopped(Status.INTERRUPTED, 128 + exc.signum, f"interrupted ({name}); every rank and the kernel were stopped.")
         finally:
             pump.stop()
             for cleanup in self._cleanup:
@@ -190,7 +191,7 @@ class _NotebookRun:
         outcome = self.job.wait(self.sinks, self.deadline, self.idle_timeout)
         self.outcome = outcome
         cell.outputs = self.collector.outputs()
-        if outcome.status != "succeeded":
+        if outcome.status != Status.SUCCEEDED:
             cell.outputs.append(_error_output(outcome))
             return outcome.status, outcome.exit_code, outcome.message
         loader = _load_cell(self.job.checkpoint)
@@ -220,7 +221,7 @@ class _NotebookRun:
     def _stopped(self, status: str, code: int, message: str) -> tuple[str, int, str]:
         self.job.stop()
         if self.outcome is None:
-            self.outcome = self.job.outcome(timed_out=status == "timeout", interrupted_by=code - 128 if status == "interrupted" else None)
+            self.outcome = self.job.outcome(timed_out=status == Status.TIMEOUT, interrupted_by=code - 128 if status == Status.INTERRUPTED else None)
         return status, code, message
 
     def _remaining(self) -> int | None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
+from nbddp.rundir import RunDir
+
 _RANK_LOG = re.compile(r"rank-(\d+)\.log$")
 
 
@@ -57,7 +59,7 @@ class RunFollower:
         self.run_dir = Path(run_dir)
         self.include_launcher = include_launcher
         self._files: dict[Path, _Followed] = {}
-        self._metrics = _Followed(self.run_dir / "metrics.jsonl", None)
+        self._metrics = _Followed(RunDir(self.run_dir).metrics, None)
 
     def poll(self, final: bool = False) -> Iterator[Event]:
         """New events since the last call; ``final`` flushes unterminated lines too."""
@@ -72,7 +74,8 @@ class RunFollower:
                 yield MetricsEvent(values)
 
     def _discover(self) -> list[_Followed]:
-        logs = self.run_dir / "logs"
+        paths = RunDir(self.run_dir)
+        logs = paths.logs
         if logs.is_dir():
             for path in logs.iterdir():
                 if path in self._files:
@@ -80,7 +83,7 @@ class RunFollower:
                 match = _RANK_LOG.search(path.name)
                 if match:
                     self._files[path] = _Followed(path, int(match.group(1)))
-                elif path.name == "launcher.log" and self.include_launcher:
+                elif path == paths.launcher_log and self.include_launcher:
                     self._files[path] = _Followed(path, None)
         return sorted(self._files.values(), key=lambda f: (f.rank is not None, f.rank or 0))
 

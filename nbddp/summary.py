@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nbddp.report import read_metrics
+from nbddp.rundir import RunDir
 
 _COUNTERS = {"epoch", "epochs", "step", "time"}
 
@@ -21,7 +22,7 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
     """Write the summary files for ``runs`` (``(planned run, run dir, status)``) and return the rows."""
     rows, curves, metric_names = [], {}, []
     for run, run_dir, status in runs:
-        result = _read_json(run_dir / "result.json")
+        result = _read_json(RunDir(run_dir).result)
         row: dict[str, Any] = {"run": run.name, **run.parameters, "status": status if status != "skipped" else "succeeded"}
         row["wall_time_s"] = result.get("wall_time_s")
         for key, value in (result.get("final_metrics") or {}).items():
@@ -29,7 +30,7 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
                 row[key] = value
                 if key not in metric_names:
                     metric_names.append(key)
-        error = result.get("error") or ("" if status in ("succeeded", "skipped") else _last_line(run_dir / "batch.log", status))
+        error = result.get("error") or ("" if status in ("succeeded", "skipped") else _last_line(RunDir(run_dir).batch_log, status))
         row["error"] = error.splitlines()[0] if error else ""
         row["run_dir"] = str(run_dir)
         rows.append(row)

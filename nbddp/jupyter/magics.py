@@ -13,6 +13,7 @@ from nbddp.cell_job import CellHistory, build_script, run_cell_job
 from nbddp.compat import apply_catalyst_shims
 from nbddp.errors import NbddpError
 from nbddp.options import ArgumentParser, add_launch_arguments, launch_options, parse_line
+from nbddp.outcome import Status
 
 
 def _parser() -> ArgumentParser:
@@ -61,13 +62,13 @@ class DdpMagics(Magics):
         from nbddp.jupyter.view import make_view
 
         view = make_view(resolve(options.gpus, options.cpu, options.nproc).nproc)
-        status = "failed"
+        status = Status.FAILED
         try:
             result = run_cell_job(script, parameters, options, self.shell.user_ns, [view],
                                   command=f"%%ddp_train {line}".strip())
-            status = "succeeded"
+            status = Status.SUCCEEDED
         except KeyboardInterrupt:
-            status = "interrupted"
+            status = Status.INTERRUPTED
             raise
         except NbddpError as exc:
             status = getattr(exc, "status", type(exc).__name__)
