@@ -45,9 +45,17 @@ def free_names(code: str, filename: str = "train.py") -> list[str]:
             visit(child, False)
 
     visit(top, True)
-    if star_import:
+    if star_import or _star_imports(code):
         return []
     return [n for n in used if n not in bound and n not in _ALWAYS_DEFINED and not hasattr(builtins, n)]
+
+
+def _star_imports(code: str) -> bool:
+    """``from m import *`` anywhere (symtable doesn't list ``*`` as a symbol)."""
+    import ast
+
+    return any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names)
+               for node in ast.walk(ast.parse(code)))
 
 
 def _defines(table: symtable.SymbolTable, name: str) -> bool:
@@ -55,31 +63,46 @@ def _defines(table: symtable.SymbolTable, name: str) -> bool:
     return any(child.get_name() == name and child.get_type() in ("function", "class") for child in table.get_children())
 
 
-def first_use(code: str, name: str) -> int | None:
-    """Line of the first read of global ``name`` in ``code`` (``None`` if it isn't read)."""
+def executed_reads(code: str) -> dict[str, int]:
+    """Global names read by code that runs when the script runs (not only inside function bodies),
+    with the line of the first such read. Class bodies and comprehensions run; ``def`` and ``lambda``
+    bodies only when called."""
     import ast
 
-    lines = [node.lineno for node in ast.walk(ast.parse(code))
-             if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)]
-    return min(lines) if lines else None
+    reads: dict[str, int] = {}
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for default in [*node.args.defaults, *node.args.kw_defaults, *getattr(node, "decorator_list", [])]:
+                if default is not None:
+                    visit(default)  # evaluated at definition time
+            return
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+            reads[node.id] = min(reads.get(node.id, node.lineno), node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(code))
+    return reads
 
 
 def check_defined(script) -> None:  # noqa: ANN001 - nbddp.script.Script (no import cycle)
-    """Refuse a script that reads a name no exported cell, parameter or import defines.
+    """Refuse a script whose running code reads a name no exported cell, parameter or import defines.
 
     In a rank that is a ``NameError`` after a long start-up; here it is an error before anything
-    starts, naming the cell and line of the first use.
+    starts, naming the cell and line of the first use. Names read only inside functions pass:
+    a helper the ranks never call may use what only the kernel has.
 
     Raises:
         CellError: naming the first such name and where it is used.
     """
     from nbddp.errors import CellError
 
-    missing = free_names(script.text)
+    reads = executed_reads(script.text)
+    missing = [name for name in free_names(script.text) if name in reads]
     if not missing:
         return
-    line = first_use(script.text, missing[0])
-    where = (script.source_map.where(line) if line else None) or script.source_map.notebook
+    where = script.source_map.where(reads[missing[0]]) or script.source_map.notebook
     others = f" (also: {', '.join(missing[1:])})" if len(missing) > 1 else ""
     raise CellError(
         f"{where}: the training code uses {missing[0]!r}{others}, which no exported cell or parameter defines, so "

@@ -224,13 +224,12 @@ class Job:
             done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
             checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
             launcher_tail="\n".join(log.splitlines()[-15:]), stop_requested=self.paths.stop_mark.exists(),
-            timed_out=timed_out, idle_for=self.idle_for if timed_out else None,
-            interrupted_by=interrupted_by or (self.launch.stopped_by if not timed_out else None),
-            stopped_by_us=self.launch.stopped_by is not None, early_exit=self.early_exit,
+            timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
+            stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self.devices.nproc,
             final_metrics=last_metrics(self.run_dir),
         )
-        if evidence.early_exit is None and evidence.peer_gone:  # who vanished, that the error speaks of?
+        if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
             evidence = replace(evidence, early_exit=self.early_exit)
         return evidence

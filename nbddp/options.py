@@ -57,6 +57,8 @@ class LaunchOptions:
                 raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
         if self.engine is not None and self.engine not in ENGINES:
             raise UsageError(f"--engine {self.engine}: choose one of {', '.join(ENGINES)}.")
+        if self.collective_timeout == 0:  # "0: torch's own", as on the command line
+            object.__setattr__(self, "collective_timeout", None)
         for flag in ("timeout", "collective_timeout", "idle_timeout"):
             value = getattr(self, flag)
             if value is not None and not (value > 0 and math.isfinite(value)):
@@ -164,11 +166,10 @@ def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, An
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The validated options from what :func:`add_launch_arguments` parsed."""
     engine, parameters, returns = script_arguments(args)
-    collective = args.collective_timeout
     return LaunchOptions(
         gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=engine, parameters=parameters, returns=returns,
         run_dir=getattr(args, "run_dir", None), timeout=args.timeout,
-        collective_timeout=None if collective == 0 else collective, idle_timeout=args.idle_timeout,
+        collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
         max_restarts=args.max_restarts,
     )
 

@@ -78,13 +78,19 @@ class Evidence:
     idle_for: float | None = None
     """Set when the timeout was ``--idle-timeout`` (its seconds)."""
     interrupted_by: int | None = None
-    """The signal that stopped the job (nbddp's own stop, a Ctrl-C, a SIGTERM)."""
-    stopped_by_us: bool = False
+    """The signal that interrupted nbddp itself (a Ctrl-C, a SIGTERM to ``nbddp run``, the stop button)."""
+    stopped_by: int | None = None
+    """The signal nbddp sent to stop the launcher, for whatever reason (an interruption, a timeout, a rank
+    gone early); ``None`` when the launcher ended on its own."""
     early_exit: int | None = None
     """A rank seen gone with neither a done mark nor an error report while the others ran."""
     collective_timeout: float | None = None
     nproc: int = 1
     final_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stopped_by_us(self) -> bool:
+        return self.stopped_by is not None
 
     @property
     def peer_gone(self) -> bool:
@@ -126,9 +132,10 @@ def judge(e: Evidence) -> JobOutcome:
         return outcome(Status.TIMEOUT, (
             f"a collective timed out{limit}: rank {errors[0].rank} waited for peers that never joined — did a rank "
             f"skip an all_reduce, or stall?\n\n" + failure_message(e, codes)), rank=errors[0].rank)
-    if e.interrupted_by is not None:
-        return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(e.interrupted_by).name}; every rank was "
-                       "stopped.", 128 + e.interrupted_by)
+    interrupted_by = e.interrupted_by or e.stopped_by  # (a timeout was judged above)
+    if interrupted_by is not None:
+        return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; every rank was "
+                       "stopped.", 128 + interrupted_by)
     if e.launcher_exit == 0 and e.checkpoint_exists and not errors:
         codes = {r: 0 for r in range(e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)

@@ -42,6 +42,8 @@ def _assignments(node: ast.stmt, source: str) -> list[tuple[str, Any]]:
         targets, value = node.targets, node.value
     elif isinstance(node, ast.AnnAssign) and node.value is not None:
         targets, value = [node.target], node.value
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # `lr: float`, set by -p
+        return [(node.target.id, {"annotation": ast.get_source_segment(source, node.annotation)})]
     else:
         return []
     default = _default(value, source)

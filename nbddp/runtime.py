@@ -67,12 +67,19 @@ def _use_cuda() -> bool:
 # ---------------------------------------------------------------- lifecycle
 
 
-def start() -> None:
+def start(engine: str = "torch") -> None:
     """Called by the torch engine's script at import time, in every process that imports it.
 
     Under torchrun: send output to the rank's log, record an uncaught exception, join the process
     group. Elsewhere: nothing that changes behaviour, so ``python train.py`` is a normal single process.
+    (``engine``: only scripts exported by nbddp 0.1 pass it; the Catalyst engine now starts through
+    :mod:`nbddp.runtime_catalyst`.)
     """
+    if engine != "torch":
+        from nbddp.errors import NbddpError
+
+        raise NbddpError(f"this script was exported by an older nbddp for the {engine} engine; export it again "
+                         "(nbddp export NOTEBOOK) or run the notebook with nbddp run.")
     use_notebook_folder()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         become_rank(rank(), world_size())

@@ -37,7 +37,8 @@ class TerminalSink:
                 self.last_progress[event.rank] = now
             self._line(f"{rank_prefix(event.rank)}{event.text}\n")
         elif isinstance(event, MetricsEvent):
-            if self.tty and isinstance(event.values.get("epochs"), int) and "epoch" in event.values:
+            epoch, epochs = event.values.get("epoch"), event.values.get("epochs")
+            if self.tty and isinstance(epochs, int) and isinstance(epoch, int) and 0 <= epoch <= epochs:
                 self._epoch_bar(event.values)
             else:
                 self._line(f"[metrics] {format_metrics(event.values)}\n")
@@ -56,7 +57,7 @@ class TerminalSink:
             self.bar = tqdm(total=values["epochs"], unit="epoch", file=sys.stdout, dynamic_ncols=True)
         shown = {k: v for k, v in values.items() if k not in ("epoch", "epochs", "time")}
         self.bar.set_postfix_str(format_metrics(shown), refresh=False)
-        self.bar.update(int(values["epoch"]) - self.bar.n)
+        self.bar.update(values["epoch"] - self.bar.n)
 
     def close(self) -> None:
         if self.bar is not None:

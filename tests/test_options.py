@@ -16,6 +16,7 @@ def parse(argv):
 
 def test_defaults_live_in_one_place():
     assert parse([]) == LaunchOptions()
+    assert parse(["--collective-timeout", "0"]) == LaunchOptions(collective_timeout=0) == LaunchOptions(collective_timeout=None)
     assert LaunchOptions().collective_timeout == 300.0 and LaunchOptions().returns == ("model",)
 
 

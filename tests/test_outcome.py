@@ -35,21 +35,27 @@ ROWS = [
     ("SIGTERMs to survivors are never the cause", {"launcher_exit": 1, "rank_exit_codes": {0: -15}, "errors": (error(),),
                                                    "checkpoint_exists": False},
      Status.FAILED, 1, 1, "rank 1 raised ValueError: bad value\n  at nb.ipynb, cell 3, line 5"),
-    ("a rank gone early without a word", {"launcher_exit": -15, "stopped_by_us": True, "early_exit": 1},
+    ("a rank gone early without a word", {"launcher_exit": -15, "stopped_by": signal.SIGTERM, "early_exit": 1},
      Status.FAILED, 1, 1, "rank 1 ended before the training finished, without an error"),
+    ("a rank SIGKILLed, seen gone before torchrun reported it", {
+        "launcher_exit": 1, "stopped_by": signal.SIGTERM, "early_exit": 1, "rank_exit_codes": {1: -9, 0: -15},
+        "root_cause": 1, "checkpoint_exists": False}, Status.FAILED, 1, 1, "rank 1 died: killed by SIGKILL"),
+    ("nbddp kill, while nbddp also stopped the launcher", {
+        "stop_requested": True, "launcher_exit": -15, "stopped_by": signal.SIGTERM, "early_exit": 0},
+     Status.INTERRUPTED, 143, None, "stopped by `nbddp kill`"),
     ("a peer vanished mid-collective, signal known", {"launcher_exit": 1, "rank_exit_codes": {1: -9},
                                                       "errors": (error(0, "RuntimeError", "Connection closed by peer"),)},
      Status.FAILED, 1, 1, "rank 1 died: killed by SIGKILL"),
-    ("--timeout", {"launcher_exit": -15, "timed_out": True, "stopped_by_us": True}, Status.TIMEOUT, 124, None,
+    ("--timeout", {"launcher_exit": -15, "timed_out": True, "stopped_by": signal.SIGTERM}, Status.TIMEOUT, 124, None,
      "exceeded --timeout"),
     ("--idle-timeout", {"launcher_exit": -15, "timed_out": True, "idle_for": 4.0}, Status.TIMEOUT, 124, None,
      "no rank printed or logged anything for 4s (--idle-timeout)"),
     ("a collective timed out", {"launcher_exit": 1, "collective_timeout": 5.0, "checkpoint_exists": False,
                                 "errors": (error(0, "DistBackendError", "Timed out waiting 5000ms for recv"),)},
      Status.TIMEOUT, 124, 0, "a collective timed out (--collective-timeout 5s): rank 0 waited"),
-    ("Ctrl-C", {"launcher_exit": -2, "interrupted_by": signal.SIGINT, "stopped_by_us": True}, Status.INTERRUPTED, 130,
+    ("Ctrl-C", {"launcher_exit": -2, "interrupted_by": signal.SIGINT, "stopped_by": signal.SIGINT}, Status.INTERRUPTED, 130,
      None, "interrupted by SIGINT"),
-    ("SIGTERM to nbddp, even when Catalyst's children exit 0", {"interrupted_by": signal.SIGTERM, "stopped_by_us": True},
+    ("SIGTERM to nbddp, even when Catalyst's children exit 0", {"stopped_by": signal.SIGTERM},
      Status.INTERRUPTED, 143, None, "interrupted by SIGTERM"),
     ("exit 0 without the weights", {"checkpoint_exists": False}, Status.FAILED, 1, None,
      "the ranks exited without saving the returned weights (weights.pt)"),
@@ -87,6 +93,6 @@ def test_the_exception_of_a_failed_run_carries_its_outcome_and_pickles():
     assert (failed.rank, failed.exc_type, failed.cell, failed.line, failed.run_dir) == (1, "ValueError", 3, 5, "/runs/r1")
     again = pickle.loads(pickle.dumps(failed))
     assert type(again) is RunFailed and str(again) == str(failed) and again.__dict__ == failed.__dict__
-    stopped = run_error(judge(evidence(interrupted_by=signal.SIGTERM, stopped_by_us=True)), RUN)
+    stopped = run_error(judge(evidence(interrupted_by=signal.SIGTERM, stopped_by=signal.SIGTERM)), RUN)
     assert isinstance(stopped, RunInterrupted) and stopped.exit_code == 143 and stopped.status == "interrupted"
     assert isinstance(run_error(judge(evidence(timed_out=True)), RUN), RunTimeout)

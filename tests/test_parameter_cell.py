@@ -33,3 +33,9 @@ def test_any_override_needs_a_parameters_cell(notebook):
     assert check_overrides(nb, {}) == {}
     with pytest.raises(ParameterError, match="unknown parameter lr: the notebook has no 'parameters' cell"):
         check_overrides(nb, ["lr"])
+
+
+def test_an_annotation_alone_declares_a_parameter(notebook):
+    nb = read_notebook(notebook([code("lr: float\nepochs = 2", "parameters"), code("#| ddp-train\npass")]))
+    assert declared_parameters(nb) == {"lr": {"annotation": "float"}, "epochs": 2}
+    assert check_overrides(nb, {"lr": 0.1})

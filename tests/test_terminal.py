@@ -25,6 +25,8 @@ def test_on_a_terminal_epochs_drive_a_progress_bar_under_the_lines(capsys):
     assert "3/3" in shown and "loss=0.125" in shown and "epoch" in shown
     sink(MetricsEvent({"step": 5, "loss": 0.1}))  # no epoch count: a plain line
     assert lines[-1] == "[metrics] step=5 loss=0.1\n"
+    sink(MetricsEvent({"epoch": "3/10", "epochs": 10}))  # not a count: a plain line, never a crash
+    assert lines[-1] == "[metrics] epoch=3/10 epochs=10\n"
 
 
 def test_progress_bars_of_ranks_are_thinned_and_kept_out_of_the_notebook(tmp_path):
