@@ -14,6 +14,7 @@ from nbconvert.exporters import Exporter
 from traitlets import Enum, Unicode
 
 from nbddp.notebook import from_nbformat
+from nbddp.options import parse_returns
 from nbddp.script import ExportOptions, generate
 
 
@@ -37,7 +38,7 @@ class NbddpExporter(Exporter):
         path = Path(meta.get("path", ".")) / f"{name}.ipynb"
         options = ExportOptions(
             engine=None if self.engine == "auto" else self.engine,
-            returns=tuple(n.strip() for n in self.returns.split(",") if n.strip()),
+            returns=parse_returns(self.returns),
             script_name=f"{name}.py",
         )
         script = generate(from_nbformat(nb_copy, path), options)

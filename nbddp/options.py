@@ -149,6 +149,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = Tru
                         help="restart failed ranks up to N times (torch engine); pair with nbddp.save_checkpoint/restore")
 
 
+def parse_returns(text: str) -> tuple[str, ...]:
+    """``--return model,optimizer`` → ``("model", "optimizer")``."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], tuple[str, ...]]:
     """``(engine, parameters, returns)`` from what :func:`add_script_arguments` parsed, checked."""
     from nbddp.errors import ParameterError
@@ -158,8 +163,7 @@ def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, An
         parameters = parse_pairs(args.parameters)
     except ParameterError as exc:
         raise UsageError(f"-p: {exc}") from None
-    returns = tuple(n.strip() for n in args.returns.split(",") if n.strip())
-    options = LaunchOptions(engine=args.engine, parameters=parameters, returns=returns)  # validates them
+    options = LaunchOptions(engine=args.engine, parameters=parameters, returns=parse_returns(args.returns))  # checks them
     return options.engine, options.parameters, options.returns
 
 
