@@ -35,7 +35,8 @@ from nbddp.report import RunRecord
 from nbddp.rundir import RunDir
 from nbddp.script import ExportOptions, generate
 from nbddp.stream import Sink, format_metrics
-from nbddp.terminal import NotebookOutputSink, TerminalSink, stdout_write
+from nbddp.terminal import NotebookOutputSink, TerminalSink
+
 
 class SignalReceived(BaseException):
     """Raised in the main thread by the CLI's SIGTERM/SIGHUP handlers (SIGINT raises KeyboardInterrupt)."""
@@ -101,7 +102,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     executed, numbers = kernel_notebook(notebook, launch.parameters)
     say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
     with Job.start(spec) as job:
-        echo = stdout_write if sinks is None else None
+        echo = terminal.line if terminal is not None else None  # kernel cells print above the epoch bar
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
                               launch.idle_timeout, output)
         try:

@@ -35,15 +35,16 @@ class TerminalSink:
                 if now - self.last_progress.get(event.rank, 0.0) < 1.0:
                     return
                 self.last_progress[event.rank] = now
-            self._line(f"{rank_prefix(event.rank)}{event.text}\n")
+            self.line(f"{rank_prefix(event.rank)}{event.text}\n")
         elif isinstance(event, MetricsEvent):
             epoch, epochs = event.values.get("epoch"), event.values.get("epochs")
             if self.tty and isinstance(epochs, int) and isinstance(epoch, int) and 0 <= epoch <= epochs:
                 self._epoch_bar(event.values)
             else:
-                self._line(f"[metrics] {format_metrics(event.values)}\n")
+                self.line(f"[metrics] {format_metrics(event.values)}\n")
 
-    def _line(self, text: str) -> None:
+    def line(self, text: str) -> None:
+        """Write ``text`` above the epoch bar (the bar stays under the newest line)."""
         if self.bar is not None:
             self.bar.clear()
         self.write(text)
