@@ -38,8 +38,9 @@ def run_dir() -> RunDir | None:
 
 
 def become_rank(global_rank: int, size: int) -> None:
-    """Per-rank plumbing shared by both engines: die with the parent, log to files."""
+    """Per-rank plumbing shared by both engines: die with the parent, log to files, leave the group safely."""
     _die_with_parent()
+    guard_destroy()
     directory = run_dir()
     if directory is None:
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
@@ -138,10 +139,41 @@ def leave_group() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _final_barrier()
+    _TORCH_DESTROY()
+
+
+#: torch's own ``destroy_process_group``, before :func:`guard_destroy` wraps it.
+_TORCH_DESTROY = dist.destroy_process_group
+
+
+def _final_barrier() -> None:
     work = dist.barrier(async_op=True)
     work.wait()
     _keep_until_exit(work)
-    dist.destroy_process_group()
+
+
+def guard_destroy() -> None:
+    """Make the training code's own ``dist.destroy_process_group()`` leave the group the same safe way.
+
+    Scripts ported to a notebook often end with ``dist.barrier(); dist.destroy_process_group()``;
+    that barrier has the same teardown race as any (see :func:`leave_group`). Destroying the default
+    group therefore first runs a final barrier whose work is kept until exit. Every rank meets a
+    barrier in any case: those that don't destroy the group themselves meet :func:`leave_group`'s.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(dist.destroy_process_group, "_nbddp_guarded", False):
+        return
+
+    def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's signature
+        if dist.is_initialized() and (group is None or group is c10d.GroupMember.WORLD):
+            _final_barrier()
+        return _TORCH_DESTROY(group)
+
+    destroy_process_group.__doc__ = _TORCH_DESTROY.__doc__
+    destroy_process_group._nbddp_guarded = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
 
 
 def _keep_until_exit(obj: Any) -> None:

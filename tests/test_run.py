@@ -272,3 +272,17 @@ def test_sigkilled_run_keeps_an_executed_notebook_of_the_cells_that_ran(tmp_path
     assert "EXPLORED 0.5" in texts[2]  # the injected parameters cell sits at index 1
     assert "training as a DDP job" in texts[4] and "kernel sees" not in "".join(texts)
     assert not list(run_dir.glob(".*partial"))
+
+
+def test_training_code_that_destroys_the_group_itself_succeeds(tmp_path, cli_run):
+    """Scripts ported to notebooks end with barrier + destroy_process_group: the run still succeeds,
+    the weights come back, and every rank exits 0 (the guarded destroy keeps its barrier until exit)."""
+    write_notebook(tmp_path / "d.ipynb", [code(SETUP), code(
+        "#| ddp-train\nimport torch.distributed as dist\nddp = nbddp.prepare(model)\n"
+        "ddp(torch.randn(8, 4)).sum().backward()\ndist.barrier()\ndist.destroy_process_group()"), code(EVALUATE)])
+    run = cli_run(["run", "d.ipynb", "--cpu"], tmp_path)
+    assert run.wait() == 0, run.output
+    assert "kernel sees weight sum" in run.output
+    (run_dir,) = run_dirs(tmp_path)
+    assert result_of(run_dir)["rank_exit_codes"] == {"0": 0, "1": 0}
+    assert not run.leftovers()

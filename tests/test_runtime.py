@@ -84,3 +84,26 @@ def test_no_submodule_shadows_the_api_of_training_cells():
         importlib.import_module(module.name)
     for name in nbddp._RUNTIME:
         assert callable(getattr(nbddp, name)) and not isinstance(getattr(nbddp, name), type(nbddp)), name
+
+
+def test_the_training_codes_own_destroy_process_group_leaves_the_group_safely(tmp_path, monkeypatch):
+    """`dist.barrier(); dist.destroy_process_group()` at the end of a training cell: the final barrier
+    before the destroy is kept until exit too (the teardown race of any barrier)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from nbddp import rank_process
+
+    monkeypatch.setattr(dist, "destroy_process_group", dist.destroy_process_group)  # undone after the test
+    monkeypatch.setattr(c10d, "destroy_process_group", c10d.destroy_process_group)
+    keep, kept = rank_process._keep_until_exit, []
+    monkeypatch.setattr(rank_process, "_keep_until_exit", lambda work: (kept.append(work), keep(work)))
+    rank_process.guard_destroy()
+    rank_process.guard_destroy()  # idempotent
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    ddp = nbddp.prepare(torch.nn.Linear(2, 2))
+    ddp(torch.randn(3, 2)).sum().backward()
+    dist.barrier()
+    dist.destroy_process_group()
+    assert not dist.is_initialized() and len(kept) == 1 and kept[0].is_completed()
+    rank_process.leave_group()  # nothing left to leave
+    assert len(kept) == 1
