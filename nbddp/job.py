@@ -21,11 +21,12 @@ from typing import Any, Sequence
 from nbddp import registry
 from nbddp.devices import Devices
 from nbddp.errors import NbddpError, UsageError
-from nbddp.launch import Launch, LaunchSpec, rank_environment
+from nbddp.launch import Launch, LaunchSpec
 from nbddp.launchers import Launcher, launcher_for
 from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, LaunchOptions
 from nbddp.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.procs import process_alive
+from nbddp.rank_env import RankEnv
 from nbddp.report import RunRecord, last_metrics, rank_errors
 from nbddp.rundir import RunDir, rank_of
 from nbddp.script import Script, write_script
@@ -110,9 +111,8 @@ class Job:
         script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
         paths.logs.mkdir(exist_ok=True)
         argv = launcher.command(script_path, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
-        env = rank_environment(os.environ, run_dir=spec.run_dir, device_kind=spec.devices.kind,
-                               nproc=spec.devices.nproc, checkpoint=paths.weights,
-                               collective_timeout=spec.collective_timeout)
+        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
+                      spec.collective_timeout).to_environ(os.environ)
         launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log))
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.devices.nproc, spec.owner)

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbddp.procs import group_alive, stop_groups
-from nbddp.rank_env import RankEnv
-from nbddp.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -84,9 +82,3 @@ class Launch:
     def __exit__(self, *exc) -> None:
         if self.poll() is None or self.alive():
             self.stop()
-
-
-def rank_environment(base: dict[str, str], *, run_dir: Path, device_kind: str, nproc: int,
-                     checkpoint: Path, collective_timeout: float | None = None) -> dict[str, str]:
-    """The environment every rank gets (a dict for Popen; this process's env is not touched)."""
-    return RankEnv(RunDir(run_dir), device_kind, nproc, checkpoint, collective_timeout).to_environ(base)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -73,9 +73,6 @@ class LaunchOptions:
             _as_usage(check_name, name, "-p")
         if self.max_restarts and self.engine == "catalyst":
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
-
-    def with_parameters(self, parameters: dict[str, Any]) -> "LaunchOptions":
-        return replace(self, parameters={**self.parameters, **parameters})
 
     def to_argv(self) -> list[str]:
         """The same options as arguments :func:`add_launch_arguments` parses back (a batch's runs)."""
