@@ -20,7 +20,8 @@ from typing import Any, Hashable, Sequence
 
 from nbddp.cells import SETUP, TRAIN, cell_role, export_cell
 from nbddp.checkpoint import load_into, load_returns
-from nbddp.devices import Devices, resolve
+from nbddp.devices import Devices
+from nbddp.launchers import devices_for
 from nbddp.errors import CellError, ParameterError
 from nbddp.freevars import free_names
 from nbddp.job import Job, JobOutcome, deadline_of, job_spec
@@ -81,6 +82,8 @@ class CellJobResult:
                  f"{r.engine} engine"]
         if self.loaded:
             lines.append(f"[nbddp] loaded the trained {', '.join(self.loaded)} on the CPU" + (f" ({self.note})" if self.note else ""))
+        elif self.note:
+            lines.append(f"[nbddp] {self.note}")
         if r.final_metrics:
             lines.append(f"[nbddp] final metrics: {format_metrics(r.final_metrics)}")
         lines.append(f"[nbddp] run dir: {self.run_dir}")
@@ -145,9 +148,13 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
             judged outcome and its message names the cell and line.
         KeyboardInterrupt: re-raised after every rank is stopped (the run is recorded as interrupted).
     """
-    devices: Devices = resolve(options.gpus, options.cpu, options.nproc)
+    devices: Devices = devices_for(options)
     if devices.note:
         say(f"[nbddp] {devices.note}")
+    from nbddp.run import topology_notes
+
+    for note in topology_notes(options):
+        say(note.replace("nbddp: ", "[nbddp] ", 1))
     cwd = Path(cwd or os.getcwd())
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
     spec = job_spec(script, options, devices, cwd / f"{stem}.ipynb", cwd, owner="kernel")
@@ -169,6 +176,9 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     if outcome.status != Status.SUCCEEDED:
         record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
         raise run_error(outcome, job.paths)
+    if options.nodes is not None and options.nodes.rank != 0:  # node 0's kernel gets the weights
+        record_ = record(job, Status.SUCCEEDED, 0, "", outcome)
+        return CellJobResult(Status.SUCCEEDED, job.run_dir, record_, [], f"node {options.nodes.rank}: node 0 holds the weights")
     states, note = load_returns(job.checkpoint)
     loaded = load_into(namespace, states)
     return CellJobResult(Status.SUCCEEDED, job.run_dir, record(job, Status.SUCCEEDED, 0, "", outcome), loaded, note)

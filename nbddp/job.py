@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -23,7 +25,7 @@ from nbddp.devices import Devices
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launch import Launch, LaunchSpec
 from nbddp.launchers import Launcher, launcher_for
-from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, LaunchOptions
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes, SlurmRequest
 from nbddp.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.procs import process_alive
 from nbddp.rank_env import RankEnv
@@ -34,6 +36,7 @@ from nbddp.stream import RunFollower, Sink
 
 POLL_SECONDS = 0.05
 RANK_CHECK_SECONDS = 0.5
+_HOST = socket.gethostname()
 
 
 def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
@@ -70,6 +73,19 @@ class JobSpec:
     owner: str = "cli"
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
     max_restarts: int = 0
+    nodes: Nodes | None = None
+    """This node's part in a multi-node run."""
+    slurm: SlurmRequest | None = None
+    """The Slurm job the ranks run as (``None``: here)."""
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+
+    @property
+    def node_count(self) -> int:
+        return self.nodes.count if self.nodes else self.slurm.nodes if self.slurm else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.devices.nproc * self.node_count
 
 
 def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: Path, cwd: Path,
@@ -77,7 +93,8 @@ def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: 
     """The one way a front door turns its options into a job: its run dir created, its limits carried over."""
     run_dir = create_run_dir(notebook, launch.run_dir)
     return JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout, owner=owner,
-                   max_restarts=launch.max_restarts)
+                   max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
+                   rdzv_timeout=launch.rdzv_timeout)
 
 
 def deadline_of(launch: LaunchOptions) -> float | None:
@@ -104,7 +121,7 @@ class Job:
     @classmethod
     def start(cls, spec: JobSpec) -> "Job":
         """Write the script, start the launcher, register the run: all of it, or nothing left running."""
-        launcher = launcher_for(spec.script.engine)
+        launcher = launcher_for(spec.script.engine, spec.nodes, spec.slurm, spec.rdzv_timeout)
         if spec.max_restarts and not launcher.supports_restarts:
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
         paths = RunDir(spec.run_dir)
@@ -112,10 +129,10 @@ class Job:
         paths.logs.mkdir(exist_ok=True)
         argv = launcher.command(script_path, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
         env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
-                      spec.collective_timeout).to_environ(os.environ)
-        launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log))
+                      spec.collective_timeout).to_environ(os.environ) | launcher.environment()
+        launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, launcher.stop_grace))
         try:
-            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.devices.nproc, spec.owner)
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
             return cls(spec, launcher, launch, live)
         except BaseException:
             launch.stop()
@@ -185,13 +202,16 @@ class Job:
             if paths.rank_done(rank).exists() or paths.rank_error(rank).exists():
                 continue
             try:
-                pid = json.loads(info.read_text())["pid"]
+                started = json.loads(info.read_text())
+                pid = started["pid"]
             except (OSError, ValueError, KeyError):
                 continue
+            if started.get("host", _HOST) != _HOST:
+                continue  # a rank of another node (a shared run dir under Slurm): its node reports it
             if not process_alive(pid):
                 # Its error report or done mark may be a moment behind its exit; and a launcher that
                 # saw it die (a signal, a crash) exits within its monitor interval with a better report.
-                deadline = time.monotonic() + 1.0
+                deadline = time.monotonic() + self.launcher.exit_settle
                 while time.monotonic() < deadline:
                     if (live and self.launch.poll() is not None) or paths.rank_done(rank).exists() \
                             or paths.rank_error(rank).exists():
@@ -217,22 +237,41 @@ class Job:
         """What the job's processes left behind, for :func:`nbddp.outcome.judge`."""
         latest = self.restarts()  # errors of attempts torchrun recovered from don't count
         errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
-        log = _read(self.paths.launcher_log)
+        log = self.launcher.report(self.paths)
         evidence = Evidence(
             run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
             rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
             done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
             checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
-            launcher_tail="\n".join(log.splitlines()[-15:]), stop_requested=self.paths.stop_mark.exists(),
+            launcher_tail="\n".join(_read(self.paths.launcher_log).splitlines()[-15:]),
+            stop_requested=self.paths.stop_mark.exists(),
             timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
-            collective_timeout=self.collective_timeout, nproc=self.devices.nproc,
-            final_metrics=last_metrics(self.run_dir),
+            collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
+            checkpoint_expected=self.spec.nodes is None or self.spec.nodes.rank == 0,
+            final_metrics=last_metrics(self.run_dir), rendezvous_failure=self.launcher.rendezvous_failure(log),
+            scheduler_end=self.launcher.ended_by_scheduler(self.paths),
         )
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
             evidence = replace(evidence, early_exit=self.early_exit)
+            if self.early_exit is None and self.spec.nodes is not None:
+                evidence = replace(evidence, node_gone=node_gone(self.nodes(), self.spec.nodes.rank, errors[0].message))
         return evidence
+
+    def _first_rank(self) -> int:
+        return self.spec.nodes.rank * self.devices.nproc if self.spec.nodes else 0
+
+    def _local_ranks(self) -> int:
+        """The ranks this job's launcher ran (one node's, unless Slurm ran every node's)."""
+        return self.spec.world_size if self.spec.slurm else self.devices.nproc
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The nodes that joined a multi-node run (``nodes.json``), empty on one machine."""
+        try:
+            return list(json.loads(self.paths.nodes.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            return []
 
     def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
         return judge(self.evidence(timed_out, interrupted_by))
@@ -247,7 +286,7 @@ class Job:
         ended = time.time()
         record = RunRecord(
             status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=self.script.engine,
-            devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.devices.nproc,
+            devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.spec.world_size,
             parameters=dict(parameters), started_at=self.started_at, ended_at=ended,
             wall_time_s=round(ended - self.started_at, 3),
             rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
@@ -255,6 +294,7 @@ class Job:
             restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
             error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
+            nodes=self.nodes(), slurm_job=self.launcher.job_info(self.paths),
         )
         record.write(self.run_dir)
         return record
@@ -266,6 +306,20 @@ class Job:
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop()
         registry.unregister(self.live)
+
+
+def node_gone(roster: list[dict[str, Any]], own_node: int, message: str) -> dict[str, Any] | None:
+    """Which node of a multi-node run went away, from the roster and a rank's "closed by peer" error.
+
+    With two nodes it is the other one; with more, the one whose address the error names, when
+    exactly one does (on one host, several nodes share an address and nobody is blamed).
+    """
+    others = [node for node in roster if node.get("node") != own_node]
+    if len(others) == 1:
+        return others[0]
+    address = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", message)
+    named = [node for node in others if address and node.get("ip") == address.group(1)]
+    return named[0] if len(named) == 1 else None
 
 
 def _read(path: Path) -> str:

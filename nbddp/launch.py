@@ -29,6 +29,8 @@ class LaunchSpec:
     env: dict[str, str]
     cwd: Path
     log_path: Path
+    grace: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when stopping (a Slurm watcher needs time to cancel its job)."""
 
 
 class Launch:
@@ -61,15 +63,15 @@ class Launch:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, reap: bool = False) -> None:
-        """Signal the whole group, give it ``grace`` seconds, then SIGKILL what is left.
+    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
+        """Signal the whole group, give it ``grace`` seconds (the spec's by default), then SIGKILL what is left.
 
         ``reap``: the launcher already ended and this only clears processes it left behind
         (spawned children still exiting): that doesn't make the run "stopped by nbddp".
         """
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        stop_groups([self.pgid], sig, grace, reap=self.process.poll)
+        stop_groups([self.pgid], sig, self.spec.grace if grace is None else grace, reap=self.process.poll)
 
     def alive(self) -> bool:
         """True while any process of the group is running (zombies of ours reaped first)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,78 @@ from nbddp.errors import UsageError
 
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+#: ``--rdzv-timeout``: how long the nodes of a multi-node run wait for each other before failing.
+DEFAULT_RDZV_TIMEOUT = 300.0
 DEFAULT_RETURNS = ("model",)
+_SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+#: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
+_SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """One node's part in a multi-node run (``--nnodes/--node-rank/--rdzv-endpoint``, as torchrun's)."""
+
+    count: int
+    rank: int
+    endpoint: str
+    """``HOST:PORT`` of node 0, where the rendezvous store listens."""
+
+    def __post_init__(self) -> None:
+        if self.count < 2:
+            raise UsageError(f"--nnodes {self.count}: several nodes means 2 or more (one machine needs no --nnodes).")
+        if not 0 <= self.rank < self.count:
+            raise UsageError(f"--node-rank {self.rank}: give 0 to {self.count - 1} for --nnodes {self.count}.")
+        self.host_port()
+
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"--rdzv-endpoint {self.endpoint!r}: give HOST:PORT of node 0 (e.g. node0:29500).")
+        return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class SlurmRequest:
+    """What a ``--slurm`` run asks the cluster for."""
+
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+    """``--slurm-arg KEY=VALUE``: any other sbatch option, passed on as ``--KEY=VALUE``."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise UsageError(f"--nodes {self.nodes}: need at least 1 node.")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise UsageError(f"--gpus-per-node {self.gpus_per_node}: need at least 1 (or --cpu --nproc P).")
+        if self.time is not None and not re.fullmatch(r"\d+(-\d+)?(:\d+){0,2}|UNLIMITED|INFINITE", self.time):
+            raise UsageError(f"--time {self.time!r}: give a Slurm time limit (MINUTES, HH:MM:SS or D-HH:MM:SS).")
+        for flag, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+                raise UsageError(f"{flag} {value!r}: give a name without spaces.")
+        for key, value in self.extra:
+            if not _SLURM_KEY.fullmatch(key):
+                raise UsageError(f"--slurm-arg {key}={value}: KEY is an sbatch option name without dashes (e.g. qos=high).")
+            if key in _SLURM_OWN or key in ("partition", "time", "account"):
+                raise UsageError(f"--slurm-arg {key}=...: nbddp sets --{key} itself"
+                                 + (f"; use nbddp's --{key}." if key in ("nodes", "partition", "time", "account",
+                                                                       "gpus-per-node") else "."))
+            if "\n" in value or "\r" in value or "\0" in value:
+                raise UsageError(f"--slurm-arg {key}: the value can't span lines.")
+
+    def to_argv(self) -> list[str]:
+        argv = ["--slurm"]
+        for flag, value in (("--nodes", self.nodes if self.nodes != 1 else None), ("--gpus-per-node", self.gpus_per_node),
+                            ("--partition", self.partition), ("--time", self.time), ("--account", self.account)):
+            if value is not None:
+                argv += [flag, str(value)]
+        for key, value in self.extra:
+            argv += ["--slurm-arg", f"{key}={value}"]
+        return argv
 
 
 @dataclass(frozen=True)
@@ -43,6 +115,11 @@ class LaunchOptions:
     collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
     idle_timeout: float | None = None
     max_restarts: int = 0
+    nodes: Nodes | None = None
+    """This node's part in a multi-node run; ``None`` on one machine."""
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    slurm: SlurmRequest | None = None
+    """Run the ranks as a Slurm job; ``None`` runs them here."""
 
     def __post_init__(self) -> None:
         from nbddp.parameters import check_name
@@ -73,6 +150,24 @@ class LaunchOptions:
             _as_usage(check_name, name, "-p")
         if self.max_restarts and self.engine == "catalyst":
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+        if not (self.rdzv_timeout > 0 and math.isfinite(self.rdzv_timeout)):
+            raise UsageError(f"--rdzv-timeout {self.rdzv_timeout:g}: give a positive number of seconds.")
+        self._check_topology()
+
+    def _check_topology(self) -> None:
+        """Several nodes and Slurm: the flags that can't go together, refused before anything starts."""
+        if (self.nodes is not None or self.slurm is not None) and self.max_restarts:
+            raise UsageError("--max-restarts works on one machine: across nodes a restart would need every node's "
+                             "agent to agree (torchrun's static rendezvous can't). Drop --max-restarts.")
+        if self.slurm is None:
+            return
+        if self.nodes is not None:
+            raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint "
+                             "(use --nodes N for the node count).")
+        if self.gpus is not None:
+            raise UsageError("--gpus counts this machine's GPUs; with --slurm say --gpus-per-node G.")
+        if self.slurm.gpus_per_node is not None and (self.cpu or self.nproc is not None):
+            raise UsageError("--gpus-per-node and --cpu/--nproc contradict each other: choose one.")
 
     def to_argv(self) -> list[str]:
         """The same options as arguments :func:`add_launch_arguments` parses back (a batch's runs)."""
@@ -92,6 +187,13 @@ class LaunchOptions:
             argv += ["--return", ",".join(self.returns)]
         for name, value in self.parameters.items():
             argv += ["-p", name, _value_arg(value)]
+        if self.nodes is not None:
+            argv += ["--nnodes", str(self.nodes.count), "--node-rank", str(self.nodes.rank),
+                     "--rdzv-endpoint", self.nodes.endpoint]
+        if self.rdzv_timeout != DEFAULT_RDZV_TIMEOUT:
+            argv += ["--rdzv-timeout", str(self.rdzv_timeout)]
+        if self.slurm is not None:
+            argv += self.slurm.to_argv()
         return argv
 
 
@@ -124,13 +226,17 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
                      help="variables whose trained state comes back (default: model)")
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
-    """Every launch option, for every front door (``run_dir=False`` where a folder of runs is named instead)."""
-    add_script_arguments(parser)
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     devices = parser.add_argument_group("devices")
     devices.add_argument("--gpus", default=None, metavar="N|all", help="GPUs to use (default: all visible)")
     devices.add_argument("--cpu", action="store_true", help="run CPU processes with gloo, even with GPUs")
     devices.add_argument("--nproc", type=int, default=None, help="CPU processes (default 2)")
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
+    """Every launch option, for every front door (``run_dir=False`` where a folder of runs is named instead)."""
+    add_script_arguments(parser)
+    add_device_arguments(parser)
     limits = parser.add_argument_group("run")
     if run_dir:
         limits.add_argument("--run-dir", type=Path, default=None,
@@ -144,6 +250,53 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = Tru
                         help="stop the run (exit 124) when no rank prints or logs anything for this long")
     limits.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart failed ranks up to N times (torch engine); pair with nbddp.save_checkpoint/restore")
+    add_topology_arguments(parser)
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several nodes (torchrun's flags, same meaning) and Slurm."""
+    nodes = parser.add_argument_group("several nodes (run the same command on every node)")
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="number of nodes")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R",
+                       help="this node's rank, 0 to N-1; node 0 runs the notebook's kernel and gets the weights")
+    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="node 0's address and a free port there (its rendezvous store listens on it)")
+    nodes.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
+                       help="how long nodes wait for each other at the start (default 300)")
+    slurm = parser.add_argument_group("slurm (the ranks run as a Slurm job; the kernel runs here)")
+    slurm.add_argument("--slurm", action="store_true", help="submit the training as a Slurm job")
+    slurm.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes to ask for (default 1)")
+    slurm.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                       help="GPUs per node (default: the partition's, else --cpu)")
+    slurm.add_argument("--partition", default=None, metavar="P")
+    slurm.add_argument("--time", default=None, metavar="T", help="time limit, as sbatch's --time")
+    slurm.add_argument("--account", default=None, metavar="A")
+    slurm.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="any other sbatch option, e.g. qos=high (repeatable)")
+
+
+def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | None]:
+    """The multi-node and Slurm parts of what :func:`add_topology_arguments` parsed, checked."""
+    nodes = None
+    if args.nnodes not in (None, 1) or args.node_rank is not None or args.rdzv_endpoint is not None:
+        if args.nnodes is None or args.rdzv_endpoint is None or args.node_rank is None:
+            raise UsageError("several nodes need --nnodes N, --node-rank R and --rdzv-endpoint HOST:PORT together.")
+        nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    slurm_only = {"--nodes": args.nodes, "--gpus-per-node": args.gpus_per_node, "--partition": args.partition,
+                  "--time": args.time, "--account": args.account, "--slurm-arg": args.slurm_arg or None}
+    if not args.slurm:
+        given = [flag for flag, value in slurm_only.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --slurm.")
+        return nodes, None
+    extra = []
+    for item in args.slurm_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--slurm-arg {item!r}: give KEY=VALUE (e.g. qos=high).")
+        extra.append((key.strip().lstrip("-"), value))
+    return nodes, SlurmRequest(args.nodes or 1, args.gpus_per_node, args.partition, args.time, args.account,
+                               tuple(extra))
 
 
 def parse_returns(text: str) -> tuple[str, ...]:
@@ -167,11 +320,12 @@ def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, An
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The validated options from what :func:`add_launch_arguments` parsed."""
     engine, parameters, returns = script_arguments(args)
+    nodes, slurm = topology(args)
     return LaunchOptions(
         gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=engine, parameters=parameters, returns=returns,
         run_dir=getattr(args, "run_dir", None), timeout=args.timeout,
         collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts, nodes=nodes, rdzv_timeout=args.rdzv_timeout, slurm=slurm,
     )
 
 

@@ -86,7 +86,17 @@ class Evidence:
     """A rank seen gone with neither a done mark nor an error report while the others ran."""
     collective_timeout: float | None = None
     nproc: int = 1
+    """The ranks this launcher ran (one node's, in a multi-node run), numbered from ``first_rank``."""
+    first_rank: int = 0
+    checkpoint_expected: bool = True
+    """False on nodes 1 and up of a multi-node run: node 0's rank 0 saves the weights, on node 0."""
     final_metrics: dict[str, Any] = field(default_factory=dict)
+    rendezvous_failure: str | None = None
+    """Why the nodes of a multi-node run never all met (the launcher's reading of torch's store error)."""
+    scheduler_end: str | None = None
+    """A scheduler ended the job itself (Slurm's time limit, an outside scancel, a node failure…): its reason."""
+    node_gone: dict[str, Any] | None = None
+    """The node of a multi-node run whose ranks stopped answering (its roster entry)."""
 
     @property
     def stopped_by_us(self) -> bool:
@@ -111,6 +121,10 @@ def judge(e: Evidence) -> JobOutcome:
 
     if e.interrupted_by is None and not e.timed_out and e.stop_requested:
         return outcome(Status.INTERRUPTED, "stopped by `nbddp kill`; every rank was stopped.", 128 + signal.SIGTERM)
+    if e.scheduler_end and e.interrupted_by is None and not e.timed_out:
+        return outcome(Status.FAILED, e.scheduler_end)
+    if e.rendezvous_failure and not errors:
+        return outcome(Status.FAILED, e.rendezvous_failure)
     # SIGTERMs come from whoever stops the survivors (torchrun, spawn, or us): never the root cause.
     signalled = {r: c for r, c in codes.items() if c < 0 and c != -signal.SIGTERM}
     if signalled and (not errors or e.peer_gone) and not e.timed_out and e.interrupted_by is None \
@@ -123,6 +137,14 @@ def judge(e: Evidence) -> JobOutcome:
             f"rank {rank} ended before the training finished, without an error, while the other ranks were still "
             f"running (they would have waited for it in a collective). Look for sys.exit(), os._exit() or a return "
             f"path that skips work on some ranks; its log: {e.run_dir.rank_log(rank)}"), rank=rank)
+    if e.node_gone is not None and e.interrupted_by is None and not e.timed_out:
+        node = e.node_gone
+        first, last = node.get("ranks", ["?", "?"])
+        return outcome(Status.FAILED, (
+            f"node {node.get('node')} ({node.get('host')}, ranks {first}-{last}) went away while training: its ranks "
+            f"stopped answering (rank {errors[0].rank}: {_gist(errors[0].message)}), so this node's ranks were "
+            f"stopped. See that node's own output" + (f" and its run dir {node['run_dir']}" if node.get("run_dir")
+                                                       else "") + "."), rank=errors[0].rank)
     if e.timed_out:
         return outcome(Status.TIMEOUT, (
             f"no rank printed or logged anything for {e.idle_for:g}s (--idle-timeout): stopped. A stuck data loader "
@@ -136,13 +158,19 @@ def judge(e: Evidence) -> JobOutcome:
     if interrupted_by is not None:
         return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; every rank was "
                        "stopped.", 128 + interrupted_by)
-    if e.launcher_exit == 0 and e.checkpoint_exists and not errors:
-        codes = {r: 0 for r in range(e.nproc)} | codes
+    if e.launcher_exit == 0 and (e.checkpoint_exists or not e.checkpoint_expected) and not errors:
+        codes = {r: 0 for r in range(e.first_rank, e.first_rank + e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)
     message = failure_message(e, codes)
     # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2.
     bad_input = not errors and "UnpicklableError:" in message
     return outcome(Status.FAILED, message, 2 if bad_input else 1, rank=errors[0].rank if errors else None)
+
+
+def _gist(message: str) -> str:
+    """The first sentence of a backend error, without gloo's ``[.../pair.cc:553]`` source location."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[-1] if message.strip() else "")
+    return text.split(". ")[0][:160]
 
 
 def failure_message(e: Evidence, codes: dict[int, int]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -60,8 +61,8 @@ def become_rank(global_rank: int, size: int) -> None:
 
     sys.excepthook = record
     directory.ranks.mkdir(exist_ok=True)
-    directory.rank_info(global_rank).write_text(
-        json.dumps({"pid": os.getpid(), "world_size": size, "attempt": restart_count()}))
+    directory.rank_info(global_rank).write_text(json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()}))
     print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
 
 
@@ -106,6 +107,51 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: range) -> list[dict[str, Any]]:
+    """Across nodes: tell the others who this node is and learn who they are, through the group's store.
+
+    The first rank of each node publishes its host, ranks, run dir and a digest of the training
+    script; every rank reads all of them (a few store reads, once), and the first rank of each node
+    writes the roster to ``nodes.json`` (node 0's ``result.json`` lists it; a node that went away is
+    named from it). Nodes started with different notebooks or ``-p`` values would train different
+    code in lockstep: every rank refuses that here, before the first step.
+    """
+    import hashlib
+
+    store = dist.distributed_c10d._get_default_store()
+    first = global_rank == node_ranks.start
+    if first:
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        digest = hashlib.sha256(Path(main).read_bytes()).hexdigest()[:16] if main and Path(main).exists() else ""
+        directory = run_dir()
+        me = {"node": node_rank, "host": socket.gethostname(), "ip": _address(), "ranks": [node_ranks.start, node_ranks.stop - 1],
+              "run_dir": str(directory) if directory else None, "script": digest}
+        store.set(f"nbddp/node/{node_rank}", json.dumps(me))
+    roster = [json.loads(store.get(f"nbddp/node/{n}")) for n in range(nnodes)]
+    directory = run_dir()
+    if first and directory is not None:
+        partial = directory.nodes.with_name(f".{directory.nodes.name}.{node_rank}.partial")
+        partial.write_text(json.dumps(roster, indent=1))
+        os.replace(partial, directory.nodes)
+    mine = roster[node_rank]["script"]
+    for other in roster:
+        if other["script"] != mine:
+            from nbddp.errors import NbddpError
+
+            raise NbddpError(
+                f"node {other['node']} ({other['host']}) runs a different training script than node {node_rank}: "
+                "start every node with the same notebook and the same -p values.")
+    return roster
+
+
+def _address() -> str:
+    """This host's address as other hosts see it (best effort; names the node a peer error points at)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
 
 
 def collective_timeout():

@@ -108,6 +108,10 @@ class RunRecord:
     """The parameters given on the command line (``-p``) or by the batch, which win over the defaults."""
     command: str = ""
     """How the run was started: the exact ``nbddp ...`` command, or the ``%%ddp_train`` line."""
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    """A multi-node run: every node that joined (node rank, host, its ranks, its run dir)."""
+    slurm_job: dict[str, Any] | None = None
+    """A Slurm run: the job's id, final state and reason, and its nodes."""
     versions: dict[str, str] = field(default_factory=lambda: versions())
     """nbddp, torch and Python, as installed where the run was launched."""
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.cells import INJECTED, PARAMETERS, TRAIN, cell_role
-from nbddp.devices import Devices, resolve
 from nbddp.freevars import check_defined
-from nbddp.job import Job, JobOutcome, deadline_of, job_spec
+from nbddp.job import Job, JobOutcome, JobSpec, deadline_of, job_spec
+from nbddp.launchers import devices_for
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.outcome import Status, run_error
 from nbddp.options import LaunchOptions
@@ -84,15 +84,19 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     launch = options.launch
     notebook = read_notebook(options.notebook)
-    devices = resolve(launch.gpus, launch.cpu, launch.nproc)
+    devices = devices_for(launch)
     script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
                                               returns=launch.returns))
     check_defined(script)
     parameters = effective_parameters(declared_parameters(notebook), launch.parameters)
     if devices.note:
         say(f"nbddp: {devices.note}")
+    for line in topology_notes(launch):
+        say(line)
     cwd = notebook.path.resolve().parent
     spec = job_spec(script, launch, devices, notebook.path, cwd)
+    if launch.nodes is not None and launch.nodes.rank != 0:
+        return _run_other_node(options, spec, parameters, sinks, say)
     run_dir = spec.run_dir
     output = Path(options.output or RunDir(run_dir).output)
     deadline = deadline_of(launch)
@@ -100,7 +104,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     terminal = TerminalSink() if sinks is None else None
     all_sinks = [collector, *(sinks if terminal is None else [terminal])]
     executed, numbers = kernel_notebook(notebook, launch.parameters)
-    say(f"nbddp: {script.engine} engine, {devices.describe()}; run dir {run_dir}")
+    say(f"nbddp: {script.engine} engine, {_where(spec)}; run dir {run_dir}")
     with Job.start(spec) as job:
         echo = terminal.line if terminal is not None else None  # kernel cells print above the epoch bar
         runner = _NotebookRun(job, executed, numbers, notebook, collector, all_sinks, deadline, cwd, echo,
@@ -114,8 +118,53 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     result.record = job.record(status, code, message, runner.outcome, parameters, str(notebook.path),
                                overrides=launch.parameters, command=options.command)
     _write_notebook(executed, output)
-    say(_summary(result, devices))
+    say(_summary(result, _where(spec)))
     return result
+
+
+def _run_other_node(options: RunOptions, spec: JobSpec, parameters: dict[str, Any], sinks: Sequence[Sink] | None,
+                    say: Callable[[str], None]) -> RunResult:
+    """Node 1 and up of a multi-node run: only this node's ranks (node 0 runs the kernel, gets the weights)."""
+    launch = options.launch
+    say(f"nbddp: node {launch.nodes.rank} of {launch.nodes.count}: {spec.script.engine} engine, {_where(spec)}; "
+        f"run dir {spec.run_dir}")
+    terminal = TerminalSink() if sinks is None else None
+    status, code, message, outcome = Status.FAILED, 1, "", None
+    with Job.start(spec) as job:
+        try:
+            outcome = job.wait(sinks if terminal is None else [terminal], deadline_of(launch), launch.idle_timeout)
+            status, code, message = outcome.status, outcome.exit_code, outcome.message
+        except KeyboardInterrupt:
+            status, code, message = Status.INTERRUPTED, 130, "interrupted (SIGINT); this node's ranks were stopped."
+        except SignalReceived as exc:
+            status, code = Status.INTERRUPTED, 128 + exc.signum
+            message = f"interrupted ({signal.Signals(exc.signum).name}); this node's ranks were stopped."
+        finally:
+            if terminal is not None:
+                terminal.close()
+    result = RunResult(status, code, spec.run_dir, RunDir(spec.run_dir).output, message, outcome=outcome)
+    result.record = job.record(status, code, message, outcome, parameters, str(options.notebook),
+                               overrides=launch.parameters, command=options.command)
+    line = f"nbddp: node {launch.nodes.rank}: {status} in {result.record.wall_time_s:.1f}s; run dir {spec.run_dir}"
+    say(f"nbddp: error: {message}\n{line}" if message else line)
+    return result
+
+
+def topology_notes(launch: LaunchOptions) -> list[str]:
+    """What a user must know before a multi-node run starts (said once, on every node)."""
+    if launch.nodes is None and (launch.slurm is None or launch.slurm.nodes == 1):
+        return []
+    where = f"port {launch.nodes.host_port()[1]} of node 0" if launch.nodes else "a port of the job's first node"
+    return [f"nbddp: note: the rendezvous store listens on {where} on every network interface (torch's TCPStore): "
+            "anyone who can reach it can join or disrupt the run. Run multi-node jobs on a trusted network."]
+
+
+def _where(spec: JobSpec) -> str:
+    if spec.slurm is not None:
+        return f"a Slurm job of {spec.slurm.nodes} node{'s' * (spec.slurm.nodes != 1)} × {spec.devices.describe()}"
+    if spec.nodes is not None:
+        return f"{spec.devices.describe()} on each of {spec.nodes.count} nodes (world size {spec.world_size})"
+    return spec.devices.describe()
 
 
 class _NotebookRun:
@@ -329,9 +378,9 @@ def _write_notebook(nb, path: Path) -> None:
     os.replace(partial, path)
 
 
-def _summary(result: RunResult, devices: Devices) -> str:
+def _summary(result: RunResult, where: str) -> str:
     record = result.record
-    line = (f"nbddp: {result.status} in {record.wall_time_s:.1f}s on {devices.describe()}; "
+    line = (f"nbddp: {result.status} in {record.wall_time_s:.1f}s on {where}; "
             f"run dir {result.run_dir}; notebook {result.output}")
     if record.final_metrics:
         line += f"\n       final metrics: {format_metrics(record.final_metrics)}"

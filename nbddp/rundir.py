@@ -13,6 +13,10 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       ranks/rank-N.json             a started rank: pid, world size, restart attempt
       ranks/rank-N.done             a rank that finished its training normally
       errors/rank-N.json            a rank's uncaught exception, with its traceback
+      logs/node-N.log               a Slurm run: node N's torchrun (or Catalyst parent) output
+      logs/slurm-batch.log          a Slurm run: the batch script's own output
+      nodes.json                    a multi-node run: every node that joined (host, ranks, run dir)
+      slurm/job.sbatch, job.json    a Slurm run: the batch script, the job's id and how it ended
       metrics.jsonl                 rank 0's nbddp.log records
       weights.pt                    the returned variables' trained state (weights only)
       resume.pt                     nbddp.save_checkpoint's training state (--max-restarts)
@@ -52,6 +56,29 @@ class RunDir:
     @property
     def torchrun_logs(self) -> Path:
         return self.logs / "torchrun"
+
+    def node_log(self, node: int) -> Path:
+        return self.logs / f"node-{node}.log"
+
+    @property
+    def slurm_batch_log(self) -> Path:
+        return self.logs / "slurm-batch.log"
+
+    @property
+    def nodes(self) -> Path:
+        return self.path / "nodes.json"
+
+    @property
+    def slurm(self) -> Path:
+        return self.path / "slurm"
+
+    @property
+    def sbatch_script(self) -> Path:
+        return self.slurm / "job.sbatch"
+
+    @property
+    def slurm_job(self) -> Path:
+        return self.slurm / "job.json"
 
     @property
     def ranks(self) -> Path:

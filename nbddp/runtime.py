@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from nbddp import checkpoint
-from nbddp.rank_process import (become_rank, checkpoint_path, collective_timeout, leave_group, mark_done, restart_count,
-                        run_dir, use_notebook_folder)
+from nbddp.rank_process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
+                                mark_done, restart_count, run_dir, use_notebook_folder)
 from nbddp.rank_env import RankEnv
 
 
@@ -89,6 +89,11 @@ def start(engine: str = "torch") -> None:
             backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(),
             store=_attempt_store(), rank=rank(), world_size=world_size(),
         )
+        nnodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+        if nnodes > 1:
+            per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+            node = int(os.environ["GROUP_RANK"])
+            exchange_roster(node, nnodes, rank(), range(node * per_node, (node + 1) * per_node))
 
 
 def _attempt_store():

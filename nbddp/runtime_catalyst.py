@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from datetime import timedelta
 from typing import Any, Sequence
 
 from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
 from nbddp import rank_process, runtime
+from nbddp.options import DEFAULT_RDZV_TIMEOUT
+from nbddp.rank_env import RankEnv
 
 _state = {"trained": False, "patched": False}
 
@@ -44,8 +47,6 @@ def free_port() -> int:
 def requested_processes() -> tuple[int, bool]:
     """``(world size, cpu)`` from the launcher's environment, else from the hardware."""
     import torch
-
-    from nbddp.rank_env import RankEnv
 
     env = RankEnv.from_environ()
     cpu = env.device == "cpu" or not torch.cuda.is_available()
@@ -83,7 +84,24 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         import torch.multiprocessing as mp
 
         check_picklable(fn)
-        return mp.spawn(_rank_main, args=(fn, self._world_size), nprocs=self._num_local_workers, join=True)
+        return mp.spawn(_rank_main, args=(fn, self._world_size, self._workers_global_rank),
+                        nprocs=self._num_local_workers, join=True)
+
+    def setup(self, local_rank: int, world_size: int) -> None:
+        """Catalyst's setup; across nodes, joining waits at most ``--rdzv-timeout`` (then the collective
+        timeout applies) and the nodes check they run the same script."""
+        env = RankEnv.from_environ()
+        if not env.nnodes or env.nnodes < 2:
+            return super().setup(local_rank, world_size)
+        import torch.distributed.distributed_c10d as c10d
+
+        collective = self._process_group_kwargs.get("timeout")
+        self._process_group_kwargs["timeout"] = timedelta(seconds=env.rdzv_timeout or DEFAULT_RDZV_TIMEOUT)
+        super().setup(local_rank, world_size)
+        c10d._set_pg_timeout(collective or timedelta(minutes=30))
+        nproc = self._num_local_workers
+        rank_process.exchange_roster(env.node_rank or 0, env.nnodes, self._workers_global_rank + local_rank,
+                                     range(self._workers_global_rank, self._workers_global_rank + nproc))
 
     def cleanup(self) -> None:
         """Leave the group the way the torch engine does (see :func:`nbddp.rank_process.leave_group`)."""
@@ -160,6 +178,11 @@ def engine_kwargs() -> dict[str, Any]:
     nproc, cpu = requested_processes()
     kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": free_port(), "world_size": nproc,
                               "num_node_workers": nproc}
+    env = RankEnv.from_environ()
+    if env.nnodes and env.nnodes > 1:  # one node of several: node 0's rank 0 listens at the rendezvous endpoint
+        host, _, port = env.master.rpartition(":")
+        kwargs.update(address=host.strip("[]"), port=int(port), world_size=nproc * env.nnodes,
+                      workers_dist_rank=(env.node_rank or 0) * nproc)
     group: dict[str, Any] = {"backend": "gloo"} if cpu else {}
     timeout = rank_process.collective_timeout()
     if timeout is not None:
@@ -180,17 +203,21 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
     return NbddpDistributedDataParallelEngine(**kwargs)
 
 
-def _rank_main(local_rank: int, fn, world_size: int) -> None:
-    """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function."""
-    rank_process.become_rank(local_rank, world_size)
+def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> None:
+    """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function.
+
+    ``first_rank``: the global rank of this node's first process (its node rank × processes per node).
+    """
+    global_rank = first_rank + local_rank
+    rank_process.become_rank(global_rank, world_size)
     apply_compat_shims()
     try:
         fn(local_rank, world_size)
-        rank_process.mark_done(local_rank)
+        rank_process.mark_done(global_rank)
     except KeyboardInterrupt:
         sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
     except BaseException:
-        rank_process.record_exception(local_rank, *sys.exc_info())
+        rank_process.record_exception(global_rank, *sys.exc_info())
         raise
 
 

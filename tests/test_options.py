@@ -1,6 +1,7 @@
 """One options type and one argument definition for every front door."""
 
 import argparse
+import re
 
 import pytest
 
@@ -59,3 +60,33 @@ def test_help_in_a_magic_is_shown_not_an_error(capsys):
     assert "--max-restarts" in capsys.readouterr().out
     assert parse_line(parser, "--cpu --nproc 2 -p lr '0.5'") == argparse.Namespace(**{
         **vars(parser.parse_args([])), "cpu": True, "nproc": 2, "parameters": [["lr", "0.5"]]})
+
+
+def test_several_nodes_and_slurm_round_trip_through_argv():
+    from nbddp.options import Nodes, SlurmRequest
+
+    options = LaunchOptions(cpu=True, nproc=2, nodes=Nodes(2, 1, "node0:29500"), rdzv_timeout=30.0)
+    assert parse(options.to_argv()) == options
+    slurm = LaunchOptions(cpu=True, nproc=2, slurm=SlurmRequest(2, None, "gpu", "1:00:00", "a", (("qos", "high"),)))
+    assert parse(slurm.to_argv()) == slurm
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nnodes", "2", "--node-rank", "0"], "need --nnodes N, --node-rank R and --rdzv-endpoint"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: give 0 to 1"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h"], "give HOST:PORT of node 0"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1", "--max-restarts", "1"], "--max-restarts works on one machine"),
+    (["--rdzv-timeout", "0"], "--rdzv-timeout 0"),
+    (["--partition", "gpu"], "--partition: only with --slurm"),
+    (["--slurm", "--gpus", "2"], "with --slurm say --gpus-per-node"),
+    (["--slurm", "--gpus-per-node", "2", "--cpu"], "contradict"),
+    (["--slurm", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "--slurm chooses the nodes itself"),
+    (["--slurm", "--time", "soon"], "--time 'soon'"),
+    (["--slurm", "--slurm-arg", "qos"], "give KEY=VALUE"),
+    (["--slurm", "--slurm-arg", "output=/x"], "nbddp sets --output itself"),
+    (["--slurm", "--slurm-arg", "nodes=3"], "use nbddp's --nodes"),
+    (["--slurm", "--partition", "a b"], "without spaces"),
+])
+def test_bad_node_and_slurm_options_are_refused_naming_the_option(argv, words):
+    with pytest.raises(UsageError, match=re.escape(words)):
+        parse(argv)

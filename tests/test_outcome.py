@@ -66,6 +66,22 @@ ROWS = [
                                                        "launcher_tail": "nbddp.runtime_catalyst.UnpicklableError: x"},
      Status.FAILED, 2, None, "UnpicklableError: x"),
     ("an error means failure even with weights", {"errors": (error(),)}, Status.FAILED, 1, 1, "rank 1 raised ValueError"),
+    ("Slurm ended the job itself", {"launcher_exit": 1, "rank_exit_codes": {0: -15, 1: -15}, "checkpoint_exists": False,
+                                    "scheduler_end": "Slurm stopped job 7 at its time limit (00:01:00)"},
+     Status.FAILED, 1, None, "Slurm stopped job 7 at its time limit"),
+    ("our own cancel of a Slurm job is an interruption", {
+        "launcher_exit": 130, "interrupted_by": signal.SIGINT, "stopped_by": signal.SIGTERM,
+        "scheduler_end": "Slurm: job 7 was cancelled"}, Status.INTERRUPTED, 130, None, "interrupted by SIGINT"),
+    ("nodes that never met", {"launcher_exit": 1, "checkpoint_exists": False,
+                              "rendezvous_failure": "only 1 of 2 nodes joined the rendezvous"},
+     Status.FAILED, 1, None, "only 1 of 2 nodes joined"),
+    ("a node went away", {"launcher_exit": 1, "checkpoint_exists": False, "node_gone": {
+        "node": 1, "host": "b", "ranks": [2, 3], "run_dir": "/x"}, "errors": (error(0, "RuntimeError",
+        "[../gloo/pair.cc:553] Connection closed by peer [10.0.0.2]:5506. This is typically caused by a crash"),)},
+     Status.FAILED, 1, 0, "node 1 (b, ranks 2-3) went away while training: its ranks stopped answering (rank 0: "
+                          "Connection closed by peer [10.0.0.2]:5506)"),
+    ("node 1 and up succeed without the weights", {"checkpoint_exists": False, "checkpoint_expected": False,
+                                                   "first_rank": 2}, Status.SUCCEEDED, 0, None, ""),
 ]
 
 
@@ -78,6 +94,7 @@ def test_judge(row, fields, status, code, rank, words):
 
 def test_success_fills_in_every_rank_and_status_carries_its_exit_code():
     assert judge(evidence()).rank_exit_codes == {0: 0, 1: 0}
+    assert judge(evidence(first_rank=2, checkpoint_expected=False)).rank_exit_codes == {2: 0, 3: 0}
     assert [s.exit_code for s in Status] == [0, 1, 124, 130] and str(Status.TIMEOUT) == "timeout"
     assert Status("failed") is Status.FAILED and Status.FAILED == "failed"
 

@@ -58,10 +58,10 @@ class DdpMagics(Magics):
         if args.dry_run:
             print(script.text)
             return None
-        from nbddp.devices import resolve
         from nbddp.jupyter.view import make_view
+        from nbddp.launchers import devices_for
 
-        view = make_view(resolve(options.gpus, options.cpu, options.nproc).nproc)
+        view = make_view(devices_for(options).nproc)
         status = Status.FAILED
         try:
             result = run_cell_job(script, parameters, options, self.shell.user_ns, [view],

@@ -1,7 +1,9 @@
 """The Catalyst engine's launcher: the script itself, whose DDP engine spawns the ranks (``mp.spawn``).
 
-The world size travels in ``NBDDP_NPROC`` (see :mod:`nbddp.rank_env`); the ranks' exit codes
-come from the spawn's own error report in the launcher log.
+The world size travels in ``NBDDP_NPROC`` and, across nodes, the topology in ``NBDDP_NNODES``,
+``NBDDP_NODE_RANK`` and ``NBDDP_MASTER`` (see :mod:`nbddp.rank_env`): Catalyst's
+``DistributedDataParallelEngine`` takes them as its ``world_size``, ``workers_dist_rank`` and
+``address``/``port``. The ranks' exit codes come from the spawn's own error report.
 """
 
 from __future__ import annotations
@@ -11,28 +13,42 @@ import signal
 from pathlib import Path
 
 from nbddp.devices import Devices
+from nbddp.launchers import Launcher
+from nbddp.launchers.torchrun import rendezvous_failure
+from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.rundir import RunDir
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
 
 
-class CatalystSpawn:
+class CatalystSpawn(Launcher):
     name = "catalyst-spawn"
-    supports_restarts = False
     streams_launcher_log = True
+
+    def __init__(self, nodes: Nodes | None = None, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT) -> None:
+        self.nodes, self.rdzv_timeout = nodes, rdzv_timeout
+        self.first_rank = 0
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
+        self.first_rank = self.nodes.rank * devices.nproc if self.nodes else 0
         return [python, str(script)]
 
-    def rank_exit_codes(self, launcher_log: str) -> dict[int, int]:
+    def environment(self) -> dict[str, str]:
+        if self.nodes is None:
+            return {}
+        return {"NBDDP_NNODES": str(self.nodes.count), "NBDDP_NODE_RANK": str(self.nodes.rank),
+                "NBDDP_MASTER": self.nodes.endpoint, "NBDDP_RDZV_TIMEOUT": str(self.rdzv_timeout)}
+
+    def rank_exit_codes(self, report: str) -> dict[int, int]:
+        """Spawn numbers its processes per node: on node R, process i is global rank ``R * nproc + i``."""
         codes: dict[int, int] = {}
-        for rank, code, sig in _FAILURE.findall(launcher_log):
-            codes[int(rank)] = int(code) if code else -int(getattr(signal, sig, 0))
-        for rank in _RAISED.findall(launcher_log):
-            codes.setdefault(int(rank), 1)
+        for index, code, sig in _FAILURE.findall(report):
+            codes[self.first_rank + int(index)] = int(code) if code else -int(getattr(signal, sig, 0))
+        for index in _RAISED.findall(report):
+            codes.setdefault(self.first_rank + int(index), 1)
         return codes
 
-    def root_cause(self, launcher_log: str) -> int | None:
-        return None
+    def rendezvous_failure(self, report: str) -> str | None:
+        return rendezvous_failure(report, self.nodes, self.rdzv_timeout)
