@@ -34,6 +34,10 @@ from nbddp.rundir import RunDir
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
+#: A ``--slurm`` run cancels its job and waits for it to leave the queue before it exits.
+SLURM_STOP_GRACE_SECONDS = 150.0
+#: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
+SLURM_PARALLEL = 4
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class BatchOptions:
     def __post_init__(self) -> None:
         if self.launch.run_dir is not None:
             raise UsageError("a batch gives each run its own run dir under --out; --run-dir is for one run.")
+        if self.launch.nodes is not None:
+            raise UsageError("a batch spans several nodes with --slurm (each run becomes a Slurm job); with "
+                             "--nnodes every node would have to start the same runs in lockstep on one port. "
+                             "Use --slurm, or `nbddp run --nnodes` on each node for one run.")
         if self.launch.gpus is not None and self.gpus_per_run is not None and str(self.launch.gpus) != str(self.gpus_per_run):
             raise UsageError("--gpus and --gpus-per-run both say how many GPUs a run uses: give one.")
         if self.gpus_per_run is not None and self.gpus_per_run < 1:
@@ -209,7 +217,9 @@ class Batch:
         state.run_dir.mkdir(parents=True, mode=0o700)
         env = dict(os.environ)
         devices: dict[str, Any] = {"cpu": True, "nproc": self.nproc, "gpus": None}
-        if self.device_kind == "cuda":
+        if self.device_kind == "slurm":
+            devices = {}
+        elif self.device_kind == "cuda":
             devices = {"cpu": False, "nproc": None, "gpus": str(len(slot))}
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
         launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
@@ -230,7 +240,8 @@ class Batch:
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
-        stop_groups([s.process.pid for s in running], grace=STOP_GRACE_SECONDS,
+        grace = SLURM_STOP_GRACE_SECONDS if self.device_kind == "slurm" else STOP_GRACE_SECONDS
+        stop_groups([s.process.pid for s in running], grace=grace,
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
             state.process.wait()
@@ -250,6 +261,10 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
     Raises:
         DeviceError: a run needs more GPUs than are visible.
     """
+    if options.launch.slurm is not None:  # Slurm places each run's job; its devices are the job's
+        if options.gpus_per_run is not None:
+            raise UsageError("--gpus-per-run counts this machine's GPUs; with --slurm say --gpus-per-node G.")
+        return [() for _ in range(options.parallel or SLURM_PARALLEL)], options.launch.nproc or 0, "slurm"
     gpus = 0 if options.launch.cpu else visible_gpu_count()
     if gpus == 0:
         if options.per_run_gpus:

@@ -15,7 +15,8 @@ from typing import Sequence
 
 from nbddp import __version__
 from nbddp.errors import NbddpError
-from nbddp.options import add_launch_arguments, add_script_arguments, launch_options, script_arguments
+from nbddp.options import (add_device_arguments, add_launch_arguments, add_script_arguments, add_topology_arguments,
+                           launch_options, script_arguments)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="script path (default: NOTEBOOK with .py); '-' prints it")
     add_script_arguments(export)
     export.add_argument("--keep-markdown", action="store_true", help="keep markdown cells as comments")
+    add_device_arguments(export)
+    add_topology_arguments(export)
     export.set_defaults(handler=_export)
 
     run = commands.add_parser("run", help="run a notebook with its training cells as a DDP job")
@@ -51,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = batch.add_argument_group("batch")
     sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
                        help="GPUs per run (default 1; --gpus K says the same)")
-    sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1)")
+    sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1; --slurm default 4)")
     sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
     sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
     batch.set_defaults(handler=_batch)
@@ -68,17 +71,30 @@ def _export(args: argparse.Namespace) -> int:
     from nbddp.notebook import read_notebook
     from nbddp.script import ExportOptions, generate, write_script
 
+    from nbddp.export_launch import export_launch
+
     to_stdout = args.output == "-"
     target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
+    if args.nnodes is not None and args.node_rank is None:
+        args.node_rank = 0  # the header gives the command of every node
     engine, parameters, returns = script_arguments(args)
-    options = ExportOptions(engine=engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
-                            script_name="train.py" if target is None else target.name)
-    script = generate(read_notebook(args.notebook), options)
+    script_name = "train.py" if target is None else target.name
+    notebook = read_notebook(args.notebook)
+    plan = export_launch(args, notebook, engine, script_name)
+    options = ExportOptions(engine=plan.engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
+                            script_name=script_name, launch_hint=plan.hint)
+    script = generate(notebook, options)
     if to_stdout:
         sys.stdout.write(script.text)
         return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
     path, map_path = write_script(script, target)
     print(f"wrote {path} ({script.engine} engine) and its source map {map_path.name}", file=sys.stderr)
+    if plan.sbatch is not None:
+        sbatch = path.with_suffix(".sbatch")
+        sbatch.write_text(plan.sbatch, encoding="utf-8")
+        sbatch.chmod(0o755)
+        print(f"wrote {sbatch}: submit it with `sbatch {sbatch.name}` from {path.parent}", file=sys.stderr)
     return 0
 
 

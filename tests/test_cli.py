@@ -23,6 +23,29 @@ def test_export_writes_script_and_source_map(notebook, tmp_path):
     assert "returns=['lr']" in (tmp_path / "out.py").read_text()
 
 
+def test_export_for_several_nodes_writes_every_nodes_command_into_the_header(notebook, capsys):
+    path = notebook(TRAIN)
+    assert main(["export", str(path), "-o", "-", "--nnodes", "2", "--rdzv-endpoint", "gpu0:29500", "--gpus", "4"]) == 0
+    header = capsys.readouterr().out.split("\n\n")[0]
+    assert ("# Launch: python -m torch.distributed.run --nnodes 2 --node-rank R --rdzv-backend static "
+            "--rdzv-endpoint gpu0:29500 --rdzv-conf timeout=300 --nproc-per-node 4 train.py   "
+            "(on every node: R=0 on gpu0, R=1 on the others)") in header
+    assert main(["export", str(path), "-o", "-", "--engine", "catalyst", "--nnodes", "3", "--rdzv-endpoint", "h:1",
+                 "--cpu"]) == 0
+    assert "NBDDP_NNODES=3 NBDDP_NODE_RANK=R NBDDP_MASTER=h:1 NBDDP_NPROC=2 NBDDP_DEVICE=cpu python train.py" \
+        in capsys.readouterr().out
+
+
+def test_export_for_slurm_writes_an_sbatch_script_beside_the_training_script(notebook, tmp_path):
+    path = notebook(TRAIN)
+    target = tmp_path / "new" / "job.py"  # a folder that doesn't exist yet
+    assert main(["export", str(path), "-o", str(target), "--slurm", "--nodes", "2", "--gpus-per-node", "8",
+                 "--partition", "gpu"]) == 0
+    sbatch = target.with_suffix(".sbatch").read_text()
+    assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and "#SBATCH --partition=gpu" in sbatch
+    assert sbatch.rstrip().endswith(" job.py") and "# Launch: sbatch job.sbatch" in target.read_text()
+
+
 def test_default_output_is_beside_the_notebook(notebook):
     path = notebook(TRAIN)
     assert main(["export", str(path)]) == 0

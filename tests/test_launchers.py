@@ -3,7 +3,15 @@
 from pathlib import Path
 
 from nbddp.devices import Devices
+import shlex
+
+import pytest
+
+from nbddp.job import node_gone
 from nbddp.launchers import launcher_for
+from nbddp.launchers.slurm import Slurm, sbatch_script
+from nbddp.launchers.slurm_watch import filesystem_type
+from nbddp.options import Nodes, SlurmRequest
 from nbddp.rundir import RunDir
 
 TORCHRUN = """
@@ -50,3 +58,82 @@ def test_catalyst_spawn_runs_the_script_and_reads_mp_spawn_reports():
     report = ("torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with signal SIGKILL\n"
               "-- Process 0 terminated with the following error:\n")
     assert spawn.rank_exit_codes(report) == {1: -9, 0: 1} and spawn.root_cause(report) is None
+
+
+def test_torchrun_as_one_node_of_several_uses_the_static_rendezvous_at_node_0():
+    torchrun = launcher_for("torch", Nodes(3, 2, "node0:29500"), rdzv_timeout=12.5)
+    argv = torchrun.command(Path("/r/train.py"), Devices("cpu", 2), RunDir(Path("/r")), python="py")
+    assert "--standalone" not in argv
+    assert {"--nnodes=3", "--node-rank=2", "--rdzv-backend=static", "--rdzv-endpoint=node0:29500",
+            "--rdzv-conf=timeout=13"} <= set(argv)
+
+
+@pytest.mark.parametrize("rank, report, words", [
+    (0, "torch.distributed.DistStoreError: Timed out after 9 seconds waiting for clients. 1/3 clients joined.",
+     "only 1 of 3 nodes joined the rendezvous at h:29500 within --rdzv-timeout 9s"),
+    (1, "DistNetworkError: The client socket has timed out after 8000ms while trying to connect to (h, 29500).",
+     "node 0's rendezvous at h:29500 never answered within --rdzv-timeout 9s"),
+    (0, "DistNetworkError: ... port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+     "the rendezvous port 29500 is already in use on node 0"),
+    (0, "ValueError: something else", None),
+])
+def test_rendezvous_failures_are_told_as_what_to_check(rank, report, words):
+    for engine in ("torch", "catalyst"):
+        told = launcher_for(engine, Nodes(3, rank, "h:29500"), rdzv_timeout=9).rendezvous_failure(report)
+        assert (told is None) if words is None else (words in told)
+    assert launcher_for("torch").rendezvous_failure(report) is None  # one machine: no rendezvous to blame
+
+
+def test_a_catalyst_node_numbers_its_ranks_after_the_nodes_before_it():
+    spawn = launcher_for("catalyst", Nodes(2, 1, "h:1"))
+    spawn.command(Path("/r/train.py"), Devices("cpu", 2), RunDir(Path("/r")), python="py")
+    assert spawn.environment() == {"NBDDP_NNODES": "2", "NBDDP_NODE_RANK": "1", "NBDDP_MASTER": "h:1",
+                                   "NBDDP_RDZV_TIMEOUT": "300.0"}
+    assert spawn.rank_exit_codes("process 1 terminated with exit code 3") == {3: 3}
+
+
+def test_the_node_that_went_away_is_named_from_the_roster():
+    a, b, c = ({"node": n, "ip": f"10.0.0.{n}", "host": f"h{n}"} for n in range(3))
+    assert node_gone([a, b], 0, "Connection closed by peer [127.0.0.1]:5") == b  # two nodes: the other one
+    assert node_gone([a, b, c], 0, "Connection closed by peer [10.0.0.2]:5506") == c
+    assert node_gone([a, b, c], 0, "Connection reset by peer") is None  # nobody named: nobody blamed
+    assert node_gone([], 0, "Connection closed by peer") is None
+
+
+def test_the_sbatch_script_quotes_every_value_and_runs_one_torchrun_per_node():
+    request = SlurmRequest(nodes=2, partition="gpu", time="1:00:00", account="acct",
+                           extra=(("comment", "$(touch /tmp/x); it's"), ("qos", "high")))
+    text = sbatch_script("torch", request, Devices("cuda", 4), "/runs/a b/train.py", python="/venv/bin/python",
+                         rdzv_timeout=60, logs="/runs/a b/logs")
+    directives = dict(shlex.split(line[len("#SBATCH "):])[0].lstrip("-").split("=", 1)
+                      for line in text.splitlines() if line.startswith("#SBATCH"))
+    assert directives == {"job-name": "nbddp", "nodes": "2", "ntasks-per-node": "1", "gpus-per-node": "4",
+                          "output": "/runs/a b/logs/slurm-batch.log", "partition": "gpu", "time": "1:00:00",
+                          "account": "acct", "comment": "$(touch /tmp/x); it's", "qos": "high"}
+    step = shlex.split(text.splitlines()[-1])
+    assert step[:2] == ["srun", "--kill-on-bad-exit=1"] and step[-1] == "/runs/a b/train.py"
+    assert "--nproc-per-node=4" in step and "--rdzv-backend=static" in step and "--rdzv-conf=timeout=60" in step
+    catalyst = sbatch_script("catalyst", SlurmRequest(), Devices("cpu", 2), "train.py", python="python3", rdzv_timeout=60)
+    assert "#SBATCH --cpus-per-task=2" in catalyst and "torch.distributed.run" not in catalyst
+    assert shlex.split(catalyst.splitlines()[-1])[-1] == "train.py"
+
+
+def test_slurm_reads_each_nodes_report_and_the_jobs_end(tmp_path):
+    run_dir = RunDir(tmp_path)
+    slurm = Slurm("catalyst", SlurmRequest(nodes=2), 60)
+    slurm.command(tmp_path / "train.py", Devices("cpu", 2), run_dir, python="py")
+    run_dir.logs.mkdir()
+    run_dir.node_log(1).write_text("process 0 terminated with signal SIGKILL\n")
+    assert slurm.rank_exit_codes(slurm.report(run_dir)) == {2: -9}
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "TIMEOUT", "time_limit": "00:01:00"}')
+    assert "Slurm stopped job 7 at its time limit (00:01:00)" in slurm.ended_by_scheduler(run_dir)
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "CANCELLED", "cancelled_by_nbddp": true}')
+    assert slurm.ended_by_scheduler(run_dir) is None
+    for log in run_dir.logs.iterdir():
+        log.unlink()
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "FAILED", "nodes": "n1"}')
+    assert "must be on a filesystem the nodes share" in slurm.ended_by_scheduler(run_dir)
+
+
+def test_filesystem_type_reads_the_longest_mount_point():
+    assert filesystem_type(Path("/proc/self")) == "proc"

@@ -1,0 +1,210 @@
+"""Slurm: the ranks run as a Slurm job while the notebook's kernel runs here.
+
+One task per node (``srun --ntasks-per-node=1``) runs the same launcher a single node would:
+torchrun with node 0 as the static rendezvous host (torch engine), or the script whose Catalyst
+engine spawns the node's ranks. Not one task per rank: torchrun then still owns the ranks of its
+node (parent-death signals, per-rank exit codes, its failure report), so a Slurm run reads and
+fails exactly like a local one, and the same batch script serves people who submit by hand.
+
+The job is submitted and watched by :mod:`nbddp.launchers.slurm_watch`, which runs as the job's
+local "launcher" process: stopping it (Ctrl-C, ``--timeout``, ``nbddp kill``, the kernel's stop
+button) cancels the job and waits until it has left the queue. Every rank writes its log into
+the run dir, so the run dir must be on a filesystem the nodes share.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+from nbddp import __version__
+from nbddp.devices import Devices
+from nbddp.errors import UsageError
+from nbddp.launchers import Launcher, _read
+from nbddp.options import SlurmRequest
+from nbddp.rundir import RunDir
+
+#: Final states in which Slurm, not the training, ended the job; what each means for the user.
+SCHEDULER_ENDS = {
+    "TIMEOUT": "Slurm stopped job {id} at its time limit ({limit}); ask for more with --time.",
+    "CANCELLED": "job {id} was cancelled outside nbddp (scancel, or an administrator); every rank was stopped.",
+    "NODE_FAIL": "a node of job {id} failed ({nodes}), so Slurm ended the job.",
+    "PREEMPTED": "job {id} was preempted by a higher-priority job.",
+    "BOOT_FAIL": "the nodes of job {id} failed to boot.",
+    "DEADLINE": "job {id} reached its deadline.",
+    "OUT_OF_MEMORY": "job {id} ran out of memory; ask for more with --slurm-arg mem=...",
+}
+FINAL_STATES = {"COMPLETED", "FAILED", *SCHEDULER_ENDS}
+_NODE_HEADER = "==> node-{} <=="
+
+
+class Slurm(Launcher):
+    name = "slurm"
+    streams_launcher_log = True  # the watcher's "job 12: pending (Resources)" lines
+    stop_grace = 120.0  # scancel, then Slurm's KillWait, before the job has left the queue
+    exit_settle = 8.0  # the watcher polls Slurm every second; a cancelled job's ranks die first
+
+    def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float) -> None:
+        self.engine, self.request, self.rdzv_timeout = engine, request, rdzv_timeout
+        self.nproc = 1
+
+    def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
+                max_restarts: int = 0) -> list[str]:
+        """Write the batch script into the run dir; the command is the watcher that submits it."""
+        self.nproc = devices.nproc
+        run_dir.slurm.mkdir(exist_ok=True)
+        run_dir.sbatch_script.write_text(sbatch_script(
+            self.engine, self.request, devices, str(script), python=python, rdzv_timeout=self.rdzv_timeout,
+            logs=str(run_dir.logs), job_name=f"nbddp-{script.parent.name}"), encoding="utf-8")
+        # No --chdir: sbatch starts the job where the watcher runs, the notebook's folder (local imports).
+        return [python, "-m", "nbddp.launchers.slurm_watch", str(run_dir.path)]
+
+    def report(self, run_dir: RunDir) -> str:
+        """Each node's launcher output, headed by its node number (a Catalyst node numbers its ranks from 0)."""
+        parts = [_read(run_dir.slurm_batch_log)]
+        for node in range(self.request.nodes):
+            parts += [_NODE_HEADER.format(node), _read(run_dir.node_log(node))]
+        return "\n".join(parts)
+
+    def rank_exit_codes(self, report: str) -> dict[int, int]:
+        from nbddp.launchers.catalyst_spawn import CatalystSpawn
+        from nbddp.launchers.torchrun import Torchrun
+
+        codes: dict[int, int] = {}
+        for node in range(self.request.nodes):
+            text = _node_part(report, node)
+            if self.engine == "catalyst":
+                spawn = CatalystSpawn()
+                spawn.first_rank = node * self.nproc
+                codes |= spawn.rank_exit_codes(text)
+            else:
+                codes |= Torchrun().rank_exit_codes(text)
+        return codes
+
+    def root_cause(self, report: str) -> int | None:
+        from nbddp.launchers.torchrun import Torchrun
+
+        return None if self.engine == "catalyst" else Torchrun().root_cause(report)
+
+    def ended_by_scheduler(self, run_dir: RunDir) -> str | None:
+        job = self.job_info(run_dir) or {}
+        state = job.get("state")
+        if state is None or job.get("cancelled_by_nbddp"):
+            return None
+        if state in SCHEDULER_ENDS:
+            return "Slurm: " + SCHEDULER_ENDS[state].format(
+                id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
+        if state in FINAL_STATES and not any(run_dir.logs.glob("*.log")):
+            return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
+                    f"dir {run_dir}: the run dir must be on a filesystem the nodes share (give --run-dir on one). "
+                    f"Slurm said: {state} {job.get('reason') or ''}".rstrip())
+        return None
+
+    def job_info(self, run_dir: RunDir) -> dict | None:
+        try:
+            return json.loads(run_dir.slurm_job.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+
+def _node_part(report: str, node: int) -> str:
+    _, _, rest = report.partition(_NODE_HEADER.format(node))
+    return rest.split("==> node-", 1)[0]
+
+
+def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: str, *, python: str,
+                  rdzv_timeout: float, logs: str | None = None, job_name: str = "nbddp") -> str:
+    """The batch script: one task per node, each running this node's launcher.
+
+    Every value that comes from the user is quoted with :func:`shlex.quote` (``#SBATCH`` lines are
+    read by sbatch, which honours the same quotes), so no name, parameter or path can inject shell.
+    ``logs``: where the batch and node outputs go (``None``: beside the submission, for hand use).
+    """
+    q = shlex.quote
+    out = f"{logs}/" if logs else ""
+    directives = [("job-name", job_name), ("nodes", str(request.nodes)), ("ntasks-per-node", "1"),
+                  ("output", f"{out}slurm-batch.log" if logs else "slurm-%j.out")]
+    if devices.kind == "cuda":
+        directives.append(("gpus-per-node", str(devices.nproc)))
+    else:
+        directives.append(("cpus-per-task", str(devices.nproc)))
+    for key in ("partition", "time", "account"):
+        if getattr(request, key) is not None:
+            directives.append((key, getattr(request, key)))
+    directives += list(request.extra)
+    lines = [
+        "#!/bin/bash",
+        f"# Generated by nbddp {__version__}: {Path(script).name} as a Slurm job, one task per node running "
+        + ("torchrun." if engine == "torch" else "Catalyst's DDP engine (it spawns the node's ranks)."),
+        f"# Submit by hand: sbatch {'THIS_FILE' if logs else Path(script).with_suffix('.sbatch').name}"
+        + ("" if logs else f"   (from the folder of {Path(script).name}; the nodes must share it)"),
+        *(f"#SBATCH --{key}={q(value)}" for key, value in directives),
+        "set -euo pipefail",
+        f"PYTHON={q(python)}",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "port=$(\"$PYTHON\" -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+        'echo "nbddp: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous at $head:$port"',
+    ]
+    step = ["srun", "--kill-on-bad-exit=1", f"--output={q(out + 'node-%n.log') if logs else 'node-%n.log'}",
+            '${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}']
+    if devices.kind == "cuda":
+        step.append(f"--gpus-per-node={devices.nproc}")
+    timeout = math.ceil(rdzv_timeout)
+    if engine == "catalyst":
+        lines.append(f'export NBDDP_NNODES="$SLURM_NNODES" NBDDP_MASTER="$head:$port" NBDDP_RDZV_TIMEOUT={timeout} '
+                     f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind}")
+        step += ["bash", "-c", q('export NBDDP_NODE_RANK="$SLURM_NODEID"; exec "$@"'), "node", '"$PYTHON"', q(script)]
+    else:
+        torchrun_logs = f"--log-dir={q(logs + '/torchrun')}" if logs else ""
+        step += ["bash", "-c", q('exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"'), '"$PYTHON"',
+                 '--nnodes="$SLURM_NNODES"', "--rdzv-backend=static", '--rdzv-endpoint="$head:$port"',
+                 f"--rdzv-conf=timeout={timeout}", f"--nproc-per-node={devices.nproc}", "--max-restarts=0",
+                 "--monitor-interval=0.1", *([torchrun_logs] if torchrun_logs else []), q(script)]
+    lines.append(" ".join(step))
+    return "\n".join(lines) + "\n"
+
+
+def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None) -> Devices:
+    """Per-node devices of a Slurm job: as asked, else every GPU of the partition's nodes, else 2 CPU processes.
+
+    Raises:
+        UsageError: Slurm's commands aren't here (not a login node of a cluster).
+    """
+    require_slurm()
+    if request.gpus_per_node is not None:
+        return Devices("cuda", request.gpus_per_node)
+    if cpu or nproc is not None:
+        return Devices("cpu", nproc or 2)
+    gpus = partition_gpus(request.partition)
+    if gpus:
+        return Devices("cuda", gpus, note=f"the partition's nodes have {gpus} GPUs each: using all of them "
+                                          "(--gpus-per-node G to choose, --cpu for CPU processes).")
+    return Devices("cpu", 2, note="the partition's nodes list no GPUs: 2 CPU processes (gloo) per node "
+                                  "(--cpu --nproc P to choose).")
+
+
+def require_slurm() -> None:
+    missing = [tool for tool in ("sbatch", "scontrol", "scancel", "squeue", "sinfo") if shutil.which(tool) is None]
+    if missing:
+        raise UsageError(f"--slurm: {', '.join(missing)} not found. Run on a machine that submits to the cluster "
+                         "(a login node), with Slurm's commands on PATH.")
+
+
+def partition_gpus(partition: str | None) -> int:
+    """GPUs per node of the partition (``sinfo``'s GRES, e.g. ``gpu:a100:4(S:0-1)``), 0 when none."""
+    argv = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
+    try:
+        text = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    counts = []
+    for gres in text.split():
+        for item in gres.split(","):
+            if item.startswith("gpu"):
+                count = item.split("(")[0].rsplit(":", 1)[-1]
+                counts.append(int(count) if count.isdigit() else 0)
+    return min(counts) if counts else 0

@@ -1,0 +1,179 @@
+"""``python -m nbddp.launchers.slurm_watch RUN_DIR``: submit a run's Slurm job and watch it to the end.
+
+This process stands in for the job on the machine that submitted it, so the rest of nbddp owns
+it like any local launcher: it prints the job id and the queue state (with Slurm's reason while
+pending), exits with the job's exit status, and records how the job ended in
+``RUN_DIR/slurm/job.json``. SIGTERM, SIGINT or SIGHUP (Ctrl-C, ``--timeout``, ``nbddp kill``, the
+kernel's stop button, or the parent dying) cancel the job with ``scancel`` and wait until it has
+left the queue before exiting ``128 + signal``: nothing is left running on the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from nbddp.launchers.slurm import FINAL_STATES
+from nbddp.rundir import RunDir
+
+POLL_SECONDS = 1.0
+_FIELDS = {key: re.compile(rf"\b{key}=(.*?)(?= \w+=|$)") for key in
+           ("JobState", "Reason", "ExitCode", "NodeList", "TimeLimit", "RunTime")}
+_LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs"}
+
+
+class Watcher:
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+        self.job_id: str | None = None
+        self.stop_signal: int | None = None
+        self.shown = ""
+
+    def on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
+        self.stop_signal = self.stop_signal or signum
+
+    def run(self) -> int:
+        say(shared_filesystem_warning(self.run_dir.path))
+        self.job_id = submit(self.run_dir)
+        self.record(state="PENDING")
+        say(f"slurm job {self.job_id}: submitted ({self.run_dir.sbatch_script})")
+        info: dict[str, str] = {}
+        while self.stop_signal is None:
+            info = query(self.job_id) or info
+            self.show(info)
+            if info.get("JobState") in FINAL_STATES:
+                return self.finish(info)
+            self.sleep(POLL_SECONDS)
+        return self.cancel(info)
+
+    def sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def show(self, info: dict[str, str]) -> None:
+        state, reason = info.get("JobState", ""), info.get("Reason", "None")
+        if state == "PENDING":
+            line = "pending" + (f" ({reason})" if reason not in ("None", "") else "")
+        elif state == "RUNNING":
+            line = f"running on {info.get('NodeList')}"
+        else:
+            return
+        if line != self.shown:
+            self.shown = line
+            say(f"slurm job {self.job_id}: {line}")
+
+    def finish(self, info: dict[str, str]) -> int:
+        state = info["JobState"]
+        code, sig = (int(x) if x.isdigit() else 0 for x in (info.get("ExitCode", "0:0").split(":") + ["0"])[:2])
+        exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (128 + sig if sig else 1))
+        self.record(state=state, reason=info.get("Reason"), exit_code=exit_code, nodes=info.get("NodeList"),
+                    time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"))
+        say(f"slurm job {self.job_id}: {state}" + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")
+            + f", exit {exit_code}")
+        return exit_code
+
+    def cancel(self, info: dict[str, str]) -> int:
+        """scancel, then wait until the job has left the queue (its processes are gone with it)."""
+        signum = self.stop_signal or signal.SIGTERM
+        if self.job_id is None:
+            return 128 + signum
+        say(f"slurm job {self.job_id}: cancelling (scancel), waiting for it to leave the queue")
+        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=60)
+        while True:
+            info = query(self.job_id) or {"JobState": "CANCELLED"}
+            if info.get("JobState") in FINAL_STATES and not in_queue(self.job_id):
+                break
+            time.sleep(0.5)
+        self.record(state=info["JobState"], reason=info.get("Reason"), exit_code=128 + signum,
+                    nodes=info.get("NodeList"), cancelled_by_nbddp=True)
+        say(f"slurm job {self.job_id}: cancelled; it has left the queue")
+        return 128 + signum
+
+    def record(self, **fields) -> None:  # noqa: ANN003
+        path = self.run_dir.slurm_job
+        data = {"job_id": self.job_id, **fields}
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(partial, path)
+
+
+def submit(run_dir: RunDir) -> str:
+    done = subprocess.run(["sbatch", "--parsable", str(run_dir.sbatch_script)], capture_output=True, text=True,
+                          timeout=120)
+    if done.returncode != 0:
+        say(f"slurm: sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
+        raise SystemExit(2)
+    return done.stdout.strip().split(";")[0]
+
+
+def query(job_id: str) -> dict[str, str] | None:
+    """The job's fields from ``scontrol show job -o`` (``None`` when Slurm no longer knows it)."""
+    try:
+        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    if done.returncode != 0 or "JobState=" not in done.stdout:
+        return None
+    line = done.stdout.strip().splitlines()[0]
+    return {key: m.group(1) for key, pattern in _FIELDS.items() if (m := pattern.search(line))}
+
+
+def in_queue(job_id: str) -> bool:
+    done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
+    return done.returncode == 0 and bool(done.stdout.strip())
+
+
+def shared_filesystem_warning(path: Path) -> str | None:
+    """A warning when the run dir is on this machine's own disk while the cluster has other nodes."""
+    fstype = filesystem_type(path)
+    if fstype not in _LOCAL_FILESYSTEMS:
+        return None
+    try:
+        names = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if not names or set(names) <= {socket.gethostname(), socket.getfqdn(), "localhost"}:
+        return None
+    return (f"slurm: warning: the run dir {path} is on this machine's own disk ({fstype}); ranks on other nodes "
+            "can't write their logs and weights there. Give --run-dir on a filesystem the nodes share.")
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path``, from ``/proc/mounts`` (longest mount point wins)."""
+    path, best, fstype = Path(path).resolve(), -1, ""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " "))
+        if (path == point or point in path.parents) and len(str(point)) > best:
+            best, fstype = len(str(point)), fields[2]
+    return fstype
+
+
+def say(line: str | None) -> None:
+    if line:
+        print(line, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    watcher = Watcher(RunDir(Path(argv[0])))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, watcher.on_signal)
+    return watcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

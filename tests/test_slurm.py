@@ -1,0 +1,191 @@
+"""``--slurm`` against a real single-node Slurm cluster (Debian's slurm-wlm + munge, started here),
+2 CPU ranks per job: the kernel runs here, the ranks as a Slurm job."""
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+from nbclient import NotebookClient
+from nbclient.util import run_sync
+from nbformat.v4 import new_code_cell, new_notebook
+
+from tests.conftest import code, md, write_notebook
+from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
+from tests.slurm_cluster import SlurmCluster, missing_tools
+
+pytestmark = pytest.mark.slow
+
+SLOW = code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)")
+CPU2 = ["--slurm", "--cpu", "--nproc", "2"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    missing = missing_tools()
+    if missing:
+        reason = f"Slurm is not installed here ({', '.join(missing)} missing); .ci/run installs slurm-wlm and munge"
+        if os.environ.get("NBDDP_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def slurm_env(slurm, monkeypatch):
+    """Slurm's commands, in this process and every child, talk to the test cluster."""
+    for key, value in slurm.env.items():
+        monkeypatch.setenv(key, value)
+    yield slurm
+    assert slurm.wait_until_empty(30) == [], "a test left a job in the queue"
+
+
+def only_run_dir(folder):
+    (run_dir,) = (folder / "runs").iterdir()
+    return run_dir
+
+
+def processes_of(run_dir) -> list[psutil.Process]:
+    """Processes anywhere on the machine (Slurm starts ranks under its own daemons) running this run."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(run_dir) in part for part in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def test_a_slurm_run_goes_from_pending_to_weights_back_and_cpu_evaluation(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8)), code(EVALUATE)])
+    run = cli_run(["run", "fit.ipynb", *CPU2, "--slurm-arg", "begin=now+3"], tmp_path)
+    assert run.wait() == 0, run.output
+    output = run.output
+    job_id = json.loads((only_run_dir(tmp_path) / "slurm" / "job.json").read_text())["job_id"]
+    assert f"slurm job {job_id}: submitted" in output
+    assert f"slurm job {job_id}: pending (BeginTime)" in output
+    assert output.index("pending") < output.index(f"slurm job {job_id}: running on") < output.index("[rank 1] epoch 0")
+    assert "[cell 3] kernel sees weight sum" in output
+    assert_matches(only_run_dir(tmp_path) / "weights.pt", batch=16)
+    result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["slurm_job"]["state"] == "COMPLETED"
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
+def test_a_failing_rank_on_slurm_names_the_notebook_cell(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "boom.ipynb", [md("# intro"), code(SETUP), code(
+        "#| ddp-train\nfor step in range(100):\n    if step == 2 and nbddp.rank() == 1:\n"
+        "        raise ValueError('bad batch')\n    torch.distributed.barrier()\n    time.sleep(0.05)"),
+        code("print('EVALUATION RAN')")])
+    run = cli_run(["run", "boom.ipynb", *CPU2], tmp_path)
+    assert run.wait() == 1, run.output
+    assert "rank 1 raised ValueError: bad batch" in run.output and "boom.ipynb, cell 3, line 4" in run.output
+    assert "EVALUATION RAN" not in run.output
+    result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
+    assert result["slurm_job"]["state"] == "FAILED" and result["rank_exit_codes"]["1"] == 1
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
+def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW, code("print('EVALUATION RAN')")])
+    run = cli_run(["run", "long.ipynb", *CPU2], tmp_path)
+    run.wait_for("[rank 1] step 3")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(150) == 130, run.output
+    assert slurm_env.queue() == []  # nbddp waited until the job left the queue
+    assert "cancelled; it has left the queue" in run.output
+    run_dir = only_run_dir(tmp_path)
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_an_outside_scancel_is_reported_as_such(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
+    run = cli_run(["run", "long.ipynb", *CPU2], tmp_path)
+    run.wait_for("[rank 1] step 3")
+    (job,) = slurm_env.queue()
+    slurm_env.command(["scancel", job])
+    assert run.wait(150) == 1, run.output
+    assert f"Slurm: job {job} was cancelled outside nbddp" in run.output
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
+def test_slurms_time_limit_is_reported_as_such(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
+    run = cli_run(["run", "long.ipynb", *CPU2, "--time", "1"], tmp_path)  # Slurm counts whole minutes
+    assert run.wait(300) == 1, run.output
+    assert "Slurm stopped job" in run.output and "at its time limit (00:01:00)" in run.output
+    result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
+    assert result["slurm_job"]["state"] == "TIMEOUT"
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
+def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_path, slurm_env):
+    nb = new_notebook(cells=[new_code_cell("%load_ext nbddp"), new_code_cell(SETUP),
+                             new_code_cell("%%ddp_train --slurm --cpu --nproc 2\n" + train_cell(8).split("\n", 1)[1]),
+                             new_code_cell(EVALUATE),
+                             new_code_cell("%%ddp_train --slurm --cpu --nproc 2 --slurm-arg begin=now+600\nprint('never')")],
+                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    client = NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}})
+    errors, pending = [], threading.Event()
+
+    def execute():
+        with client.setup_kernel():
+            for index in range(4):
+                client.execute_cell(nb.cells[index], index)
+            pending.set()
+            try:
+                client.execute_cell(nb.cells[4], 4)
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                errors.append(exc)
+
+    thread = threading.Thread(target=execute, daemon=True)
+    thread.start()
+    assert pending.wait(240)
+    assert "loaded the trained model" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
+    assert "kernel sees weight sum" in "".join(o.get("text", "") for o in nb.cells[3].outputs)
+    deadline = time.monotonic() + 60
+    while not slurm_env.queue() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # pending in the queue, with the kernel waiting for it
+    run_sync(client.km.interrupt_kernel)()
+    thread.join(150)
+    assert errors and errors[0].ename == "KeyboardInterrupt"
+    assert slurm_env.queue() == []
+    first, second = sorted((tmp_path / "runs").iterdir())
+    assert_matches(first / "weights.pt", batch=16)
+    assert json.loads((second / "result.json").read_text())["status"] == "interrupted"
+
+
+def test_a_batch_submits_each_run_to_slurm(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "fit.ipynb", [code("#| parameters\nlr = 0.05"), code(SETUP),
+                                             code(train_cell(8).replace("lr=0.05", "lr=lr"))])
+    (tmp_path / "grid.json").write_text(json.dumps({"lr": [0.05, 0.01]}))
+    run = cli_run(["batch", "fit.ipynb", "--grid", "grid.json", *CPU2, "--parallel", "2", "--out", "sweep"], tmp_path)
+    assert run.wait(300) == 0, run.output
+    dirs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert len(dirs) == 2
+    for run_dir in dirs:
+        assert json.loads((run_dir / "slurm" / "job.json").read_text())["state"] == "COMPLETED"
+    assert "2 succeeded" in (tmp_path / "sweep" / "summary.md").read_text() or "2/2 runs succeeded" in run.output
+    assert not run.leftovers()
+
+
+def test_exported_sbatch_script_submits_by_hand_and_quotes_every_value(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8))])
+    canary = tmp_path / "injected"
+    export = cli_run(["export", "fit.ipynb", "-o", "job/train.py", *CPU2,
+                      "--slurm-arg", f"comment=$(touch {canary}) it's"], tmp_path)
+    assert export.wait() == 0, export.output
+    job_dir = tmp_path / "job"
+    assert "sbatch train.sbatch" in (job_dir / "train.py").read_text()
+    done = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=job_dir, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert slurm_env.wait_until_empty(120) == []
+    assert not canary.exists()
+    assert (job_dir / "train.weights.pt").exists(), (job_dir / "node-0.log").read_text()
+    assert_matches(job_dir / "train.weights.pt", batch=16)
