@@ -37,6 +37,8 @@ from nbddp.stream import RunFollower, Sink
 POLL_SECONDS = 0.05
 RANK_CHECK_SECONDS = 0.5
 _HOST = socket.gethostname()
+#: Beyond ``--rdzv-timeout``: time for torch to report the failure itself, with its own words.
+RENDEZVOUS_GRACE_SECONDS = 5.0
 
 
 def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
@@ -115,6 +117,7 @@ class Job:
         self.collective_timeout = spec.collective_timeout
         self.early_exit: int | None = None
         self.idle_for: float | None = None
+        self.rendezvous_expired = False
         self.started_at = time.time()
         self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
 
@@ -174,7 +177,8 @@ class Job:
                 elif now - last_check > RANK_CHECK_SECONDS:
                     last_check = now
                     self.early_exit = self._rank_ended_early()
-                if timed_out or self.early_exit is not None:
+                    self.rendezvous_expired = self._rendezvous_expired()
+                if timed_out or self.early_exit is not None or self.rendezvous_expired:
                     self.launch.stop(signal.SIGTERM)
                     break
                 time.sleep(POLL_SECONDS)
@@ -220,6 +224,17 @@ class Job:
                 return rank
         return None
 
+    def _rendezvous_expired(self) -> bool:
+        """A multi-node run whose nodes haven't all met ``--rdzv-timeout`` (+ a grace) after it started.
+
+        torch bounds the wait itself, but its store client retries once after a random delay, so a
+        node could wait up to twice the timeout; this keeps the promise. The roster (``nodes.json``)
+        is written once every node has joined.
+        """
+        if self.spec.nodes is None or self.paths.nodes.exists():
+            return False
+        return time.time() - self.started_at > self.spec.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.launch.stop(sig)
 
@@ -249,7 +264,8 @@ class Job:
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
             checkpoint_expected=self.spec.nodes is None or self.spec.nodes.rank == 0,
-            final_metrics=last_metrics(self.run_dir), rendezvous_failure=self.launcher.rendezvous_failure(log),
+            final_metrics=last_metrics(self.run_dir),
+            rendezvous_failure=self.launcher.rendezvous_failure(log, expired=self.rendezvous_expired),
             scheduler_end=self.launcher.ended_by_scheduler(self.paths),
         )
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?

@@ -137,3 +137,11 @@ def test_slurm_reads_each_nodes_report_and_the_jobs_end(tmp_path):
 
 def test_filesystem_type_reads_the_longest_mount_point():
     assert filesystem_type(Path("/proc/self")) == "proc"
+
+
+def test_nbddp_keeps_the_rendezvous_timeout_when_torch_would_wait_longer():
+    node0 = launcher_for("torch", Nodes(2, 0, "h:1"), rdzv_timeout=9)
+    node1 = launcher_for("torch", Nodes(2, 1, "h:1"), rdzv_timeout=9)
+    assert node0.rendezvous_failure("", expired=False) is None
+    assert "the 2 nodes never all met at h:1 within --rdzv-timeout 9s" in node0.rendezvous_failure("", expired=True)
+    assert "node 0's rendezvous at h:1 never answered" in node1.rendezvous_failure("", expired=True)

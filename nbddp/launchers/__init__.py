@@ -64,8 +64,9 @@ class Launcher:
         """The rank the launcher names as the first failure, if it names one."""
         return None
 
-    def rendezvous_failure(self, report: str) -> str | None:
-        """Why the nodes of a multi-node run never all met, when that is what happened."""
+    def rendezvous_failure(self, report: str, expired: bool = False) -> str | None:
+        """Why the nodes of a multi-node run never all met, when that is what happened
+        (``expired``: nbddp stopped waiting for them after ``--rdzv-timeout``)."""
         return None
 
     def ended_by_scheduler(self, run_dir: RunDir) -> str | None:

@@ -50,5 +50,5 @@ class CatalystSpawn(Launcher):
             codes.setdefault(self.first_rank + int(index), 1)
         return codes
 
-    def rendezvous_failure(self, report: str) -> str | None:
-        return rendezvous_failure(report, self.nodes, self.rdzv_timeout)
+    def rendezvous_failure(self, report: str, expired: bool = False) -> str | None:
+        return rendezvous_failure(report, self.nodes, self.rdzv_timeout, expired)

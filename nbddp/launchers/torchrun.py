@@ -57,11 +57,11 @@ class Torchrun(Launcher):
         match = re.search(r"rank\s*:\s*(\d+)", tail) if found else None
         return int(match.group(1)) if match else None
 
-    def rendezvous_failure(self, report: str) -> str | None:
-        return rendezvous_failure(report, self.nodes, self.rdzv_timeout)
+    def rendezvous_failure(self, report: str, expired: bool = False) -> str | None:
+        return rendezvous_failure(report, self.nodes, self.rdzv_timeout, expired)
 
 
-def rendezvous_failure(report: str, nodes: Nodes | None, rdzv_timeout: float) -> str | None:
+def rendezvous_failure(report: str, nodes: Nodes | None, rdzv_timeout: float, expired: bool = False) -> str | None:
     """torch's store errors at the start of a multi-node run, told as what the user must check."""
     if nodes is None:
         return None
@@ -73,10 +73,13 @@ def rendezvous_failure(report: str, nodes: Nodes | None, rdzv_timeout: float) ->
                 f"trained. Start the same `nbddp run` on every node, with --node-rank "
                 f"{'1' if expected == 2 else f'1 to {expected - 1}'} on the others, and check "
                 f"that they can reach {nodes.endpoint} (a firewall, a wrong host name?).")
-    if _NO_HOST.search(report):
+    if _NO_HOST.search(report) or (expired and nodes.rank != 0):
         return (f"node 0's rendezvous at {nodes.endpoint} never answered {within}; nothing was trained. Is the same "
                 f"`nbddp run` with --node-rank 0 running there, and can this node reach {nodes.endpoint}?")
     if _PORT_TAKEN.search(report) and nodes.rank == 0:
         return (f"the rendezvous port {nodes.host_port()[1]} is already in use on node 0: choose another free port "
                 f"in --rdzv-endpoint (on every node).")
+    if expired:
+        return (f"the {nodes.count} nodes never all met at {nodes.endpoint} {within}; nothing was trained. Start the "
+                f"same `nbddp run` on every node and check that they can reach {nodes.endpoint}.")
     return None
