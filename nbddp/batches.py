@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
+from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.options import LaunchOptions
 from nbddp.outcome import Status
@@ -35,7 +36,7 @@ from nbddp.rundir import RunDir
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
 #: A ``--slurm`` run cancels its job and waits for it to leave the queue before it exits.
-SLURM_STOP_GRACE_SECONDS = 150.0
+SLURM_STOP_GRACE_SECONDS = CANCEL_SECONDS + 30.0
 #: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
 SLURM_PARALLEL = 4
 

@@ -189,3 +189,16 @@ def test_exported_sbatch_script_submits_by_hand_and_quotes_every_value(tmp_path,
     assert not canary.exists()
     assert (job_dir / "train.weights.pt").exists(), (job_dir / "node-0.log").read_text()
     assert_matches(job_dir / "train.weights.pt", batch=16)
+
+
+def test_nbddp_kill_cancels_a_slurm_run_and_waits_for_the_queue(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
+    run = cli_run(["run", "long.ipynb", *CPU2], tmp_path)
+    run.wait_for("[rank 1] step 3")
+    run_dir = only_run_dir(tmp_path)
+    killed = subprocess.run(["nbddp", "kill", str(run_dir)], capture_output=True, text=True, timeout=200)
+    assert killed.returncode == 0, killed.stderr
+    assert slurm_env.queue() == []
+    assert run.wait(60) == 143, run.output
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert not run.leftovers() and not processes_of(run_dir)

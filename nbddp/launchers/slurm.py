@@ -39,13 +39,15 @@ SCHEDULER_ENDS = {
     "OUT_OF_MEMORY": "job {id} ran out of memory; ask for more with --slurm-arg mem=...",
 }
 FINAL_STATES = {"COMPLETED", "FAILED", *SCHEDULER_ENDS}
+#: How long the watcher may take to cancel its job (scancel, then Slurm's KillWait) and see it leave the queue.
+CANCEL_SECONDS = 120.0
 _NODE_HEADER = "==> node-{} <=="
 
 
 class Slurm(Launcher):
     name = "slurm"
     streams_launcher_log = True  # the watcher's "job 12: pending (Resources)" lines
-    stop_grace = 120.0  # scancel, then Slurm's KillWait, before the job has left the queue
+    stop_grace = CANCEL_SECONDS
     exit_settle = 8.0  # the watcher polls Slurm every second; a cancelled job's ranks die first
 
     def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float) -> None:
