@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from nbddp import __version__
-from nbddp.errors import NbddpError
+from nbddp.errors import NbddpError, UsageError
 from nbddp.options import (add_device_arguments, add_launch_arguments, add_script_arguments, add_topology_arguments,
                            launch_options, script_arguments)
 
@@ -81,6 +81,8 @@ def _export(args: argparse.Namespace) -> int:
     script_name = "train.py" if target is None else target.name
     notebook = read_notebook(args.notebook)
     plan = export_launch(args, notebook, engine, script_name)
+    if plan.sbatch is not None and to_stdout:
+        raise UsageError("--slurm writes train.sbatch beside the script: give -o PATH instead of -o -.")
     options = ExportOptions(engine=plan.engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
                             script_name=script_name, launch_hint=plan.hint)
     script = generate(notebook, options)

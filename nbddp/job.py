@@ -229,10 +229,12 @@ class Job:
 
         torch bounds the wait itself, but its store client retries once after a random delay, so a
         node could wait up to twice the timeout; this keeps the promise. The roster (``nodes.json``)
-        is written once every node has joined.
+        is written once every node has joined; torchrun starts a node's ranks once its agents have met.
         """
-        if self.spec.nodes is None or self.paths.nodes.exists():
-            return False
+        if self.spec.nodes is None or self.script.engine != "torch" or self.paths.nodes.exists():
+            return False  # (Catalyst's ranks meet inside runner.train; their own init timeout bounds it)
+        if self.paths.ranks.is_dir() and any(self.paths.ranks.glob("rank-*.json")):
+            return False  # torchrun starts ranks only once the nodes have met
         return time.time() - self.started_at > self.spec.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -258,7 +260,7 @@ class Job:
             rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
             done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
             checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
-            launcher_tail="\n".join(_read(self.paths.launcher_log).splitlines()[-15:]),
+            launcher_tail="\n".join(log.splitlines()[-15:]),
             stop_requested=self.paths.stop_mark.exists(),
             timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,

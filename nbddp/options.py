@@ -28,7 +28,9 @@ DEFAULT_RDZV_TIMEOUT = 300.0
 DEFAULT_RETURNS = ("model",)
 _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
 #: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
-_SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait")
+_SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait", "array",
+              "export", "requeue", "no-requeue", "test-only", "parsable", "hold", "clusters", "M", "wrap",
+              "job-name", "cpus-per-task")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class SlurmRequest:
             if not _SLURM_KEY.fullmatch(key):
                 raise UsageError(f"--slurm-arg {key}={value}: KEY is an sbatch option name without dashes (e.g. qos=high).")
             if key in _SLURM_OWN or key in ("partition", "time", "account"):
-                raise UsageError(f"--slurm-arg {key}=...: nbddp sets --{key} itself"
+                raise UsageError(f"--slurm-arg {key}=...: nbddp sets --{key} itself, or depends on it for the run's job"
                                  + (f"; use nbddp's --{key}." if key in ("nodes", "partition", "time", "account",
                                                                        "gpus-per-node") else "."))
             if "\n" in value or "\r" in value or "\0" in value:

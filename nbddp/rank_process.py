@@ -126,8 +126,9 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
         main = getattr(sys.modules.get("__main__"), "__file__", None)
         digest = hashlib.sha256(Path(main).read_bytes()).hexdigest()[:16] if main and Path(main).exists() else ""
         directory = run_dir()
-        me = {"node": node_rank, "host": socket.gethostname(), "ip": _address(), "ranks": [node_ranks.start, node_ranks.stop - 1],
-              "run_dir": str(directory) if directory else None, "script": digest}
+        me = {"node": node_rank, "host": socket.gethostname(), "ip": _address(),
+              "ranks": [node_ranks.start, node_ranks.stop - 1], "run_dir": str(directory) if directory else None,
+              "script": digest, "setup": f"{len(node_ranks)} {RankEnv.from_environ().device or 'auto'}"}
         store.set(f"nbddp/node/{node_rank}", json.dumps(me))
     roster = [json.loads(store.get(f"nbddp/node/{n}")) for n in range(nnodes)]
     directory = run_dir()
@@ -135,14 +136,18 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
         partial = directory.nodes.with_name(f".{directory.nodes.name}.{node_rank}.partial")
         partial.write_text(json.dumps(roster, indent=1))
         os.replace(partial, directory.nodes)
-    mine = roster[node_rank]["script"]
+    mine = roster[node_rank]
     for other in roster:
-        if other["script"] != mine:
-            from nbddp.errors import NbddpError
+        from nbddp.errors import NbddpError
 
+        if other["script"] != mine["script"]:
             raise NbddpError(
                 f"node {other['node']} ({other['host']}) runs a different training script than node {node_rank}: "
                 "start every node with the same notebook and the same -p values.")
+        if other["setup"] != mine["setup"]:
+            raise NbddpError(
+                f"node {other['node']} ({other['host']}) runs {other['setup']} processes, node {node_rank} "
+                f"{mine['setup']}: start every node with the same --gpus, or --cpu and --nproc.")
     return roster
 
 

@@ -93,9 +93,9 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
         grace = max(grace, SLURM_CANCEL_SECONDS)
     if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
-    deadline = time.monotonic() + grace
-    while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
-        time.sleep(0.1)
+        deadline = time.monotonic() + grace
+        while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
+            time.sleep(0.1)
     stop_groups([run.pgid], grace=SLURM_CANCEL_SECONDS if slurm else 5.0)
     gone = not group_alive(run.pgid)
     if gone:

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 from nbddp.devices import Devices
+from nbddp.errors import UsageError
 import shlex
 
 import pytest
@@ -105,14 +106,19 @@ def test_the_sbatch_script_quotes_every_value_and_runs_one_torchrun_per_node():
                            extra=(("comment", "$(touch /tmp/x); it's"), ("qos", "high")))
     text = sbatch_script("torch", request, Devices("cuda", 4), "/runs/a b/train.py", python="/venv/bin/python",
                          rdzv_timeout=60, logs="/runs/a b/logs")
-    directives = dict(shlex.split(line[len("#SBATCH "):])[0].lstrip("-").split("=", 1)
+    directives = dict((shlex.split(line[len("#SBATCH "):])[0].lstrip("-").split("=", 1) + [None])[:2]
                       for line in text.splitlines() if line.startswith("#SBATCH"))
     assert directives == {"job-name": "nbddp", "nodes": "2", "ntasks-per-node": "1", "gpus-per-node": "4",
-                          "output": "/runs/a b/logs/slurm-batch.log", "partition": "gpu", "time": "1:00:00",
-                          "account": "acct", "comment": "$(touch /tmp/x); it's", "qos": "high"}
+                          "output": "/runs/a b/logs/slurm-batch.log", "no-requeue": None, "partition": "gpu",
+                          "time": "1:00:00", "account": "acct", "comment": "$(touch /tmp/x); it's", "qos": "high"}
     step = shlex.split(text.splitlines()[-1])
     assert step[:2] == ["srun", "--kill-on-bad-exit=1"] and step[-1] == "/runs/a b/train.py"
     assert "--nproc-per-node=4" in step and "--rdzv-backend=static" in step and "--rdzv-conf=timeout=60" in step
+    lines = sbatch_script("torch", SlurmRequest(), Devices("cpu", 2), "t.py", python="p", rdzv_timeout=1,
+                          job_name="nb\ntouch /tmp/pwned #").splitlines()
+    assert "#SBATCH --job-name=nb_touch__tmp_pwned__" in lines and not any(line.startswith("touch") for line in lines)
+    with pytest.raises(UsageError, match="line break"):
+        sbatch_script("torch", SlurmRequest(), Devices("cpu", 2), "/runs/a\nb/t.py", python="p", rdzv_timeout=1)
     catalyst = sbatch_script("catalyst", SlurmRequest(), Devices("cpu", 2), "train.py", python="python3", rdzv_timeout=60)
     assert "#SBATCH --cpus-per-task=2" in catalyst and "torch.distributed.run" not in catalyst
     assert shlex.split(catalyst.splitlines()[-1])[-1] == "train.py"
@@ -131,6 +137,7 @@ def test_slurm_reads_each_nodes_report_and_the_jobs_end(tmp_path):
     assert slurm.ended_by_scheduler(run_dir) is None
     for log in run_dir.logs.iterdir():
         log.unlink()
+    run_dir.launcher_log.write_text("slurm job 7: submitted\n")  # the watcher's own lines are written here
     run_dir.slurm_job.write_text('{"job_id": "7", "state": "FAILED", "nodes": "n1"}')
     assert "must be on a filesystem the nodes share" in slurm.ended_by_scheduler(run_dir)
 

@@ -85,6 +85,8 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
     (["--slurm", "--slurm-arg", "qos"], "give KEY=VALUE"),
     (["--slurm", "--slurm-arg", "output=/x"], "nbddp sets --output itself"),
     (["--slurm", "--slurm-arg", "nodes=3"], "use nbddp's --nodes"),
+    (["--slurm", "--slurm-arg", "array=1-3"], "depends on it for the run's job"),
+    (["--slurm", "--slurm-arg", "export=NONE"], "depends on it for the run's job"),
     (["--slurm", "--partition", "a b"], "without spaces"),
 ])
 def test_bad_node_and_slurm_options_are_refused_naming_the_option(argv, words):

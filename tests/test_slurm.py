@@ -92,8 +92,9 @@ def test_a_failing_rank_on_slurm_names_the_notebook_cell(tmp_path, cli_run, slur
 
 def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, cli_run, slurm_env):
     write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW, code("print('EVALUATION RAN')")])
-    run = cli_run(["run", "long.ipynb", *CPU2], tmp_path)
+    run = cli_run(["run", "long.ipynb", "--slurm"], tmp_path)  # no device flags: the partition's (no GPUs)
     run.wait_for("[rank 1] step 3")
+    assert "the partition's nodes list no GPUs: 2 CPU processes (gloo) per node" in run.output
     run.proc.send_signal(signal.SIGINT)
     assert run.wait(150) == 130, run.output
     assert slurm_env.queue() == []  # nbddp waited until the job left the queue

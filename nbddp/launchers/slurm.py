@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import shutil
 import subprocess
@@ -37,8 +38,9 @@ SCHEDULER_ENDS = {
     "BOOT_FAIL": "the nodes of job {id} failed to boot.",
     "DEADLINE": "job {id} reached its deadline.",
     "OUT_OF_MEMORY": "job {id} ran out of memory; ask for more with --slurm-arg mem=...",
+    "UNKNOWN": "job {id} ended, but Slurm no longer knows how (purged, or slurmctld restarted).",
 }
-FINAL_STATES = {"COMPLETED", "FAILED", *SCHEDULER_ENDS}
+FINAL_STATES = {"COMPLETED", "FAILED", "UNKNOWN", *SCHEDULER_ENDS}
 #: How long the watcher may take to cancel its job (scancel, then Slurm's KillWait) and see it leave the queue.
 CANCEL_SECONDS = 120.0
 _NODE_HEADER = "==> node-{} <=="
@@ -100,7 +102,8 @@ class Slurm(Launcher):
         if state in SCHEDULER_ENDS:
             return "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
-        if state in FINAL_STATES and not any(run_dir.logs.glob("*.log")):
+        written = [run_dir.slurm_batch_log, *run_dir.logs.glob("node-*.log"), *run_dir.logs.glob("rank-*.log")]
+        if state in FINAL_STATES and not any(path.exists() for path in written):
             return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
                     f"dir {run_dir}: the run dir must be on a filesystem the nodes share (give --run-dir on one). "
                     f"Slurm said: {state} {job.get('reason') or ''}".rstrip())
@@ -127,9 +130,14 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
     ``logs``: where the batch and node outputs go (``None``: beside the submission, for hand use).
     """
     q = shlex.quote
+    for value in (script, python, logs or ""):
+        if any(c in value for c in "\n\r\0"):
+            raise UsageError(f"{value!r}: a path with a line break can't go into a batch script; rename it.")
+    job_name = re.sub(r"[^\w.-]", "_", job_name)
     out = f"{logs}/" if logs else ""
     directives = [("job-name", job_name), ("nodes", str(request.nodes)), ("ntasks-per-node", "1"),
-                  ("output", f"{out}slurm-batch.log" if logs else "slurm-%j.out")]
+                  ("output", f"{out}slurm-batch.log" if logs else "slurm-%j.out"),
+                  ("no-requeue", None)]  # a requeued job would run again over this run's files
     if devices.kind == "cuda":
         directives.append(("gpus-per-node", str(devices.nproc)))
     else:
@@ -144,7 +152,7 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         + ("torchrun." if engine == "torch" else "Catalyst's DDP engine (it spawns the node's ranks)."),
         f"# Submit by hand: sbatch {'THIS_FILE' if logs else Path(script).with_suffix('.sbatch').name}"
         + ("" if logs else f"   (from the folder of {Path(script).name}; the nodes must share it)"),
-        *(f"#SBATCH --{key}={q(value)}" for key, value in directives),
+        *(f"#SBATCH --{key}" + ("" if value is None else f"={q(value)}") for key, value in directives),
         "set -euo pipefail",
         f"PYTHON={q(python)}",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -197,16 +205,20 @@ def require_slurm() -> None:
 
 
 def partition_gpus(partition: str | None) -> int:
-    """GPUs per node of the partition (``sinfo``'s GRES, e.g. ``gpu:a100:4(S:0-1)``), 0 when none."""
-    argv = ["sinfo", "-h", "-o", "%G"] + (["-p", partition] if partition else [])
+    """GPUs every node of the partition has (the default partition, marked ``*``, when none is named).
+
+    From ``sinfo``'s GRES per node group, e.g. ``gpu:a100:4(S:0-1)``; a group without GPUs counts 0.
+    """
     try:
-        text = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+        text = subprocess.run(["sinfo", "-h", "-o", "%P %G"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return 0
     counts = []
-    for gres in text.split():
-        for item in gres.split(","):
-            if item.startswith("gpu"):
-                count = item.split("(")[0].rsplit(":", 1)[-1]
-                counts.append(int(count) if count.isdigit() else 0)
+    for line in text.splitlines():
+        name, _, gres = line.strip().partition(" ")
+        if (partition is None and not name.endswith("*")) or (partition is not None and name.rstrip("*") != partition):
+            continue
+        gpus = [item for item in gres.split(",") if item.startswith("gpu")]
+        count = gpus[0].split("(")[0].rsplit(":", 1)[-1] if gpus else "0"
+        counts.append(int(count) if count.isdigit() else 0)
     return min(counts) if counts else 0

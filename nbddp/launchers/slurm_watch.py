@@ -24,6 +24,8 @@ from nbddp.launchers.slurm import FINAL_STATES
 from nbddp.rundir import RunDir
 
 POLL_SECONDS = 1.0
+#: A job neither ``scontrol`` nor ``squeue`` knows for this long has ended without us seeing how.
+FORGOTTEN_SECONDS = 30.0
 _FIELDS = {key: re.compile(rf"\b{key}=(.*?)(?= \w+=|$)") for key in
            ("JobState", "Reason", "ExitCode", "NodeList", "TimeLimit", "RunTime")}
 _LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs"}
@@ -45,8 +47,16 @@ class Watcher:
         self.record(state="PENDING")
         say(f"slurm job {self.job_id}: submitted ({self.run_dir.sbatch_script})")
         info: dict[str, str] = {}
+        unknown_since: float | None = None
         while self.stop_signal is None:
-            info = query(self.job_id) or info
+            found = query(self.job_id)
+            if found is None and not in_queue(self.job_id):
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > FORGOTTEN_SECONDS:  # purged, or slurmctld lost it
+                    return self.finish({**info, "JobState": "UNKNOWN", "Reason": "Slurm no longer knows the job"})
+            else:
+                unknown_since = None
+            info = found or info
             self.show(info)
             if info.get("JobState") in FINAL_STATES:
                 return self.finish(info)
@@ -86,8 +96,8 @@ class Watcher:
         if self.job_id is None:
             return 128 + signum
         say(f"slurm job {self.job_id}: cancelling (scancel), waiting for it to leave the queue")
-        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=60)
-        while True:
+        while True:  # scancel again each round: a slurmctld too busy to answer must not leave the job behind
+            _slurm(["scancel", self.job_id])
             info = query(self.job_id) or {"JobState": "CANCELLED"}
             if info.get("JobState") in FINAL_STATES and not in_queue(self.job_id):
                 break
@@ -105,9 +115,20 @@ class Watcher:
         os.replace(partial, path)
 
 
+def _slurm(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess | None:
+    """A Slurm command in a session of its own (a signal to the watcher's group must not cut it short);
+    ``None`` when it didn't answer in time."""
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def submit(run_dir: RunDir) -> str:
-    done = subprocess.run(["sbatch", "--parsable", str(run_dir.sbatch_script)], capture_output=True, text=True,
-                          timeout=120)
+    done = _slurm(["sbatch", "--parsable", str(run_dir.sbatch_script)], timeout=120)
+    if done is None:
+        say("slurm: sbatch didn't answer within 120 s; if it submitted the job, cancel it with scancel --name")
+        raise SystemExit(2)
     if done.returncode != 0:
         say(f"slurm: sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
         raise SystemExit(2)
@@ -116,19 +137,16 @@ def submit(run_dir: RunDir) -> str:
 
 def query(job_id: str) -> dict[str, str] | None:
     """The job's fields from ``scontrol show job -o`` (``None`` when Slurm no longer knows it)."""
-    try:
-        done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except subprocess.TimeoutExpired:
-        return None
-    if done.returncode != 0 or "JobState=" not in done.stdout:
+    done = _slurm(["scontrol", "show", "job", "-o", job_id])
+    if done is None or done.returncode != 0 or "JobState=" not in done.stdout:
         return None
     line = done.stdout.strip().splitlines()[0]
     return {key: m.group(1) for key, pattern in _FIELDS.items() if (m := pattern.search(line))}
 
 
 def in_queue(job_id: str) -> bool:
-    done = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i"], capture_output=True, text=True, timeout=30)
-    return done.returncode == 0 and bool(done.stdout.strip())
+    done = _slurm(["squeue", "-h", "-j", job_id, "-o", "%i"])
+    return done is None or (done.returncode == 0 and bool(done.stdout.strip()))  # no answer: assume still there
 
 
 def shared_filesystem_warning(path: Path) -> str | None:
@@ -136,10 +154,8 @@ def shared_filesystem_warning(path: Path) -> str | None:
     fstype = filesystem_type(path)
     if fstype not in _LOCAL_FILESYSTEMS:
         return None
-    try:
-        names = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30).stdout.split()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+    done = _slurm(["sinfo", "-h", "-N", "-o", "%N"])
+    names = done.stdout.split() if done is not None else []
     if not names or set(names) <= {socket.gethostname(), socket.getfqdn(), "localhost"}:
         return None
     return (f"slurm: warning: the run dir {path} is on this machine's own disk ({fstype}); ranks on other nodes "
