@@ -104,6 +104,15 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, cli_run, slurm_env)
     assert not run.leftovers() and not processes_of(run_dir)
 
 
+def test_timeout_cancels_the_job_and_exits_124(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
+    run = cli_run(["run", "long.ipynb", *CPU2, "--timeout", "12"], tmp_path)
+    assert run.wait(200) == 124, run.output
+    assert slurm_env.queue() == [] and "cancelled; it has left the queue" in run.output
+    assert json.loads((only_run_dir(tmp_path) / "result.json").read_text())["status"] == "timeout"
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
 def test_an_outside_scancel_is_reported_as_such(tmp_path, cli_run, slurm_env):
     write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
     run = cli_run(["run", "long.ipynb", *CPU2], tmp_path)
