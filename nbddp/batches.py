@@ -306,7 +306,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     if options.resume and not out.exists():
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    say(f"nbddp: batch of {len(runs)} runs, {len(slots)} at a time, in {out}")
+    say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
     batch = Batch(options, out, runs, slots, nproc, kind, progress)
     try:
         states = batch.run()

@@ -9,6 +9,7 @@ submits). Nothing here probes this machine's devices: the script runs elsewhere.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 
 from nbddp.cells import select_cells
@@ -38,7 +39,8 @@ def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | No
 
         if nodes is not None:
             raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint.")
-        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", 2), script_name, python="python3",
+        # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
+        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", 2), script_name, python=sys.executable,
                                rdzv_timeout=args.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
         return ExportPlan(engine, f"sbatch {script_name.rsplit('.', 1)[0]}.sbatch  (Slurm; see that file)", sbatch)
     if nodes is None:

@@ -42,6 +42,7 @@ def test_export_for_slurm_writes_an_sbatch_script_beside_the_training_script(not
     assert main(["export", str(path), "-o", str(target), "--slurm", "--nodes", "2", "--gpus-per-node", "8",
                  "--partition", "gpu"]) == 0
     sbatch = target.with_suffix(".sbatch").read_text()
+    assert f"PYTHON={sys.executable}" in sbatch  # the exporting interpreter, not whatever python3 a node finds
     assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and "#SBATCH --partition=gpu" in sbatch
     assert sbatch.rstrip().endswith(" job.py") and "# Launch: sbatch job.sbatch" in target.read_text()
     assert main(["export", str(path), "-o", "-", "--slurm", "--cpu"]) == 2  # the sbatch script needs a folder
