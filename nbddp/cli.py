@@ -84,7 +84,8 @@ def _export(args: argparse.Namespace) -> int:
     if plan.sbatch is not None and to_stdout:
         raise UsageError("--slurm writes train.sbatch beside the script: give -o PATH instead of -o -.")
     options = ExportOptions(engine=plan.engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
-                            script_name=script_name, launch_hint=plan.hint)
+                            script_name=script_name, launch_hint=plan.hint,
+                            script_dir=Path.cwd() if target is None else target.parent)
     script = generate(notebook, options)
     if to_stdout:
         sys.stdout.write(script.text)

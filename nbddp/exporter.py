@@ -40,8 +40,10 @@ class NbddpExporter(Exporter):
             engine=None if self.engine == "auto" else self.engine,
             returns=parse_returns(self.returns),
             script_name=f"{name}.py",
+            script_dir=path.parent,  # nbconvert writes beside the notebook unless told otherwise
         )
         script = generate(from_nbformat(nb_copy, path), options)
         # "./": FilesWriter makes the dirname of each output, and makedirs("") fails.
         resources.setdefault("outputs", {})[f"./{name}.py.map.json"] = script.source_map.to_json().encode()
+        resources["output_files_dir"] = "."  # nbconvert says "Support files will be in" this: beside the script
         return script.text, resources

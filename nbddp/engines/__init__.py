@@ -31,6 +31,8 @@ class EngineCode:
     """Last lines under the guard: hand the returned variables back."""
     launch_hint: str
     """The command that launches the script by hand, for its header."""
+    notes: tuple[str, ...] = ()
+    """More header lines: what a user running it by hand must know."""
 
 
 def detect_engine(cells: Sequence[ExportedCell]) -> str:

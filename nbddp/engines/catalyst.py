@@ -31,5 +31,8 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         train_epilogue=(
             f"_nbddp.finish(globals(), returns={list(returns)!r})",
         ),
-        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU; NBDDP_NPROC=2 on CPU)",
+        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU, or 2 CPU processes without "
+                    "one; NBDDP_NPROC=N chooses)",
+        notes=("Catalyst's own logs and checkpoints go to the runner's logdir, relative to the folder it is "
+               "launched from.",),
     )
