@@ -65,6 +65,8 @@ class RunResult:
     message: str = ""
     record: RunRecord | None = None
     outcome: JobOutcome | None = None
+    executed: Any = None
+    """The executed notebook (nbformat), cell for cell the input plus any ``-p`` cell."""
 
     def raise_for_status(self) -> None:
         """Raise the run's :class:`nbddp.errors.RunError`, carrying its judged outcome, unless it succeeded."""
@@ -79,11 +81,14 @@ class RunResult:
 
 
 def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
-                 say: Callable[[str], None] | None = None) -> RunResult:
-    """Run the notebook; returns the result (never raises for a failed *run*, only for bad input)."""
+                 say: Callable[[str], None] | None = None, notebook: Notebook | None = None) -> RunResult:
+    """Run the notebook; returns the result (never raises for a failed *run*, only for bad input).
+
+    ``notebook``: already in memory (papermill's parameterized copy); ``options.notebook`` names it.
+    """
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     launch = options.launch
-    notebook = read_notebook(options.notebook)
+    notebook = notebook or read_notebook(options.notebook)
     devices = devices_for(launch)
     script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
                                               returns=launch.returns))
@@ -114,7 +119,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
         finally:
             if terminal is not None:
                 terminal.close()
-    result = RunResult(status, code, run_dir, output, message, outcome=runner.outcome)
+    result = RunResult(status, code, run_dir, output, message, outcome=runner.outcome, executed=executed)
     result.record = job.record(status, code, message, runner.outcome, parameters, str(notebook.path),
                                overrides=launch.parameters, command=options.command)
     _write_notebook(executed, output)
