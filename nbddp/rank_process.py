@@ -118,13 +118,11 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
     named from it). Nodes started with different notebooks or ``-p`` values would train different
     code in lockstep: every rank refuses that here, before the first step.
     """
-    import hashlib
-
     store = dist.distributed_c10d._get_default_store()
     first = global_rank == node_ranks.start
     if first:
         main = getattr(sys.modules.get("__main__"), "__file__", None)
-        digest = hashlib.sha256(Path(main).read_bytes()).hexdigest()[:16] if main and Path(main).exists() else ""
+        digest = _code_digest(Path(main)) if main and Path(main).exists() else ""
         directory = run_dir()
         me = {"node": node_rank, "host": socket.gethostname(), "ip": _address(),
               "ranks": [node_ranks.start, node_ranks.stop - 1], "run_dir": str(directory) if directory else None,
@@ -149,6 +147,15 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
                 f"node {other['node']} ({other['host']}) runs {other['setup']} processes, node {node_rank} "
                 f"{mine['setup']}: start every node with the same --gpus, or --cpu and --nproc.")
     return roster
+
+
+def _code_digest(script: Path) -> str:
+    """A digest of what the script does: comment lines (its header names paths that differ between
+    machines) don't count."""
+    import hashlib
+
+    code = [line for line in script.read_text(encoding="utf-8").splitlines() if not line.lstrip().startswith("#")]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
 
 
 def _address() -> str:
