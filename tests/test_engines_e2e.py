@@ -7,6 +7,7 @@ catalyst engine: ``python train.py`` (Catalyst's own mp.spawn).
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def run_in_own_group(argv, cwd, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    scratch = Path(cwd) / "tmp"  # a hand-run torchrun leaves torchelastic_* in TMPDIR: keep it in the test's folder
+    scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
     env.pop("NBDDP_RUN_DIR", None)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
