@@ -193,7 +193,9 @@ def test_exported_sbatch_script_submits_by_hand_and_quotes_every_value(tmp_path,
     assert export.wait() == 0, export.output
     job_dir = tmp_path / "job"
     assert "sbatch train.sbatch" in (job_dir / "train.py").read_text()
-    done = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=job_dir, capture_output=True, text=True)
+    (job_dir / "tmp").mkdir()  # torchrun run by hand leaves torchelastic_* in TMPDIR: keep it here
+    done = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=job_dir, capture_output=True, text=True,
+                          env={**os.environ, "TMPDIR": str(job_dir / "tmp")})
     assert done.returncode == 0, done.stderr
     assert slurm_env.wait_until_empty(120) == []
     assert not canary.exists()
