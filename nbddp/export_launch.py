@@ -17,7 +17,8 @@ from nbddp.devices import Devices
 from nbddp.engines import detect_engine
 from nbddp.errors import UsageError
 from nbddp.notebook import Notebook
-from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes, topology
+from nbddp.launchers.slurm import slurm_devices
+from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | No
     """The launch plan of an export, from ``nbddp export``'s device, node and Slurm flags."""
     nodes, slurm = topology(args)
     engine = engine or detect_engine(select_cells(notebook))
-    devices = _devices(args, slurm is not None)
+    devices = _devices(args, slurm)
     if slurm is not None:
         from nbddp.launchers.slurm import sbatch_script
 
@@ -48,24 +49,21 @@ def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | No
     return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", 2), script_name, args.rdzv_timeout))
 
 
-def _devices(args: argparse.Namespace, slurm: bool) -> Devices | None:
+def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | None:
+    """The devices the header and batch script name; ``None``: the engine's one-machine default."""
     from nbddp.devices import requested_gpus
 
-    if slurm and args.gpus is not None:
+    if slurm is not None and args.gpus is not None:
         raise UsageError("--gpus counts this machine's GPUs; with --slurm say --gpus-per-node G.")
-    per_node = getattr(args, "gpus_per_node", None) if slurm else None
-    gpus = per_node if per_node is not None else (requested_gpus(args.gpus) if args.gpus is not None else None)
+    gpus = slurm.gpus_per_node if slurm is not None else (requested_gpus(args.gpus) if args.gpus is not None else None)
+    if gpus is not None and (args.cpu or args.nproc is not None):
+        raise UsageError("GPUs and --cpu/--nproc contradict each other: choose one.")
+    if slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
+        return slurm_devices(slurm, args.cpu, args.nproc, require_commands=False)
     if gpus is not None:
-        if args.cpu or args.nproc is not None:
-            raise UsageError("GPUs and --cpu/--nproc contradict each other: choose one.")
         return Devices("cuda", gpus)
     if args.cpu or args.nproc is not None:
         return Devices("cpu", args.nproc or 2)
-    if slurm:
-        from nbddp.launchers.slurm import partition_gpus
-
-        found = partition_gpus(args.partition)
-        return Devices("cuda", found) if found else Devices("cpu", 2)
     return None
 
 

@@ -338,10 +338,3 @@ def node_gone(roster: list[dict[str, Any]], own_node: int, message: str) -> dict
     address = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", message)
     named = [node for node in others if address and node.get("ip") == address.group(1)]
     return named[0] if len(named) == 1 else None
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""

@@ -178,13 +178,15 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
     return "\n".join(lines) + "\n"
 
 
-def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None) -> Devices:
+def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None, *, require_commands: bool = True) -> Devices:
     """Per-node devices of a Slurm job: as asked, else every GPU of the partition's nodes, else 2 CPU processes.
 
     Raises:
-        UsageError: Slurm's commands aren't here (not a login node of a cluster).
+        UsageError: Slurm's commands aren't here (not a login node of a cluster), unless
+            ``require_commands`` is false (``nbddp export`` only writes the batch script).
     """
-    require_slurm()
+    if require_commands:
+        require_slurm()
     if request.gpus_per_node is not None:
         return Devices("cuda", request.gpus_per_node)
     if cpu or nproc is not None:

@@ -41,12 +41,11 @@ class Torchrun(Launcher):
                 f"--max-restarts={max_restarts}", "--monitor-interval=0.1", f"--log-dir={run_dir.torchrun_logs}",
                 str(script)]
 
-    def topology_args(self, node_rank: str | None = None) -> list[str]:
-        """``--standalone``, or this node's part of a static rendezvous (``node_rank`` overrides the rank)."""
+    def topology_args(self) -> list[str]:
+        """``--standalone``, or this node's part of a static rendezvous."""
         if self.nodes is None:
             return ["--standalone"]
-        rank = self.nodes.rank if node_rank is None else node_rank
-        return [f"--nnodes={self.nodes.count}", f"--node-rank={rank}", "--rdzv-backend=static",
+        return [f"--nnodes={self.nodes.count}", f"--node-rank={self.nodes.rank}", "--rdzv-backend=static",
                 f"--rdzv-endpoint={self.nodes.endpoint}", f"--rdzv-conf=timeout={math.ceil(self.rdzv_timeout)}"]
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
