@@ -16,7 +16,7 @@ import os
 import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from nbddp.cells import SETUP, TRAIN, cell_role, export_cell
 from nbddp.checkpoint import load_into, load_returns
@@ -73,21 +73,11 @@ class CellJobResult:
     loaded: list[str] = field(default_factory=list)
     note: str = ""
 
-    def summary(self) -> str:
-        r = self.record
-        from nbddp.stream import format_metrics
-
-        lines = [f"[nbddp] {r.status} in {r.wall_time_s:.1f}s: world size {r.world_size} on "
-                 f"{r.devices['nproc']} {'GPU(s)' if r.devices['kind'] == 'cuda' else 'CPU processes (gloo)'}, "
-                 f"{r.engine} engine"]
+    def weights(self) -> str:
+        """Where the weights went, for the ending line."""
         if self.loaded:
-            lines.append(f"[nbddp] loaded the trained {', '.join(self.loaded)} on the CPU" + (f" ({self.note})" if self.note else ""))
-        elif self.note:
-            lines.append(f"[nbddp] {self.note}")
-        if r.final_metrics:
-            lines.append(f"[nbddp] final metrics: {format_metrics(r.final_metrics)}")
-        lines.append(f"[nbddp] run dir: {self.run_dir}")
-        return "\n".join(lines)
+            return f"{', '.join(self.loaded)} loaded on the CPU" + (f" ({self.note})" if self.note else "")
+        return self.note or "no weights came back"
 
 
 def build_script(history: CellHistory, body: str, namespace: dict[str, Any], options: LaunchOptions,
@@ -139,8 +129,14 @@ def _kernel_value(name: str, namespace: dict[str, Any]) -> Any:
 
 
 def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOptions, namespace: dict[str, Any],
-                 sinks: Sequence[Sink], cwd: Path | None = None, say=print, command: str = "") -> CellJobResult:
+                 sinks: Sequence[Sink], cwd: Path | None = None, say=print, command: str = "",
+                 on_start: Callable[[Path, range], Any] | None = None,
+                 heartbeat: Callable[[], Any] | None = None) -> CellJobResult:
     """Launch the job, stream it to ``sinks``, load the returned weights into ``namespace``.
+
+    ``on_start(run_dir, ranks)`` is called once the ranks are starting (a view appears then);
+    ``heartbeat`` on every poll while they run: whatever it raises stops the job (a
+    ``KeyboardInterrupt`` is recorded as an interruption).
 
     Raises:
         DeviceError: before anything starts.
@@ -166,7 +162,9 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
 
     with Job.start(spec) as job:
         try:
-            outcome = job.wait(sinks, deadline, options.idle_timeout)  # stops every rank before anything propagates
+            if on_start is not None:
+                on_start(job.run_dir, job.local_ranks())
+            outcome = job.wait(sinks, deadline, options.idle_timeout, heartbeat)  # stops every rank first
         except KeyboardInterrupt:  # the kernel's stop button
             record(job, Status.INTERRUPTED, 130, "interrupted", job.outcome(interrupted_by=signal.SIGINT))
             raise

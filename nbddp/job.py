@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nbddp import registry
 from nbddp.devices import Devices
@@ -28,6 +28,7 @@ from nbddp.launchers import Launcher, launcher_for
 from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes, SlurmRequest
 from nbddp.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.procs import process_alive
+from nbddp.quiet import QuietStream
 from nbddp.rank_env import RankEnv
 from nbddp.report import RunRecord, last_metrics, rank_errors
 from nbddp.rundir import RunDir, rank_of
@@ -120,6 +121,7 @@ class Job:
         self.rendezvous_expired = False
         self.started_at = time.time()
         self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
+        self.quiet = QuietStream(spec.script.source_map, self.local_ranks())
 
     @classmethod
     def start(cls, spec: JobSpec) -> "Job":
@@ -148,14 +150,15 @@ class Job:
         stretch the moments at which different ranks' files are read, or their lines interleave badly.
         """
         events = list(self.follower.poll(final=final))
-        for event in events:
+        for event in self.quiet.feed(events, final=final):
             for sink in sinks:
                 sink(event)
         return bool(events)
 
     def wait(self, sinks: Sequence[Sink], deadline: float | None = None,
-             idle_timeout: float | None = None) -> JobOutcome:
-        """Stream until the job ends, then judge it. Stops every rank first when:
+             idle_timeout: float | None = None, heartbeat: Callable[[], Any] | None = None) -> JobOutcome:
+        """Stream until the job ends, then judge it; ``heartbeat`` is called on every poll (a view
+        refreshing its clock; a kernel noticing it is being shut down). Stops every rank first when:
 
         * the monotonic ``deadline`` passes (``--timeout``),
         * no rank printed or logged anything for ``idle_timeout`` seconds (``--idle-timeout``),
@@ -170,6 +173,8 @@ class Job:
                 now = time.monotonic()
                 if self.pump(sinks):
                     last_activity = now
+                if heartbeat is not None:
+                    heartbeat()
                 if deadline is not None and now > deadline:
                     timed_out = True
                 elif idle_timeout and now - last_activity > idle_timeout:
@@ -281,8 +286,12 @@ class Job:
         return self.spec.nodes.rank * self.devices.nproc if self.spec.nodes else 0
 
     def _local_ranks(self) -> int:
-        """The ranks this job's launcher ran (one node's, unless Slurm ran every node's)."""
+        """How many ranks this job's launcher runs (one node's, unless Slurm runs every node's)."""
         return self.spec.world_size if self.spec.slurm else self.devices.nproc
+
+    def local_ranks(self) -> range:
+        """The global ranks whose output this job streams."""
+        return range(self._first_rank(), self._first_rank() + self._local_ranks())
 
     def nodes(self) -> list[dict[str, Any]]:
         """The nodes that joined a multi-node run (``nodes.json``), empty on one machine."""

@@ -8,12 +8,17 @@ id the front end sent) and turns the magic's line into options.
 from __future__ import annotations
 
 
+import time
+from pathlib import Path
+
 from IPython.core.magic import Magics, cell_magic, magics_class
 from nbddp.cell_job import CellHistory, build_script, run_cell_job
 from nbddp.compat import apply_catalyst_shims
-from nbddp.errors import NbddpError
+from nbddp.ending import NO_WEIGHTS, Ending, first_line
+from nbddp.errors import RunError
 from nbddp.options import ArgumentParser, add_launch_arguments, launch_options, parse_line
 from nbddp.outcome import Status
+from nbddp.report import last_metrics
 
 
 def _parser() -> ArgumentParser:
@@ -58,25 +63,60 @@ class DdpMagics(Magics):
         if args.dry_run:
             print(script.text)
             return None
-        from nbddp.jupyter.view import make_view
-        from nbddp.launchers import devices_for
+        return self._train(script, parameters, options, f"%%ddp_train {line}".strip())
 
-        view = make_view(devices_for(options).nproc)
-        status = Status.FAILED
+    def _train(self, script, parameters, options, command: str) -> None:  # noqa: ANN001
+        """Run the job with its live view; end with one line, or an error without nbddp's frames."""
+        from nbddp.jupyter.view import make_view
+
+        started = time.monotonic()
+        view = None
+        run_dir: Path | None = None
+
+        def on_start(directory: Path, ranks: range) -> None:
+            nonlocal view, run_dir
+            run_dir = directory
+            view = make_view(ranks, directory)
+
+        def sink(event) -> None:  # noqa: ANN001
+            if view is not None:
+                view(event)
+
+        def heartbeat() -> None:
+            if view is not None:
+                view.tick()
+            if getattr(self.shell, "exit_now", False):  # ipykernel's shutdown_request: a restart or shutdown
+                raise KeyboardInterrupt("the kernel is shutting down")
+
+        def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
+            if view is not None:
+                metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
+                view.close(Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics))
+
         try:
-            result = run_cell_job(script, parameters, options, self.shell.user_ns, [view],
-                                  command=f"%%ddp_train {line}".strip())
-            status = Status.SUCCEEDED
+            result = run_cell_job(script, parameters, options, self.shell.user_ns, [sink], command=command,
+                                  on_start=on_start, heartbeat=heartbeat)
         except KeyboardInterrupt:
-            status = Status.INTERRUPTED
+            shutting_down = getattr(self.shell, "exit_now", False)
+            end(Status.INTERRUPTED, "the kernel is restarting or shutting down" if shutting_down
+                else "every rank stopped")
+            raise _short_interrupt(time.monotonic() - started, run_dir) from None
+        except RunError as exc:
+            end(exc.status, first_line(str(exc)))
             raise
-        except NbddpError as exc:
-            status = getattr(exc, "status", type(exc).__name__)
+        except BaseException as exc:  # the checkpoint couldn't load, or nbddp itself broke: say so, then raise
+            end(Status.FAILED, first_line(f"{type(exc).__name__}: {exc}"))
             raise
-        finally:
-            view.close(status)
-        print(result.summary())
+        end(Status.SUCCEEDED, weights=result.weights(), metrics=result.record.final_metrics)
         return None
+
+
+def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that IPython shows as one short message, not nbddp's stack and the cell's source."""
+    where = f" Its logs: {run_dir}" if run_dir else ""
+    exc = KeyboardInterrupt(f"the run was interrupted after {seconds:.1f}s; every rank has stopped.{where}")
+    exc._render_traceback_ = lambda: [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {exc}"]  # IPython looks for it
+    return exc
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
