@@ -23,7 +23,7 @@ from nbddp.rundir import RunDir
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
 _COLLECTIVE_ERRORS = ("RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError")
 #: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
+PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
 
 
 class Status(str, Enum):
@@ -105,7 +105,7 @@ class Evidence:
     @property
     def peer_gone(self) -> bool:
         """The first error says a peer vanished: that peer, not the reporter, is the root cause."""
-        return bool(self.errors) and bool(_PEER_GONE.search(self.errors[0].message))
+        return bool(self.errors) and bool(PEER_GONE.search(self.errors[0].message))
 
 
 def judge(e: Evidence) -> JobOutcome:
@@ -176,8 +176,8 @@ def _gist(message: str) -> str:
 def failure_message(e: Evidence, codes: dict[int, int]) -> str:
     if e.errors:
         first = e.errors[0]
-        return (f"{first.headline(e.notebook)}\n\nTraceback (notebook cells in brackets):\n"
-                f"{first.traceback.rstrip()}\n\nFull log: {e.run_dir.rank_log(first.rank)}")
+        # (its traceback, translated to notebook cells, was shown as it streamed: see nbddp.quiet)
+        return f"{first.headline(e.notebook)}\nFull log: {e.run_dir.rank_log(first.rank)}"
     dead = {r: c for r, c in codes.items() if c != 0}
     if dead:
         return death_message(e, *min(dead.items()))

@@ -31,10 +31,12 @@ from nbddp.outcome import Status, run_error
 from nbddp.options import LaunchOptions
 from nbddp.parameter_cell import declared_parameters, effective_parameters
 from nbddp.parameters import assignments
+from nbddp.procs import process_alive
 from nbddp.report import RunRecord
 from nbddp.rundir import RunDir
 from nbddp.script import ExportOptions, generate
-from nbddp.stream import Sink, format_metrics
+from nbddp.ending import NO_WEIGHTS, Ending, shown_path
+from nbddp.stream import Sink
 from nbddp.terminal import NotebookOutputSink, TerminalSink
 
 
@@ -123,7 +125,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     result.record = job.record(status, code, message, runner.outcome, parameters, str(notebook.path),
                                overrides=launch.parameters, command=options.command)
     _write_notebook(executed, output)
-    say(_summary(result, _where(spec)))
+    say(_summary(result))
     return result
 
 
@@ -194,7 +196,7 @@ class _NotebookRun:
         kernel_name = self.notebook.kernel_name or "python3"
         # IPC sockets: local only, no "running over TCP without encryption" warning. Their files
         # default to the working directory, where two runs would collide: use a private temp dir.
-        sockets = tempfile.mkdtemp(prefix="nbddp-kernel-")
+        sockets = kernel_socket_dir()
         self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
         manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
         client = NotebookClient(self.nb, km=manager, kernel_name=kernel_name, shutdown_kernel="immediate",
@@ -282,6 +284,25 @@ class _NotebookRun:
     def _remaining(self) -> int | None:
         """Seconds left for a kernel cell (nbclient takes whole seconds)."""
         return None if self.deadline is None else max(1, math.ceil(self.deadline - time.monotonic()))
+
+
+SOCKETS_PREFIX = "nbddp-kernel-"
+
+
+def kernel_socket_dir() -> str:
+    """A private temp folder for the kernel's sockets, named after this process.
+
+    A run removes its own when it ends; one killed outright (SIGKILL) can't, so each run first
+    removes those left by ``nbddp`` processes that no longer exist.
+    """
+    for stale in Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}*-*"):
+        try:
+            pid = int(stale.name[len(SOCKETS_PREFIX):].split("-", 1)[0])
+            if stale.stat().st_uid == os.getuid() and not process_alive(pid):
+                shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    return tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
 
 
 def _lower_priority() -> None:
@@ -383,12 +404,14 @@ def _write_notebook(nb, path: Path) -> None:
     os.replace(partial, path)
 
 
-def _summary(result: RunResult, where: str) -> str:
+def _summary(result: RunResult) -> str:
+    """The run's ending: its error (if any), then one line, then the final metrics."""
     record = result.record
-    line = (f"nbddp: {result.status} in {record.wall_time_s:.1f}s on {where}; "
-            f"run dir {result.run_dir}; notebook {result.output}")
-    if record.final_metrics:
-        line += f"\n       final metrics: {format_metrics(record.final_metrics)}"
-    if result.message:
-        line = f"nbddp: error: {result.message}\n" + line
-    return line
+    weights = RunDir(result.run_dir).weights
+    ending = Ending(result.status, record.wall_time_s, result.run_dir,
+                    f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS, metrics=record.final_metrics)
+    lines = [f"nbddp: error: {result.message}"] if result.message else []
+    lines.append(f"nbddp: {ending.line()} · notebook {shown_path(result.output)}")
+    if ending.metrics_line():
+        lines.append(f"nbddp: {ending.metrics_line()}")
+    return "\n".join(lines)

@@ -30,6 +30,8 @@ class LogLine:
     text: str
     progress: bool = False
     """True for the current state of a ``\\r`` progress bar (more will replace it)."""
+    every_rank: bool = False
+    """The same line came from every rank (shown once, as ``[all ranks]``)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,9 @@ class RunFollower:
         return lines
 
 
-def rank_prefix(rank: int | None) -> str:
+def rank_prefix(rank: int | None, every_rank: bool = False) -> str:
+    if every_rank:
+        return "[all ranks] "
     return "[launcher] " if rank is None else f"[rank {rank}] "
 
 

@@ -19,8 +19,9 @@ def stdout_write(text: str) -> None:
 
 
 class TerminalSink:
-    """Rank output as ``[rank N] line``; metrics as ``[metrics] k=v``, or, when they count epochs
-    (``nbddp.log(epoch=..., epochs=...)``) on a terminal, as tqdm's epoch bar under the lines."""
+    """Rank output as ``[rank N] line``. Metrics that count epochs (``nbddp.log(epoch=..., epochs=...)``)
+    become tqdm's epoch bar under the lines on a terminal; they are never echoed as lines (the ranks
+    print what they want seen; every record is in ``metrics.jsonl``, the last one in the ending)."""
 
     def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None) -> None:
         self.write = write
@@ -35,13 +36,11 @@ class TerminalSink:
                 if now - self.last_progress.get(event.rank, 0.0) < 1.0:
                     return
                 self.last_progress[event.rank] = now
-            self.line(f"{rank_prefix(event.rank)}{event.text}\n")
+            self.line(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
         elif isinstance(event, MetricsEvent):
             epoch, epochs = event.values.get("epoch"), event.values.get("epochs")
             if self.tty and isinstance(epochs, int) and isinstance(epoch, int) and 0 <= epoch <= epochs:
                 self._epoch_bar(event.values)
-            else:
-                self.line(f"[metrics] {format_metrics(event.values)}\n")
 
     def line(self, text: str) -> None:
         """Write ``text`` above the epoch bar (the bar stays under the newest line)."""
@@ -78,7 +77,7 @@ class NotebookOutputSink:
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine) and not event.progress:
             if len(self.lines) < self.limit:
-                self.lines.append(f"{rank_prefix(event.rank)}{event.text}\n")
+                self.lines.append(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
             else:
                 self.dropped += 1
 

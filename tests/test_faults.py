@@ -4,8 +4,11 @@ Every test asserts the exit code, the message, and that no process of the run is
 """
 
 import json
+import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +102,13 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     run.proc.wait(10)
     assert not run.leftovers(grace=10), "ranks outlived a SIGKILLed launcher"
     assert ranks
+    # It had no chance to remove its kernel's socket folder; the next run removes it.
+    from nbddp.run import SOCKETS_PREFIX, kernel_socket_dir
+
+    [left] = Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}{run.proc.pid}-*")
+    fresh = kernel_socket_dir()
+    assert not left.exists() and os.path.isdir(fresh)
+    os.rmdir(fresh)
 
 
 def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):

@@ -1,16 +1,17 @@
-"""What `nbddp run` prints: rank lines, metrics lines, or tqdm's epoch bar on a terminal."""
+"""What `nbddp run` prints: rank lines, and on a terminal tqdm's epoch bar; metrics are never echoed as lines."""
 
 from nbddp.stream import LogLine, MetricsEvent
 from nbddp.terminal import NotebookOutputSink, TerminalSink
 
 
-def test_without_a_terminal_metrics_are_lines():
+def test_without_a_terminal_only_what_the_ranks_printed_is_shown():
     lines = []
     sink = TerminalSink(lines.append, tty=False)
     sink(LogLine(1, "hello"))
-    sink(MetricsEvent({"epoch": 1, "epochs": 3, "loss": 0.25, "time": 1.0}))
+    sink(MetricsEvent({"epoch": 1, "epochs": 3, "loss": 0.25, "time": 1.0}))  # the rank prints its own line
+    sink(LogLine(0, "same everywhere", every_rank=True))
     sink.close()
-    assert lines == ["[rank 1] hello\n", "[metrics] epoch=1 epochs=3 loss=0.25\n"]
+    assert lines == ["[rank 1] hello\n", "[all ranks] same everywhere\n"]
 
 
 def test_on_a_terminal_epochs_drive_a_progress_bar_under_the_lines(capsys):
@@ -23,10 +24,9 @@ def test_on_a_terminal_epochs_drive_a_progress_bar_under_the_lines(capsys):
     sink.close()
     shown = capsys.readouterr().out
     assert "3/3" in shown and "loss=0.125" in shown and "epoch" in shown
-    sink(MetricsEvent({"step": 5, "loss": 0.1}))  # no epoch count: a plain line
-    assert lines[-1] == "[metrics] step=5 loss=0.1\n"
-    sink(MetricsEvent({"epoch": "3/10", "epochs": 10}))  # not a count: a plain line, never a crash
-    assert lines[-1] == "[metrics] epoch=3/10 epochs=10\n"
+    sink(MetricsEvent({"step": 5, "loss": 0.1}))  # no epoch count: no bar, no echo
+    sink(MetricsEvent({"epoch": "3/10", "epochs": 10}))  # not a count: ignored, never a crash
+    assert lines == ["[rank 0] between\n"]
 
 
 def test_progress_bars_of_ranks_are_thinned_and_kept_out_of_the_notebook(tmp_path):
