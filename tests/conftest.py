@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -198,3 +199,20 @@ def cli_run():
 def private_state_dir(tmp_path_factory, monkeypatch):
     """Live-run registry per test (children inherit it through the environment)."""
     monkeypatch.setenv("NBDDP_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temp_folders_left():
+    """The suite, like every run, leaves nothing in the system temp folder (kernel sockets, torchelastic)."""
+    import tempfile
+
+    def leftovers() -> set[Path]:
+        tmp = Path(tempfile.gettempdir())
+        return {*tmp.glob("nbddp-kernel-*"), *tmp.glob("torchelastic_*")}
+
+    before = leftovers()
+    yield
+    deadline = time.monotonic() + 10  # a run's last cleanup may be a moment behind its exit
+    while leftovers() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not leftovers() - before, f"the tests left temp folders: {sorted(leftovers() - before)}"

@@ -1,0 +1,134 @@
+"""A real JupyterLab driven by a real browser: Debian's chromium through Playwright.
+
+``JupyterLab`` starts ``jupyter lab`` on loopback (a free port, a random token, ``--allow-root``)
+in a folder of its own; ``Browser`` opens notebooks in headless chromium and does what a user
+does: Run All, the stop button, restart the kernel, save, reload. Browser downloads can't be
+reached here, so Playwright is pointed at ``/usr/bin/chromium`` (never ``playwright install``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests can't run here, or ``None``."""
+    if not os.path.exists(CHROMIUM):
+        return f"{CHROMIUM} is missing (apt-get install chromium)"
+    for module in ("playwright", "jupyterlab"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install -e '.[test]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.log = self.root.parent / "jupyterlab.log"
+        settings = self.root.parent / "lab-settings"
+        # No "get notified about Jupyter news?" toast over the notebook (nor a network call for it).
+        (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True, exist_ok=True)
+        (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+            '{"fetchNews": "false", "checkForUpdates": false}')
+        env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings),
+                   JUPYTERLAB_WORKSPACES_DIR=str(self.root.parent / "lab-workspaces"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--no-browser", "--ip=127.0.0.1",
+             f"--port={self.port}", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+             "--ServerApp.port_retries=0"],
+            stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.base}/api/status?token={self.token}", timeout=2).read()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"jupyter lab did not start:\n{self.log.read_text()[-3000:]}")
+                time.sleep(0.3)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, notebook: str) -> str:
+        """The notebook alone in a workspace of its own (a reload shows it as it was saved)."""
+        workspace = notebook.replace(".", "-")
+        return f"{self.base}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={self.token}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class Notebook:
+    """One notebook open in a JupyterLab page."""
+
+    def __init__(self, page, lab: JupyterLab, name: str) -> None:
+        self.page, self.lab, self.name = page, lab, name
+
+    def open(self) -> "Notebook":
+        self.page.goto(self.lab.url(self.name))
+        self.page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        self.wait_idle(60)
+        return self
+
+    def wait_idle(self, timeout: float) -> None:
+        self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
+
+    def command(self, name: str) -> None:
+        """Run a JupyterLab command from its toolbar button or menu entry (what a user clicks)."""
+        self.page.locator(f".jp-NotebookPanel-toolbar [data-command='{name}']").first.click()
+
+    def run_all(self) -> None:
+        self.page.locator(".jp-Notebook .jp-Cell").first.click()  # the notebook has the focus, as after a user's click
+        self.page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
+        self.page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()
+
+    def restart_kernel(self) -> None:
+        self.command("notebook:restart-kernel")
+        self.page.locator(".jp-Dialog-button.jp-mod-accept").click()
+
+    def save(self) -> None:
+        self.page.keyboard.press("Control+s")
+        self.page.wait_for_function(
+            "() => !document.querySelector('.jp-mod-current .jp-mod-dirty, .lm-TabBar-tab.jp-mod-current.jp-mod-dirty')",
+            timeout=30_000)
+
+    def output_text(self, cell: int) -> str:
+        return self.page.locator(".jp-Notebook .jp-Cell").nth(cell).locator(".jp-OutputArea").inner_text()
+
+
+def open_browser(playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def copy_notebook(source: Path, root: Path, name: str) -> str:
+    shutil.copy(source, root / name)
+    return name

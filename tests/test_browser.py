@@ -1,0 +1,201 @@
+"""``%%ddp_train`` in a real JupyterLab, in a real browser (headless chromium via Playwright).
+
+What a user sees: Run All, the live view while 2 gloo ranks train, the static copy it leaves, the
+notebook saved and reloaded, the stop button and a kernel restart mid-run. ``.ci/run`` installs
+chromium and sets NBDDP_REQUIRE_BROWSER=1, so these can't be skipped there. With
+NBDDP_SCREENSHOTS=DIR the run writes the README's screenshots into DIR.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import code, write_notebook
+from tests.lab_browser import JupyterLab, Notebook, browser_missing, open_browser
+
+pytestmark = pytest.mark.slow
+
+if browser_missing():
+    if os.environ.get("NBDDP_REQUIRE_BROWSER") == "1":
+        raise RuntimeError(f"NBDDP_REQUIRE_BROWSER=1 but {browser_missing()}")
+    pytest.skip(browser_missing(), allow_module_level=True)
+
+EPOCHS = 30
+SETUP = """#| ddp
+import time, torch, nbddp
+from torch import nn
+torch.manual_seed(0)
+model = nn.Linear(4, 1)
+X = torch.randn(64, 4)
+y = X.sum(1, keepdim=True)"""
+TRAIN = f"""%%ddp_train
+ddp = nbddp.prepare(model)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for epoch in range({EPOCHS}):
+    loss = nn.functional.mse_loss(ddp(X), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    nbddp.log(epoch=epoch + 1, epochs={EPOCHS}, loss=loss.item())
+    print(f"epoch {{epoch + 1}} loss {{loss.item():.4f}}")
+    time.sleep(0.4)"""
+EVALUATE = "print('kernel sees weight sum', round(float(model.weight.sum()), 3))"
+VIEW = ".nbddp-view"
+ALL_RANKS_PANE = ".nbddp-view .nbddp-pane"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lab") / "notebooks"
+    root.mkdir()
+    server = JupyterLab(root)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = open_browser(playwright)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def notebook(lab, browser, request):
+    name = f"{request.node.name.replace('test_', '')}.ipynb"
+    write_notebook(lab.root / name, [code("%load_ext nbddp"), code(SETUP), code(TRAIN), code(EVALUATE)])
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    yield Notebook(page, lab, name).open()
+    page.close()
+
+
+def run_dirs(root: Path, name: str) -> list[Path]:
+    return sorted((root / "runs").glob(f"{Path(name).stem}-*"))
+
+
+def processes_of(run_dir: Path) -> list[str]:
+    """Processes still running anything of this run (its ranks, torchrun)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            text = " ".join(proc.info["cmdline"] or []) + " " + str((proc.info["environ"] or {}).get("NBDDP_RUN_DIR", ""))
+        except (psutil.Error, TypeError):
+            continue
+        if str(run_dir) in text:
+            found.append(f"{proc.pid}: {text[:200]}")
+    return found
+
+
+def no_processes_left(run_dir: Path, within: float = 15.0) -> None:
+    deadline = time.monotonic() + within
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not processes_of(run_dir), processes_of(run_dir)
+
+
+def wait_for_both_ranks(page) -> None:
+    page.wait_for_function(
+        f"() => {{ const t = document.querySelector('{ALL_RANKS_PANE}')?.innerText || '';"
+        " return t.includes('[rank 0] epoch') && t.includes('[rank 1] epoch'); }", timeout=90_000)
+
+
+def progress(page) -> float:
+    """The bar's filled fraction, as drawn."""
+    return page.evaluate(f"""() => {{
+        const bar = document.querySelector('{VIEW} .progress-bar');
+        return bar.getBoundingClientRect().width / bar.parentElement.getBoundingClientRect().width; }}""")
+
+
+def plot_points(page) -> int:
+    return page.evaluate(f"() => document.querySelectorAll('{VIEW} svg.nbddp-plot circle').length")
+
+
+def screenshot(page, name: str) -> None:
+    folder = os.environ.get("NBDDP_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / name))
+
+
+def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(notebook, lab):
+    page = notebook.page
+    notebook.run_all()
+    page.wait_for_selector(VIEW, timeout=90_000)
+    wait_for_both_ranks(page)
+    page.wait_for_selector(f"{VIEW} svg.nbddp-plot", timeout=30_000)
+    pane = page.query_selector(ALL_RANKS_PANE)
+    first_chunk = page.query_selector(f"{ALL_RANKS_PANE} pre.nbddp-lines")
+    page.evaluate("(node) => window.getSelection().selectAllChildren(node)", first_chunk)  # a reader selects a line
+    selected = page.evaluate("() => window.getSelection().toString()")
+    before = (progress(page), plot_points(page))
+    time.sleep(3)
+    screenshot(page, "ddp_train_live.png")
+    after = (progress(page), plot_points(page))
+    assert after[0] > before[0] and after[1] > before[1], (before, after)  # progress and plot advance
+    assert page.evaluate(f"(n) => n === document.querySelector('{ALL_RANKS_PANE}')", pane)  # the same DOM node
+    assert first_chunk.evaluate("(n) => n.isConnected")  # old lines are never redrawn...
+    assert page.evaluate("() => window.getSelection().toString()") == selected != ""  # ...so a selection stays
+    status = page.inner_text(f"{VIEW} .nbddp-live")
+    epoch_shown = int(re.search(r"epoch (\d+)/30", status).group(1))
+    plotted = plot_points(page)
+    assert abs(plotted - epoch_shown) <= 1, (status, plotted)  # the plot keeps pace with the status line
+
+    page.wait_for_selector(".nbddp-snapshot", timeout=120_000)
+    notebook.wait_idle(60)
+    copy = page.inner_text(".nbddp-snapshot")
+    assert "succeeded in" in copy and "model loaded on the CPU" in copy and "run dir runs/" in copy, copy
+    assert "final metrics: loss=" in copy and "epoch=" not in copy
+    assert "[rank 1] epoch 30" in copy
+    assert "kernel sees weight sum" in notebook.output_text(3)
+    assert page.locator(f"{VIEW}").count() == 0
+    screenshot(page, "ddp_train_done.png")
+
+    notebook.save()
+    page.reload()
+    notebook.open()
+    assert page.locator(".nbddp-snapshot").count() == 1
+    assert page.locator(".nbddp-snapshot img[alt='metrics']").count() == 1
+    assert "Error displaying widget" not in page.inner_text(".jp-Notebook")
+    assert "succeeded in" in notebook.output_text(2)
+    [run_dir] = run_dirs(lab.root, notebook.name)
+    no_processes_left(run_dir)
+
+
+def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, lab):
+    page = notebook.page
+    notebook.run_all()
+    page.wait_for_selector(VIEW, timeout=90_000)
+    wait_for_both_ranks(page)
+    [run_dir] = run_dirs(lab.root, notebook.name)
+    started = time.monotonic()
+    notebook.command("notebook:interrupt-kernel")
+    error = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").first
+    error.wait_for(timeout=10_000)
+    assert time.monotonic() - started < 10
+    text = error.inner_text()
+    assert text.startswith("KeyboardInterrupt: the run was interrupted after") and str(run_dir) in text, text
+    assert len(text.strip().splitlines()) <= 2 and "magics.py" not in text and "ddp_train" not in text, text
+    assert "interrupted after" in page.inner_text(".nbddp-snapshot")
+    no_processes_left(run_dir)
+    screenshot(page, "ddp_train_interrupted.png")
+
+
+def test_kernel_restart_mid_run_says_so_and_leaves_nothing_running(notebook, lab):
+    page = notebook.page
+    notebook.run_all()
+    page.wait_for_selector(VIEW, timeout=90_000)
+    wait_for_both_ranks(page)
+    [run_dir] = run_dirs(lab.root, notebook.name)
+    notebook.restart_kernel()
+    page.locator(f"{VIEW} .nbddp-gone").wait_for(state="visible", timeout=30_000)
+    assert "the kernel restarted: this run was stopped" in page.inner_text(f"{VIEW} .nbddp-gone")
+    assert not page.locator(f"{VIEW} .nbddp-live").is_visible()
+    no_processes_left(run_dir, within=20)
+    notebook.wait_idle(60)
