@@ -152,7 +152,8 @@ def _run_other_node(options: RunOptions, spec: JobSpec, parameters: dict[str, An
     result = RunResult(status, code, spec.run_dir, RunDir(spec.run_dir).output, message, outcome=outcome)
     result.record = job.record(status, code, message, outcome, parameters, str(options.notebook),
                                overrides=launch.parameters, command=options.command)
-    line = f"nbddp: node {launch.nodes.rank}: {status} in {result.record.wall_time_s:.1f}s; run dir {spec.run_dir}"
+    ending = Ending(status, result.record.wall_time_s, spec.run_dir, "node 0 holds the weights")
+    line = f"nbddp: node {launch.nodes.rank}: {ending.line()}"
     say(f"nbddp: error: {message}\n{line}" if message else line)
     return result
 

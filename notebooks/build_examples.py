@@ -61,7 +61,7 @@ def torch_notebook():
             "        optimizer.step()\n"
             "        total, count = total + loss.item() * len(yb), count + len(yb)\n"
             "    nbddp.log(epoch=epoch + 1, loss=total / count)\n"
-            "    print(f\"rank {nbddp.rank()}/{nbddp.world_size()}: epoch {epoch + 1} loss {total / count:.4f}\")"
+            "    print(f\"epoch {epoch + 1} loss {total / count:.4f}\")"
         ),
         new_code_cell(EVALUATE),
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
@@ -132,7 +132,7 @@ def magic_notebook():
             "        optimizer.step()\n"
             "        total, count = total + loss.item() * len(yb), count + len(yb)\n"
             "    nbddp.log(epoch=epoch + 1, epochs=epochs, loss=total / count)\n"
-            "    print(f\"rank {nbddp.rank()}: epoch {epoch + 1} loss {total / count:.4f}\")"
+            "    print(f\"epoch {epoch + 1} loss {total / count:.4f}\")"
         ),
         new_code_cell(EVALUATE),
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -167,6 +169,14 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     [run_dir] = run_dirs(lab.root, notebook.name)
     no_processes_left(run_dir)
 
+    # nbviewer's rendering (nbconvert's HTML, no kernel, no widget state): the copy and its plot show.
+    html = lab.root / "exported.html"
+    subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--output", str(html),
+                    str(lab.root / notebook.name)], check=True, capture_output=True)
+    page.goto(html.as_uri())
+    assert "succeeded in" in page.inner_text(".nbddp-snapshot")
+    assert page.evaluate("() => document.querySelector('.nbddp-snapshot img').naturalWidth") > 0
+
 
 def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, lab):
     page = notebook.page
@@ -199,3 +209,27 @@ def test_kernel_restart_mid_run_says_so_and_leaves_nothing_running(notebook, lab
     assert not page.locator(f"{VIEW} .nbddp-live").is_visible()
     no_processes_left(run_dir, within=20)
     notebook.wait_idle(60)
+
+
+def test_a_notebook_executed_elsewhere_shows_its_copy_though_untrusted(lab, browser):
+    """Run by nbclient (as papermill does), then opened in JupyterLab: unsigned, so its HTML is sanitized."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    name = "executed_elsewhere.ipynb"
+    path = write_notebook(lab.root / name, [code("%load_ext nbddp"), code(SETUP),
+                                            code(TRAIN.replace(f"range({EPOCHS})", "range(3)").replace("0.4", "0")),
+                                            code(EVALUATE)])
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(lab.root)}}).execute()
+    nbformat.write(nb, path)
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        notebook = Notebook(page, lab, name).open()
+        copy = page.locator(".nbddp-snapshot")
+        copy.scroll_into_view_if_needed()
+        assert "succeeded in" in copy.inner_text() and "Error displaying widget" not in page.inner_text(".jp-Notebook")
+        page.wait_for_function("() => document.querySelector('.nbddp-snapshot img')?.naturalWidth > 0", timeout=10_000)
+        assert "kernel sees weight sum" in notebook.output_text(3)
+    finally:
+        page.close()

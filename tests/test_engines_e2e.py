@@ -56,7 +56,7 @@ def test_torch_script_runs_under_torchrun_on_two_processes(tmp_path):
     proc, out = run_in_own_group(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], tmp_path)
     assert proc.returncode == 0, out
-    assert "rank 0/2: epoch 4" in out and "rank 1/2: epoch 4" in out
+    assert out.count("epoch 4 loss") == 2, out  # once per rank
     returns, _ = load_returns(tmp_path / "train.weights.pt")
     assert not any(k.startswith("module.") for k in returns["model"])  # DDP wrapper stripped
     assert accuracy(returns["model"], tmp_path) > 0.9
