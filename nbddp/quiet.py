@@ -29,6 +29,7 @@ _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 _WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
 HOLD_SECONDS = 1.0
+WARNING_LINES = 8
 
 
 @dataclass
@@ -59,7 +60,8 @@ class _RankState:
     block_ended: bool = False
     last_seen: float = 0.0
     warning: list[str] | None = None
-    """A warning's lines, waiting for the source line Python prints under it."""
+    """A warning's lines (its message may span several), waiting for the source line Python prints under it."""
+    warning_since: float = 0.0
 
 
 class QuietStream:
@@ -94,11 +96,15 @@ class QuietStream:
         if prefix and int(prefix.group(1)) == rank:
             text = text[prefix.end():]
         if state.warning is not None:
-            if text.startswith((" ", "\t")) and len(state.warning) == 1:
+            if text.startswith((" ", "\t")):  # the source line Python prints under a warning ends it
                 state.warning.append(text)
                 self._end_warning(rank, state, now)
                 return
-            self._end_warning(rank, state, now)
+            if _WARNING.match(text) or text == _TRACEBACK or len(state.warning) >= WARNING_LINES:
+                self._end_warning(rank, state, now)
+            else:
+                state.warning.append(text)  # the message went on over several lines
+                return
         if state.block is not None:
             if not state.block_ended:
                 state.block.append(text)  # the exception's own line ends it (not indented, not a header)
@@ -112,7 +118,7 @@ class QuietStream:
         if text == _TRACEBACK:
             state.block, state.block_ended = [text], False
         elif _WARNING.match(text) and len(self.ranks) > 1:
-            state.warning = [text]
+            state.warning, state.warning_since = [text], now
         else:
             state.queue.append(LogLine(rank, text))
 
@@ -136,8 +142,8 @@ class QuietStream:
         key = tuple(state.warning or ())
         state.warning = None
         warning = self._warnings.get(key)
-        if warning is None or warning.shown or rank in warning.ranks or not warning.shared and now - warning.first_seen > self.hold:
-            warning = self._warnings[key] = _Warning(key, now)
+        if warning is None or warning.shown or rank in warning.ranks or now - warning.first_seen > self.hold:
+            warning = self._warnings[key] = _Warning(key, state.warning_since)
         warning.ranks.add(rank)
         warning.shared = warning.ranks >= self.ranks
         state.queue.append(warning)

@@ -69,6 +69,15 @@ def test_a_warning_every_rank_prints_is_shown_once_in_order():
     assert sorted(out[4:]) == [(0, "go 0", False), (1, "go 1", False)]
 
 
+def test_a_warning_whose_message_spans_lines_is_one_warning():
+    quiet = QuietStream(SOURCE_MAP, [0, 1])
+    warning = ["/site/catalyst/metric.py:86: UserWarning: Converting a tensor with requires_grad=True to a scalar",
+               "Consider using tensor.detach() first. (Triggered internally at python_variable_methods.cpp:822.)",
+               "  self.additive_metric.update(float(value), batch_size)"]
+    out = shown(quiet.feed([LogLine(r, t) for r in (0, 1) for t in warning], now=0.0))
+    assert out == [(0, t, True) for t in warning]
+
+
 def test_a_warning_only_one_rank_prints_is_shown_as_its_own_after_the_hold():
     quiet = QuietStream(SOURCE_MAP, [0, 1], hold=1.0)
     warning = f"{SCRIPT}:13: UserWarning: only me"
