@@ -155,15 +155,18 @@ def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_pa
 
     thread = threading.Thread(target=execute, daemon=True)
     thread.start()
-    assert pending.wait(240)
-    assert "loaded the trained model" in "".join(o.get("text", "") for o in nb.cells[2].outputs)
-    assert "kernel sees weight sum" in "".join(o.get("text", "") for o in nb.cells[3].outputs)
-    deadline = time.monotonic() + 60
-    while not slurm_env.queue() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    time.sleep(2)  # pending in the queue, with the kernel waiting for it
-    run_sync(client.km.interrupt_kernel)()
-    thread.join(150)
+    try:
+        assert pending.wait(240)
+        trained = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in nb.cells[2].outputs)
+        assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
+        assert "kernel sees weight sum" in "".join(o.get("text", "") for o in nb.cells[3].outputs)
+        deadline = time.monotonic() + 60
+        while not slurm_env.queue() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # pending in the queue, with the kernel waiting for it
+    finally:
+        run_sync(client.km.interrupt_kernel)()  # whatever failed above, the pending job must go
+        thread.join(150)
     assert errors and errors[0].ename == "KeyboardInterrupt"
     assert slurm_env.queue() == []
     first, second = sorted((tmp_path / "runs").iterdir())
