@@ -131,12 +131,14 @@ def _kernel_value(name: str, namespace: dict[str, Any]) -> Any:
 def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOptions, namespace: dict[str, Any],
                  sinks: Sequence[Sink], cwd: Path | None = None, say=print, command: str = "",
                  on_start: Callable[[Path, range], Any] | None = None,
-                 heartbeat: Callable[[], Any] | None = None) -> CellJobResult:
+                 heartbeat: Callable[[], Any] | None = None, warm: bool = False,
+                 warm_idle: float = 600.0) -> CellJobResult:
     """Launch the job, stream it to ``sinks``, load the returned weights into ``namespace``.
 
     ``on_start(run_dir, ranks)`` is called once the ranks are starting (a view appears then);
     ``heartbeat`` on every poll while they run: whatever it raises stops the job (a
-    ``KeyboardInterrupt`` is recorded as an interruption).
+    ``KeyboardInterrupt`` is recorded as an interruption). ``warm``: run on the kernel's warm ranks
+    (:mod:`nbddp.warm_pool`), started on first use, kept while runs succeed.
 
     Raises:
         DeviceError: before anything starts.
@@ -152,8 +154,17 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     for note in topology_notes(options):
         say(note.replace("nbddp: ", "[nbddp] ", 1))
     cwd = Path(cwd or os.getcwd())
+    pool = None
+    if warm:
+        from nbddp import warm_pool
+
+        pool, note = warm_pool.acquire(devices, script.engine, cwd, options.collective_timeout,
+                                       multi_node=options.nodes is not None or options.slurm is not None,
+                                       restarts=options.max_restarts, idle=warm_idle)
+        if note:
+            say(f"[nbddp] {note}")
     stem = Path(os.environ.get("JPY_SESSION_NAME") or "ddp_train").stem  # set by jupyter-server; never read
-    spec = job_spec(script, options, devices, cwd / f"{stem}.ipynb", cwd, owner="kernel")
+    spec = job_spec(script, options, devices, cwd / f"{stem}.ipynb", cwd, owner="kernel", pool=pool)
     deadline = deadline_of(options)
     overrides = {k: v for k, v in parameters.items() if k in options.parameters}
 
@@ -166,12 +177,15 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
                 on_start(job.run_dir, job.local_ranks())
             outcome = job.wait(sinks, deadline, options.idle_timeout, heartbeat)  # stops every rank first
         except KeyboardInterrupt:  # the kernel's stop button
+            _retire(pool, "the last run was interrupted")
             record(job, Status.INTERRUPTED, 130, "interrupted", job.outcome(interrupted_by=signal.SIGINT))
             raise
         except Exception as exc:
+            _retire(pool, "the last run failed")
             record(job, Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None)
             raise
     if outcome.status != Status.SUCCEEDED:
+        _retire(pool, "the last run timed out" if outcome.status == Status.TIMEOUT else f"the last run {outcome.status}")
         record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
         raise run_error(outcome, job.paths)
     if options.nodes is not None and options.nodes.rank != 0:  # node 0's kernel gets the weights
@@ -181,3 +195,11 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     loaded = load_into(namespace, states)
     return CellJobResult(Status.SUCCEEDED, job.run_dir, record(job, Status.SUCCEEDED, 0, "", outcome), loaded, note)
 
+
+
+def _retire(pool: Any, reason: str) -> None:
+    """A run on warm ranks that didn't succeed: their state is suspect, the next run starts fresh ones."""
+    if pool is not None:
+        from nbddp import warm_pool
+
+        warm_pool.retire(reason)

@@ -81,6 +81,8 @@ class JobSpec:
     slurm: SlurmRequest | None = None
     """The Slurm job the ranks run as (``None``: here)."""
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    pool: Any = None
+    """Warm ranks (:class:`nbddp.warm_pool.WarmPool`) to run on instead of starting a launcher."""
 
     @property
     def node_count(self) -> int:
@@ -92,12 +94,12 @@ class JobSpec:
 
 
 def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: Path, cwd: Path,
-             owner: str = "cli") -> JobSpec:
+             owner: str = "cli", pool: Any = None) -> JobSpec:
     """The one way a front door turns its options into a job: its run dir created, its limits carried over."""
     run_dir = create_run_dir(notebook, launch.run_dir)
     return JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout, owner=owner,
                    max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
-                   rdzv_timeout=launch.rdzv_timeout)
+                   rdzv_timeout=launch.rdzv_timeout, pool=pool)
 
 
 def deadline_of(launch: LaunchOptions) -> float | None:
@@ -126,6 +128,8 @@ class Job:
     @classmethod
     def start(cls, spec: JobSpec) -> "Job":
         """Write the script, start the launcher, register the run: all of it, or nothing left running."""
+        if spec.pool is not None:
+            return cls._start_warm(spec)
         launcher = launcher_for(spec.script.engine, spec.nodes, spec.slurm, spec.rdzv_timeout)
         if spec.max_restarts and not launcher.supports_restarts:
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
@@ -139,6 +143,23 @@ class Job:
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
             return cls(spec, launcher, launch, live)
+        except BaseException:
+            launch.stop()
+            raise
+
+    @classmethod
+    def _start_warm(cls, spec: JobSpec) -> "Job":
+        """Hand the job to the warm ranks of ``spec.pool`` (see :mod:`nbddp.warm_pool`)."""
+        from nbddp.launchers.warm import WarmRanks
+
+        paths = RunDir(spec.run_dir)
+        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
+        paths.logs.mkdir(exist_ok=True)
+        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights, spec.collective_timeout).to_environ({})
+        launch = spec.pool.submit(script_path, env, spec.cwd)
+        try:
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
+            return cls(spec, WarmRanks(), launch, live)
         except BaseException:
             launch.stop()
             raise

@@ -72,3 +72,23 @@ def _wait_gone(pgids: list[int], seconds: float, reap: Callable[[], None]) -> bo
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
+
+
+def owned_temp_dir(prefix: str) -> str:
+    """A private temp folder named after this process (``PREFIX<pid>-XXXX``).
+
+    Its owner removes it when done; one killed outright (SIGKILL) can't, so this first removes the
+    folders of the same prefix whose owning process no longer exists.
+    """
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    for stale in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+        try:
+            pid = int(stale.name[len(prefix):].split("-", 1)[0])
+            if stale.stat().st_uid == os.getuid() and not process_alive(pid):
+                shutil.rmtree(stale, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")

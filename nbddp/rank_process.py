@@ -42,17 +42,9 @@ def become_rank(global_rank: int, size: int) -> None:
     """Per-rank plumbing shared by both engines: die with the parent, log to files, leave the group safely."""
     _die_with_parent()
     guard_destroy()
-    directory = run_dir()
-    if directory is None:
+    if not log_to_run_dir(global_rank):
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
         return
-    directory.logs.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
     previous_hook = sys.excepthook
 
     def record(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
@@ -60,10 +52,34 @@ def become_rank(global_rank: int, size: int) -> None:
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record
+    announce(global_rank, size)
+
+
+def log_to_run_dir(global_rank: int) -> bool:
+    """Send this process's stdout and stderr (the file descriptors: C code too) to ``logs/rank-N.log``.
+
+    ``False`` without a run dir (``python train.py``), where output stays where it was.
+    """
+    directory = run_dir()
+    if directory is None:
+        return False
+    directory.logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
+
+
+def announce(global_rank: int, size: int, note: str = "") -> None:
+    """``ranks/rank-N.json`` (pid, host, world size, attempt) and the "started" line: the rank is running."""
+    directory = run_dir()
     directory.ranks.mkdir(exist_ok=True)
     directory.rank_info(global_rank).write_text(json.dumps(
         {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()}))
-    print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+    print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()}){note}", flush=True)
 
 
 def mark_done(global_rank: int) -> None:
@@ -198,7 +214,13 @@ def leave_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     _final_barrier()
-    _TORCH_DESTROY()
+    if not warm():  # a warm rank keeps its group for the next job (see nbddp.warm_rank)
+        _TORCH_DESTROY()
+
+
+def warm() -> bool:
+    """True in a warm rank, which runs job after job in one process group."""
+    return os.environ.get("NBDDP_WARM") == "1"
 
 
 #: torch's own ``destroy_process_group``, before :func:`guard_destroy` wraps it.
@@ -227,6 +249,8 @@ def guard_destroy() -> None:
     def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's signature
         if dist.is_initialized() and (group is None or group is c10d.GroupMember.WORLD):
             _final_barrier()
+            if warm():
+                return None  # the warm rank's group outlives the job
         return _TORCH_DESTROY(group)
 
     destroy_process_group.__doc__ = _TORCH_DESTROY.__doc__

@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from nbddp.outcome import Status, run_error
 from nbddp.options import LaunchOptions
 from nbddp.parameter_cell import declared_parameters, effective_parameters
 from nbddp.parameters import assignments
-from nbddp.procs import process_alive
+from nbddp.procs import owned_temp_dir
 from nbddp.report import RunRecord
 from nbddp.rundir import RunDir
 from nbddp.script import ExportOptions, generate
@@ -291,19 +290,8 @@ SOCKETS_PREFIX = "nbddp-kernel-"
 
 
 def kernel_socket_dir() -> str:
-    """A private temp folder for the kernel's sockets, named after this process.
-
-    A run removes its own when it ends; one killed outright (SIGKILL) can't, so each run first
-    removes those left by ``nbddp`` processes that no longer exist.
-    """
-    for stale in Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}*-*"):
-        try:
-            pid = int(stale.name[len(SOCKETS_PREFIX):].split("-", 1)[0])
-            if stale.stat().st_uid == os.getuid() and not process_alive(pid):
-                shutil.rmtree(stale, ignore_errors=True)
-        except (ValueError, OSError):
-            continue
-    return tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
+    """A private temp folder for the kernel's sockets (a run removes its own; the next removes a killed one's)."""
+    return owned_temp_dir(SOCKETS_PREFIX)
 
 
 def _lower_priority() -> None:

@@ -208,7 +208,7 @@ def no_temp_folders_left():
 
     def leftovers() -> set[Path]:
         tmp = Path(tempfile.gettempdir())
-        return {*tmp.glob("nbddp-kernel-*"), *tmp.glob("torchelastic_*")}
+        return {*tmp.glob("nbddp-kernel-*"), *tmp.glob("nbddp-warm-*"), *tmp.glob("torchelastic_*")}
 
     before = leftovers()
     yield

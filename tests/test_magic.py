@@ -202,10 +202,18 @@ class ProtocolKernel:
         self.kc.wait_for_ready(timeout=60)
 
     def execute(self, code, cell_id=None):
+        self.start_execute(code, cell_id)
+        return self.finish_execute()
+
+    def start_execute(self, code, cell_id=None):
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": True}
-        msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id} if cell_id else {})
-        self.kc.shell_channel.send(msg)
+        self.msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id} if cell_id else {})
+        self.kc.shell_channel.send(self.msg)
+
+    def finish_execute(self):
+        """Everything the cell printed, displayed (its final text copy) or raised, once it is done."""
+        msg = self.msg
         text, displays = [], {}
         while True:
             reply = self.kc.get_iopub_msg(timeout=120)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from nbddp.cell_job import CellHistory, build_script, run_cell_job
 from nbddp.compat import apply_catalyst_shims
 from nbddp.ending import NO_WEIGHTS, Ending, first_line
@@ -25,10 +25,23 @@ def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="%%ddp_train", description="Train the cell with DDP; the weights come back here.")
     add_launch_arguments(parser)
     parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start fresh ranks for this run instead of the kernel's warm ones (%%ddp_ranks shows them)")
     return parser
 
 
 _PARSER = _parser()
+
+
+def _ranks_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show, stop or restart them.")
+    parser.add_argument("action", nargs="?", choices=("show", "stop", "restart"), default="show")
+    parser.add_argument("--idle", type=float, metavar="SECONDS",
+                        help="idle ranks exit after this long without a run (default 600)")
+    return parser
+
+
+_RANKS_PARSER = _ranks_parser()
 
 
 @magics_class
@@ -36,6 +49,7 @@ class DdpMagics(Magics):
     def __init__(self, shell) -> None:  # noqa: ANN001
         super().__init__(shell)
         self.history = CellHistory()
+        self.warm_idle = 600.0
         shell.events.register("pre_run_cell", self._record)
 
     def _record(self, info) -> None:  # noqa: ANN001 - IPython's ExecutionInfo
@@ -47,6 +61,25 @@ class DdpMagics(Magics):
             except Exception:  # noqa: BLE001 - a front end's odd metadata must never break a cell
                 tags = ()
         self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, self.shell.execution_count)
+
+    @line_magic
+    def ddp_ranks(self, line: str):
+        """Show (``%ddp_ranks``), ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets
+        how long idle ranks wait for the next ``%%ddp_train`` before exiting (default 600)."""
+        from nbddp import warm_pool
+
+        args = parse_line(_RANKS_PARSER, line)
+        if args is None:
+            return None
+        if args.idle is not None:
+            self.warm_idle = args.idle
+        if args.action in ("stop", "restart"):
+            stopped = warm_pool.stop_current()
+            print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
+                  + ("; the next %%ddp_train starts fresh ones" if args.action == "restart" else ""))
+            return None
+        print(f"[nbddp] {warm_pool.describe()}")
+        return None
 
     @cell_magic
     def ddp_train(self, line: str, cell: str):
@@ -63,9 +96,9 @@ class DdpMagics(Magics):
         if args.dry_run:
             print(script.text)
             return None
-        return self._train(script, parameters, options, f"%%ddp_train {line}".strip())
+        return self._train(script, parameters, options, f"%%ddp_train {line}".strip(), warm=not args.fresh)
 
-    def _train(self, script, parameters, options, command: str) -> None:  # noqa: ANN001
+    def _train(self, script, parameters, options, command: str, warm: bool) -> None:  # noqa: ANN001
         """Run the job with its live view; end with one line, or an error without nbddp's frames."""
         from nbddp.jupyter.view import make_view
 
@@ -89,13 +122,18 @@ class DdpMagics(Magics):
                 raise KeyboardInterrupt("the kernel is shutting down")
 
         def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
-            if view is not None:
-                metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
-                view.close(Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics))
+            if view is None:
+                return
+            metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
+            ending = Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics)
+            try:
+                view.close(ending)
+            except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
+                print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
 
         try:
             result = run_cell_job(script, parameters, options, self.shell.user_ns, [sink], command=command,
-                                  on_start=on_start, heartbeat=heartbeat)
+                                  on_start=on_start, heartbeat=heartbeat, warm=warm, warm_idle=self.warm_idle)
         except KeyboardInterrupt:
             shutting_down = getattr(self.shell, "exit_now", False)
             end(Status.INTERRUPTED, "the kernel is restarting or shutting down" if shutting_down
