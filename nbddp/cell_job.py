@@ -177,16 +177,16 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
                 on_start(job.run_dir, job.local_ranks())
             outcome = job.wait(sinks, deadline, options.idle_timeout, heartbeat)  # stops every rank first
         except KeyboardInterrupt:  # the kernel's stop button
-            _retire(pool, "the last run was interrupted")
             record(job, Status.INTERRUPTED, 130, "interrupted", job.outcome(interrupted_by=signal.SIGINT))
+            _retire(pool, "the last run was interrupted")
             raise
         except Exception as exc:
-            _retire(pool, "the last run failed")
             record(job, Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None)
+            _retire(pool, "the last run failed")
             raise
     if outcome.status != Status.SUCCEEDED:
-        _retire(pool, "the last run timed out" if outcome.status == Status.TIMEOUT else f"the last run {outcome.status}")
         record(job, outcome.status, outcome.exit_code, outcome.message, outcome)
+        _retire(pool, "the last run timed out" if outcome.status == Status.TIMEOUT else f"the last run {outcome.status}")
         raise run_error(outcome, job.paths)
     if options.nodes is not None and options.nodes.rank != 0:  # node 0's kernel gets the weights
         record_ = record(job, Status.SUCCEEDED, 0, "", outcome)

@@ -159,7 +159,7 @@ class Job:
         launch = spec.pool.submit(script_path, env, spec.cwd)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
-            return cls(spec, WarmRanks(), launch, live)
+            return cls(spec, WarmRanks(spec.pool.folder), launch, live)
         except BaseException:
             launch.stop()
             raise

@@ -100,9 +100,16 @@ class WarmPool:
         """Running and able to take a job: torchrun and every rank that started still there."""
         if self.stopped or self.launch.poll() is not None:
             return False
-        ready = self.folder / "ready"
-        pids = [int(p.read_text()) for p in ready.glob("rank-*")] if ready.is_dir() else []
-        return all(process_alive(pid) for pid in pids)
+        return all(process_alive(pid) for pid in self._rank_pids())
+
+    def _rank_pids(self) -> list[int]:
+        pids = []
+        for path in (self.folder / "ready").glob("rank-*"):
+            try:
+                pids.append(int(path.read_text()))
+            except (OSError, ValueError):  # being written
+                continue
+        return pids
 
     def ready(self) -> bool:
         return len(list((self.folder / "ready").glob("rank-*"))) == self.devices.nproc \
@@ -115,6 +122,7 @@ class WarmPool:
         """Hand the ranks their next job; the returned handle stands in for a launcher process."""
         number = self.runs
         self.runs += 1
+        self.last_used = time.monotonic()
         (self.folder / "jobs").mkdir(exist_ok=True)
         job = {"script": str(script), "cwd": str(cwd),
                "env": {k: v for k, v in env.items() if k.startswith("NBDDP_")}}
@@ -134,13 +142,15 @@ class WarmPool:
                 changed.append(Path(path).name)
         return changed
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every rank and torchrun; forget the pool's folder. Safe to call again."""
-        if self.stopped:
-            return
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every rank and torchrun (their reports stay readable until :meth:`stop`). Safe to call again."""
         self.stopped = True
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop(sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every rank and torchrun, and remove the pool's folder."""
+        self.terminate(sig)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -173,6 +183,7 @@ class WarmRun:
             self._code = 1  # the others may wait in a collective for it: the pool is torn down
         elif all(s == "ok" for s in statuses):
             self._code = 0
+            self.pool.last_used = time.monotonic()
         elif self.pool.launch.poll() is not None:
             self._code = self.pool.launch.poll() or 1
         return self._code
@@ -180,7 +191,7 @@ class WarmRun:
     def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        self.pool.stop(sig)
+        self.pool.terminate(sig)  # the folder stays until the run is judged (warm_pool.retire)
         if self._code is None:
             self._code = -sig
 

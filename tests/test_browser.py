@@ -8,6 +8,7 @@ NBDDP_SCREENSHOTS=DIR the run writes the README's screenshots into DIR.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -82,24 +83,40 @@ def run_dirs(root: Path, name: str) -> list[Path]:
     return sorted((root / "runs").glob(f"{Path(name).stem}-*"))
 
 
-def processes_of(run_dir: Path) -> list[str]:
-    """Processes still running anything of this run (its ranks, torchrun)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            text = " ".join(proc.info["cmdline"] or []) + " " + str((proc.info["environ"] or {}).get("NBDDP_RUN_DIR", ""))
-        except (psutil.Error, TypeError):
-            continue
-        if str(run_dir) in text:
-            found.append(f"{proc.pid}: {text[:200]}")
-    return found
+def run_processes(run_dir: Path) -> set[int]:
+    """The run's ranks and their launcher (torchrun and its guard), while they run.
+
+    Warm ranks are started once per kernel: their command lines and environments don't name the
+    run, so they are found from the pids the ranks recorded, then up to the kernel that started them.
+    """
+    pids = set()
+    for info in (run_dir / "ranks").glob("rank-*.json"):
+        proc = psutil.Process(json.loads(info.read_text())["pid"])
+        while proc is not None and "ipykernel" not in " ".join(proc.cmdline()):
+            pids.add(proc.pid)
+            proc = proc.parent()
+    return pids
 
 
-def no_processes_left(run_dir: Path, within: float = 15.0) -> None:
+def no_processes_left(pids: set[int], within: float = 15.0) -> None:
+    def running() -> set[int]:
+        return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+
     deadline = time.monotonic() + within
-    while processes_of(run_dir) and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.3)
-    assert not processes_of(run_dir), processes_of(run_dir)
+    assert not running(), running()
+
+
+def start_training(notebook, lab) -> tuple[Path, set[int]]:
+    """Run All; once both ranks print: the run dir and the run's processes."""
+    notebook.run_all()
+    notebook.page.wait_for_selector(VIEW, timeout=90_000)
+    wait_for_both_ranks(notebook.page)
+    [run_dir] = run_dirs(lab.root, notebook.name)
+    pids = run_processes(run_dir)
+    assert len(pids) >= 3, pids  # two ranks and their launcher
+    return run_dir, pids
 
 
 def wait_for_both_ranks(page) -> None:
@@ -166,8 +183,6 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     assert page.locator(".nbddp-snapshot img[alt='metrics']").count() == 1
     assert "Error displaying widget" not in page.inner_text(".jp-Notebook")
     assert "succeeded in" in notebook.output_text(2)
-    [run_dir] = run_dirs(lab.root, notebook.name)
-    no_processes_left(run_dir)
 
     # nbviewer's rendering (nbconvert's HTML, no kernel, no widget state): the copy and its plot show.
     html = lab.root / "exported.html"
@@ -180,10 +195,7 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
 
 def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, lab):
     page = notebook.page
-    notebook.run_all()
-    page.wait_for_selector(VIEW, timeout=90_000)
-    wait_for_both_ranks(page)
-    [run_dir] = run_dirs(lab.root, notebook.name)
+    run_dir, pids = start_training(notebook, lab)
     started = time.monotonic()
     notebook.command("notebook:interrupt-kernel")
     error = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").first
@@ -193,21 +205,18 @@ def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, la
     assert text.startswith("KeyboardInterrupt: the run was interrupted after") and str(run_dir) in text, text
     assert len(text.strip().splitlines()) <= 2 and "magics.py" not in text and "ddp_train" not in text, text
     assert "interrupted after" in page.inner_text(".nbddp-snapshot")
-    no_processes_left(run_dir)
+    no_processes_left(pids)
     screenshot(page, "ddp_train_interrupted.png")
 
 
 def test_kernel_restart_mid_run_says_so_and_leaves_nothing_running(notebook, lab):
     page = notebook.page
-    notebook.run_all()
-    page.wait_for_selector(VIEW, timeout=90_000)
-    wait_for_both_ranks(page)
-    [run_dir] = run_dirs(lab.root, notebook.name)
+    _, pids = start_training(notebook, lab)
     notebook.restart_kernel()
     page.locator(f"{VIEW} .nbddp-gone").wait_for(state="visible", timeout=30_000)
     assert "the kernel restarted: this run was stopped" in page.inner_text(f"{VIEW} .nbddp-gone")
     assert not page.locator(f"{VIEW} .nbddp-live").is_visible()
-    no_processes_left(run_dir, within=20)
+    no_processes_left(pids, within=20)
     notebook.wait_idle(60)
 
 

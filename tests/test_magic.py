@@ -232,7 +232,7 @@ class ProtocolKernel:
 
     def close(self):
         self.kc.stop_channels()
-        self.km.shutdown_kernel(now=True)
+        self.km.shutdown_kernel(now=False)  # as a front end does: the kernel exits normally (atexit runs)
 
 
 def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):

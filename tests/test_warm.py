@@ -7,8 +7,11 @@ Real kernels (raw execute requests, as JupyterLab sends them), real torchrun, 2 
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -133,8 +136,37 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
 
     kernel.execute("%ddp_ranks --idle 600")
     running = pids(train(kernel))
+    kernel_pid = int(kernel.execute("import os; print(os.getpid())").strip())
     kernel.km.restart_kernel(now=True)  # SIGKILL: the kernel gets no chance to stop them
     deadline = time.monotonic() + 15
     while any(alive(p) for p in running.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in running.values()), "warm ranks outlived their kernel"
+    # The killed kernel couldn't remove its pool's folder; the next pool anywhere removes it.
+    from nbddp.procs import owned_temp_dir
+    from nbddp.warm_pool import FOLDER_PREFIX
+
+    [left] = Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*")
+    os.rmdir(owned_temp_dir(FOLDER_PREFIX))
+    assert not left.exists()
+
+
+def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so():
+    from pathlib import Path
+
+    from nbddp import warm_pool
+    from nbddp.devices import Devices
+
+    cpu = Devices("cpu", 2)
+    for kwargs, said in [({"engine": "catalyst"}, "torch engine only"), ({"multi_node": True}, "one machine"),
+                         ({"restarts": 1}, "--max-restarts")]:
+        engine = kwargs.pop("engine", "torch")
+        pool, note = warm_pool.acquire(cpu, engine, Path.cwd(), None, **kwargs)
+        assert pool is None and said in note and "starting fresh" in note
+
+
+def test_a_warm_rank_killed_mid_run_is_named_and_the_next_run_is_fresh(kernel):
+    out = train(kernel, extra="if nbddp.rank() == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(30)\n")
+    assert "rank 1 died: killed by SIGKILL" in out, out
+    again = train(kernel)
+    assert "starting fresh warm ranks: the last run failed" in again and "[rank 1] trained 1" in again

@@ -1,0 +1,21 @@
+"""The benchmark suite's harness, in its quick mode (CI checks that it runs and reports every figure,
+not the timings: those are in BENCHMARKS.md, from a full run)."""
+
+import pytest
+
+from benchmarks.suite import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):
+    out = tmp_path / "BENCHMARKS.md"
+    assert main(["--quick", "--out", str(out)]) == 0
+    text = out.read_text()
+    for section in ("## 1. Start", "## 2. Training throughput", "## 3. Log streaming", "## 4. Returning the model",
+                    "## 5. The light paths"):
+        assert section in text, text
+    for case in ("torchrun by hand", "nbddp run", "%%ddp_train --fresh", "warm, 2nd run", "warm, 10th run",
+                 "import nbddp", "nbddp export (200 cells)"):
+        assert f"| {case} |" in text, text
+    assert "n/a" not in text and "| 0 |" in text  # every case measured; no streamed line lost
