@@ -196,7 +196,6 @@ def run_cell_job(script: Script, parameters: dict[str, Any], options: LaunchOpti
     return CellJobResult(Status.SUCCEEDED, job.run_dir, record(job, Status.SUCCEEDED, 0, "", outcome), loaded, note)
 
 
-
 def _retire(pool: Any, reason: str) -> None:
     """A run on warm ranks that didn't succeed: their state is suspect, the next run starts fresh ones."""
     if pool is not None:

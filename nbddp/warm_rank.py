@@ -73,6 +73,7 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
     saved = dict(os.environ)
     os.environ.update(job["env"])
     before = set(sys.modules)
+    torch_settings = _torch_settings()
     status = "ok"
     try:
         rank_process.log_to_run_dir(rank)
@@ -88,10 +89,30 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        _restore_torch_settings(torch_settings)
         modules = _forget_local_modules(before, Path(job["cwd"]))
         gc.collect()
         _release_device_memory()
     return status, modules
+
+
+def _torch_settings() -> dict:
+    """torch's process-wide settings a job may change (a fresh rank would start from the defaults)."""
+    import torch
+
+    return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+            "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark}
+
+
+def _restore_torch_settings(settings: dict) -> None:
+    import torch
+
+    torch.set_default_dtype(settings["dtype"])
+    torch.set_num_threads(settings["threads"])
+    torch.set_grad_enabled(settings["grad"])
+    torch.use_deterministic_algorithms(settings["deterministic"])
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
 
 
 def _forget_local_modules(before: set[str], folder: Path) -> dict[str, float]:

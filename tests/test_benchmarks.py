@@ -15,7 +15,7 @@ def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):
     for section in ("## 1. Start", "## 2. Training throughput", "## 3. Log streaming", "## 4. Returning the model",
                     "## 5. The light paths"):
         assert section in text, text
-    for case in ("torchrun by hand", "nbddp run", "%%ddp_train --fresh", "warm, 2nd run", "warm, 10th run",
+    for case in ("torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run",
                  "import nbddp", "nbddp export (200 cells)"):
         assert f"| {case} |" in text, text
     assert "n/a" not in text and "| 0 |" in text  # every case measured; no streamed line lost

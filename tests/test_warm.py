@@ -73,6 +73,8 @@ def test_a_warm_rerun_gives_a_fresh_runs_weights_in_a_fraction_of_its_time(kerne
     assert not set(pids(fresh).values()) & set(started.values()) and "on a warm rank" not in fresh
     assert weight(kernel) == fresh_weights
 
+    train(kernel, extra="torch.set_default_dtype(torch.float64)\n")  # a job changing torch's process-wide state...
+    assert "float32" in train(kernel, extra="print('dtype', torch.get_default_dtype())\n")  # ...doesn't leak
     kernel.execute(SETUP.replace("torch.manual_seed(0)", "torch.manual_seed(1)"), "setup")  # an edited ddp cell
     edited = train(kernel)
     assert pids(edited) == started and weight(kernel) != fresh_weights
