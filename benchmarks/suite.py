@@ -94,12 +94,26 @@ def steps_per_s(text: str) -> float | None:
 # ---------------------------------------------------------------- 1 and 2: starting and training
 
 
+#: Hand-written runs that died at their end with "terminate called without an active exception": the
+#: gloo teardown race (a barrier's work freed by a gloo thread at interpreter exit) nbddp guards against.
+TEARDOWN_CRASHES: list[str] = []
+
+
 def run_process(argv: list[str], cwd: Path) -> tuple[float, float | None, str]:
-    """(seconds to end, seconds to the first step, output) of a command."""
-    start = time.time()
-    done = subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True)
-    end = time.time()
-    out = done.stdout + done.stderr
+    """(seconds to end, seconds to the first step, output) of a command.
+
+    A hand-written run that crashes in the gloo teardown race after training is counted and run
+    again: the race is the script's, and the comparison is about speed.
+    """
+    for _ in range(3):
+        start = time.time()
+        done = subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True)
+        end = time.time()
+        out = done.stdout + done.stderr
+        if done.returncode and "terminate called without an active exception" in out and "nbddp" not in argv[2]:
+            TEARDOWN_CRASHES.append(" ".join(argv[-1:]))
+            continue
+        break
     if done.returncode:
         raise SystemExit(f"{' '.join(argv)} failed:\n{out[-3000:]}")
     first = first_step(out + "".join(p.read_text() for p in cwd.glob("runs/*/logs/rank-*.log")))
@@ -331,7 +345,7 @@ def report(args: argparse.Namespace, figures: dict) -> str:
     lines += ["", "The torchrun and `nbddp run` times start at the command; the `%%ddp_train` times at the cell's "
               "execute request (its kernel already running, as in a notebook). `nbddp run` includes its kernel "
               "(setup and other cells) beside the job.", "",
-              f"## 2. Training throughput ({args.long_steps} steps per job, {1 if args.quick else 3} rounds)", "",
+              f"## 2. Training throughput ({args.long_steps} steps per job, {1 if args.quick else 2} rounds)", "",
               "| case | steps/s |", "|---|---|",
               f"| torchrun by hand | {summary(rates['torchrun by hand'], 'steps/s', 1)} |",
               f"| nbddp run | {summary(rates['nbddp run'], 'steps/s', 1)} |", "",
@@ -353,6 +367,11 @@ def report(args: argparse.Namespace, figures: dict) -> str:
               "the model's size in bytes (the model itself already exists before loading).", "",
               f"## 5. The light paths ({args.rounds} rounds)", "", "| case | time |", "|---|---|"]
     lines += [f"| {case} | {summary(values, 's', 3)} |" for case, values in light.items()]
+    if TEARDOWN_CRASHES:
+        lines += ["", f"The hand-written script crashed {len(TEARDOWN_CRASHES)} time(s) after training with "
+                  "\"terminate called without an active exception\" (SIGABRT): gloo's teardown race at "
+                  "`destroy_process_group`, which nbddp's ranks guard against (docs/reliability.md). Those runs were "
+                  "repeated; their times are not in the figures."]
     return "\n".join(lines) + "\n"
 
 
@@ -362,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    args.rounds = 1 if args.quick else 5
+    args.rounds = 1 if args.quick else 3
     args.steps = 5 if args.quick else 20
     args.long_steps = 300 if args.quick else 8000  # ~2 s and ~60 s at this machine's ~140 steps/s
     work = Path(tempfile.mkdtemp(prefix="nbddp-bench-"))
@@ -371,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = {
             "light": light_paths(work, args.rounds),
             "startup": startup(work, args.rounds, args.steps),
-            "throughput": throughput(work, 1 if args.quick else 3, args.long_steps),
+            "throughput": throughput(work, 1 if args.quick else 2, args.long_steps),
             "streaming": streaming(work, 100 if args.quick else 1000, 2000 if args.quick else 100_000),
             "return": model_return(work, args.rounds if args.quick else 3, [1_000_000] if args.quick else [10_000_000, 100_000_000]),
         }
