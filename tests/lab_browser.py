@@ -12,12 +12,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from tests.slurm_cluster import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
@@ -35,16 +36,10 @@ def browser_missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class JupyterLab:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.port, self.token = free_port(), secrets.token_hex(16)
         self.log = self.root.parent / "jupyterlab.log"
         settings = self.root.parent / "lab-settings"
         # No "get notified about Jupyter news?" toast over the notebook (nor a network call for it).
