@@ -5,7 +5,9 @@ Saving writes a temporary file in the same folder, fsyncs it and
 truncated checkpoint where a good one was. Loading always uses
 ``weights_only=True`` (never a full unpickle of a file a rank wrote) and
 ``map_location="cpu"``, so a model trained on GPUs is evaluated in a kernel
-that has none.
+that has none, and ``mmap=True``: the tensors are read straight from the file
+(usually still in the page cache, rank 0 having just written it) as
+``load_state_dict`` copies them, with no second copy in memory.
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ def save_atomic(payload: Any, path: str | Path) -> Path:
     for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer killed mid-save
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
+        torch.save(payload, tmp)  # by path: torch's own writer, faster than through a Python file object
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -99,7 +104,7 @@ def load_returns(path: str | Path) -> tuple[dict[str, Any], str]:
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}: the training did not save its result.")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(

@@ -23,6 +23,26 @@ def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
     assert fresh["scale"] == 2.5
 
 
+def test_loaded_values_outlive_and_ignore_their_file(tmp_path):
+    """Loading maps the file (mmap); what the kernel gets must not depend on it afterwards."""
+    model, stats = torch.nn.Linear(3, 2), torch.arange(4.0)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    path = save_returns({"model": model, "optimizer": optimizer, "stats": stats}, tmp_path / "w.pt")
+    fresh_model = torch.nn.Linear(3, 2)
+    kernel = {"model": fresh_model, "optimizer": torch.optim.Adam(fresh_model.parameters()), "stats": None}
+    load_into(kernel, load_returns(path)[0])
+    save_returns({"model": torch.nn.Linear(3, 2), "optimizer": optimizer, "stats": stats * 0}, path)  # replaced
+    path.unlink()  # and then removed
+    torch.testing.assert_close(kernel["model"].weight, model.weight)
+    torch.testing.assert_close(kernel["stats"], torch.arange(4.0))
+    kernel["stats"].add_(1)  # a loaded tensor is writable
+    kernel["model"](torch.ones(1, 3)).sum().backward()
+    kernel["optimizer"].step()  # and so is the optimizer's loaded state
+    assert kernel["optimizer"].state_dict()["state"][0]["step"] == 2
+
+
 def test_missing_name_and_wrong_architecture_are_clear_errors(tmp_path):
     states, _ = load_returns(save_returns({"model": torch.nn.Linear(3, 2)}, tmp_path / "w.pt"))
     with pytest.raises(CheckpointError, match="no variable 'model'"):

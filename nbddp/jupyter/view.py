@@ -36,6 +36,10 @@ PANE_HEIGHT_PX = 240
 #: A pane's lines arrive as chunks (one per refresh that had new lines). Past this many, the pane
 #: is rebuilt as one chunk of its last KEEP_LINES lines: rare, and bounding what the page holds.
 MAX_CHUNKS = 400
+#: A chunk holds at most this many lines: a burst of 100k lines in one refresh shows its last ones
+#: under a line saying how many were skipped (the run dir's logs have every line), so the page and
+#: the widget messages stay small however fast a rank prints.
+CHUNK_LINES = KEEP_LINES
 
 #: The view's own CSS, scoped to it. ipywidgets adds ``jupyter-widgets-disconnected`` to every
 #: widget of a kernel that restarted: then the status says so and the bar turns grey.
@@ -110,6 +114,9 @@ class LogPane:
             self.footer.layout.display = None
 
     def _chunk(self, lines: Sequence[str]) -> Any:
+        if len(lines) > CHUNK_LINES:
+            skipped = len(lines) - CHUNK_LINES
+            lines = [f"… {skipped:,} lines skipped here (the run dir's logs have every line)", *lines[-CHUNK_LINES:]]
         return self._w.HTML(f"<pre class='nbddp-lines'>{html.escape(chr(10).join(lines))}</pre>",
                             layout=self._w.Layout(margin="0"))
 
