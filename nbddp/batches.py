@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
+from nbddp.launchers import devices_for
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook import Notebook, read_notebook
@@ -32,6 +33,8 @@ from nbddp.parameter_cell import check_overrides, declared_parameters
 from nbddp.parameters import check_name, is_plain_data
 from nbddp.procs import stop_groups
 from nbddp.rundir import RunDir
+from nbddp.script import ExportOptions, generate
+from nbddp.warm_pool import POOL_ENV
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -64,6 +67,8 @@ class BatchOptions:
     parallel: int | None = None
     out: Path | None = None
     resume: bool = False
+    fresh: bool = False
+    """Every run on ranks of its own (by default a device slot's runs share warm ranks, as ``%%ddp_train`` re-runs do)."""
 
     def __post_init__(self) -> None:
         if self.launch.run_dir is not None:
@@ -157,7 +162,8 @@ class RunState:
     run: PlannedRun
     run_dir: Path
     process: subprocess.Popen | None = None
-    slot: tuple[str, ...] = ()
+    slot: int = -1
+    """The index of the device slot it runs in (CPU slots have no GPU ids, so only the index tells them apart)."""
     started: float = 0.0
     status: str = "pending"
 
@@ -166,12 +172,21 @@ class Batch:
     """Schedules the planned runs onto device slots and records how each ended."""
 
     def __init__(self, options: BatchOptions, out: Path, runs: list[PlannedRun], slots: list[tuple[str, ...]],
-                 nproc: int, device_kind: str, progress: Callable[["Batch"], None] | None = None) -> None:
+                 nproc: int, device_kind: str, progress: Callable[["Batch"], None] | None = None,
+                 engine: str = "torch") -> None:
         self.options, self.out, self.runs = options, out, runs
-        self.free_slots = list(slots)
+        self.slots = slots
+        self.free_slots = list(range(len(slots)))
         self.nproc, self.device_kind = nproc, device_kind
         self.progress = progress or (lambda batch: None)
         self.states = [RunState(r, out / r.name) for r in runs]
+        launch = options.launch
+        self.warm = not (options.fresh or device_kind == "slurm" or engine != "torch" or launch.max_restarts)
+        self.cwd = Path(options.notebook).resolve().parent
+        self.pools: dict[int, Any] = {}
+        """Each device slot's warm ranks (:class:`nbddp.warm_pool.WarmPool`), kept between its runs."""
+        self.last_run: dict[int, str] = {}
+        """Why a slot's next run can't use its warm ranks: its last run did not succeed."""
 
     def run(self) -> list[RunState]:
         pending = [s for s in self.states if not self._finished_before(s)]
@@ -191,6 +206,9 @@ class Batch:
         except BaseException:
             self._stop_all(running)
             raise
+        finally:
+            for pool in self.pools.values():
+                pool.stop()
         self.progress(self)
         return self.states
 
@@ -209,7 +227,8 @@ class Batch:
                 return True
         return False
 
-    def _start(self, state: RunState, slot: tuple[str, ...]) -> None:
+    def _start(self, state: RunState, index: int) -> None:
+        slot = self.slots[index]
         if state.run_dir.exists():  # an earlier failed or interrupted try: keep it, beside
             attempt = 1
             while state.run_dir.with_name(f"{state.run_dir.name}.try{attempt}").exists():
@@ -228,16 +247,46 @@ class Batch:
                 "-o", str(RunDir(state.run_dir).output), *launch.to_argv()]
         log = open(RunDir(state.run_dir).batch_log, "ab")
         try:
+            pool = self._warm_pool(index, launch, env, log)
+            if pool is not None:
+                env[POOL_ENV] = str(pool.folder)
             state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
         finally:
             log.close()
-        state.slot, state.started, state.status = slot, time.monotonic(), "running"
+        state.slot, state.started, state.status = index, time.monotonic(), "running"
+
+    def _warm_pool(self, slot: int, launch: LaunchOptions, env: dict[str, str], log: Any) -> Any:
+        """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and
+        again (with a line in the run's log saying why) when what they were started with no longer holds."""
+        if not self.warm:
+            return None
+        from nbddp.warm_pool import WarmPool, pool_key, why_fresh
+
+        devices = devices_for(launch, visible=len(self.slots[slot]) or None)
+        key = pool_key(devices, self.cwd, launch.collective_timeout, env)
+        pool, why = self.pools.pop(slot, None), self.last_run.pop(slot, "")
+        if pool is not None:
+            pool.note_modules()
+            why = why_fresh(pool, key, pool.idle, why)
+            if not why:
+                self.pools[slot] = pool
+                return pool
+            pool.stop()
+        if why:
+            log.write(f"nbddp: starting fresh warm ranks: {why}\n".encode())
+            log.flush()
+        self.pools[slot] = WarmPool(key, devices, environ=env)
+        return self.pools[slot]
 
     def _finish(self, state: RunState) -> None:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.run_dir, code)
+        if state.status != Status.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
+            self.pools.pop(state.slot).stop()
+            self.last_run[state.slot] = ("the last run timed out" if state.status == Status.TIMEOUT
+                                         else f"the last run {state.status}")
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
@@ -307,7 +356,8 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
-    batch = Batch(options, out, runs, slots, nproc, kind, progress)
+    engine = generate(notebook, ExportOptions(engine=options.launch.engine, returns=options.launch.returns)).engine
+    batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)
     try:
         states = batch.run()
     finally:
@@ -317,14 +367,15 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
 
 
 def batch(notebook: str | Path, grid: Any, *, parameters: dict[str, Any] | None = None, gpus_per_run: int | None = None,
-          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, **launch: Any):
+          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, fresh: bool = False,
+          **launch: Any):
     """Run a parameter grid from Python; returns the summary (a pandas DataFrame if pandas is installed).
 
     ``launch``: any :class:`nbddp.options.LaunchOptions` field (``cpu``, ``nproc``, ``engine``, ``timeout``,
     ``collective_timeout``, ``idle_timeout``, ``max_restarts``, ``returns``), as on the command line.
     """
     options = BatchOptions(Path(notebook), grid, LaunchOptions(parameters=dict(parameters or {}), **launch),
-                           gpus_per_run, parallel, Path(out) if out else None, resume)
+                           gpus_per_run, parallel, Path(out) if out else None, resume, fresh)
     rows, _ = run_batch(options)
     try:
         import pandas

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1; --slurm default 4)")
     sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
     sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
+    sweep.add_argument("--fresh", action="store_true",
+                       help="start every run's ranks anew (default: a device slot's runs share warm ranks)")
     batch.set_defaults(handler=_batch)
 
     ps = commands.add_parser("ps", help="list the runs alive now")
@@ -123,7 +125,7 @@ def _batch(args: argparse.Namespace) -> int:
     from nbddp.run import SignalReceived
 
     options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
-                           args.out, args.resume)
+                           args.out, args.resume, args.fresh)
 
     def stop(signum, frame):  # noqa: ANN001
         raise SignalReceived(signum)

@@ -100,7 +100,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     for line in topology_notes(launch):
         say(line)
     cwd = notebook.path.resolve().parent
-    spec = job_spec(script, launch, devices, notebook.path, cwd)
+    spec = job_spec(script, launch, devices, notebook.path, cwd, pool=_batch_pool(launch, script.engine, devices, cwd, say))
     if launch.nodes is not None and launch.nodes.rank != 0:
         return _run_other_node(options, spec, parameters, sinks, say)
     run_dir = spec.run_dir
@@ -126,6 +126,27 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
     _write_notebook(executed, output)
     say(_summary(result))
     return result
+
+
+def _batch_pool(launch: LaunchOptions, engine: str, devices: Any, cwd: Path, say: Callable[[str], None]) -> Any:
+    """The warm ranks ``nbddp batch`` keeps for this run's device slot (:data:`warm_pool.POOL_ENV`),
+    if they can take it; ``None``: this run starts its own, as ``nbddp run`` alone always does."""
+    folder = os.environ.get("NBDDP_WARM_POOL")
+    if not folder or engine != "torch" or launch.nodes or launch.slurm or launch.max_restarts:
+        return None
+    from nbddp.warm_pool import WarmPool, pool_key, why_fresh
+
+    try:
+        pool = WarmPool.adopt(Path(folder), devices)
+    except ValueError:
+        why = "they are gone"
+    else:
+        why = why_fresh(pool, pool_key(devices, cwd, launch.collective_timeout), pool.idle)
+    if why:
+        say(f"nbddp: not on the batch's warm ranks ({why}): starting fresh ones")
+        return None
+    say(f"nbddp: on the batch's warm ranks (this slot's run {pool.runs + 1} on them)")
+    return pool
 
 
 def _run_other_node(options: RunOptions, spec: JobSpec, parameters: dict[str, Any], sinks: Sequence[Sink] | None,

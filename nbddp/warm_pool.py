@@ -23,18 +23,23 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
 from nbddp.devices import Devices
 from nbddp.launch import Launch, LaunchSpec
-from nbddp.procs import owned_temp_dir, process_alive
+from nbddp.procs import group_alive, owned_temp_dir, process_alive, stop_groups
 from nbddp.rank_env import RankEnv
 from nbddp.rundir import RunDir
+from nbddp.warm_rank import write_json
 
 DEFAULT_IDLE_SECONDS = 600.0
 FOLDER_PREFIX = "nbddp-warm-"
+#: In a pool's folder: what it was started with, for a process that adopts it (:meth:`WarmPool.adopt`).
+POOL_FILE = "pool.json"
+#: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
+POOL_ENV = "NBDDP_WARM_POOL"
 #: Environment variables that differ between runs by design, or that nbddp sets per run.
 _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES")
 
@@ -77,7 +82,13 @@ def pool_key(devices: Devices, cwd: Path, collective_timeout: float | None,
 class WarmPool:
     """N warm ranks under one torchrun, and the jobs handed to them in turn."""
 
-    def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_IDLE_SECONDS) -> None:
+    def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_IDLE_SECONDS,
+                 environ: Mapping[str, str] | None = None) -> None:
+        """Start the ranks: torchrun under :mod:`nbddp.guard`, so they die with this process.
+
+        ``environ``: what the ranks inherit (this process's environment by default; a batch passes
+        each device slot's own ``CUDA_VISIBLE_DEVICES``).
+        """
         from nbddp.launchers.torchrun import Torchrun
 
         self.key, self.devices, self.idle = key, devices, idle
@@ -92,9 +103,36 @@ class WarmPool:
         entry.write_text("import sys\nfrom pathlib import Path\nfrom nbddp.warm_rank import main\n\n"
                          "if __name__ == '__main__':\n    sys.exit(main(Path(sys.argv[1])))\n")
         argv = Torchrun().command(entry, devices, paths, python=key.python) + [str(self.folder)]
-        env = RankEnv(None, devices.kind, devices.nproc, None, key.collective_timeout).to_environ(os.environ)
+        env = RankEnv(None, devices.kind, devices.nproc, None, key.collective_timeout).to_environ(
+            os.environ if environ is None else environ)
         env |= {"NBDDP_WARM": "1", "NBDDP_WARM_IDLE": str(idle)}
-        self.launch = Launch(LaunchSpec(tuple(argv), env, Path(key.cwd), paths.launcher_log))
+        self.launch: Launch | _Adopted = Launch(LaunchSpec(tuple(argv), env, Path(key.cwd), paths.launcher_log))
+        write_json(self.folder / POOL_FILE, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
+                                             "pgid": self.launch.pgid})
+
+    @classmethod
+    def adopt(cls, folder: Path, devices: Devices) -> "WarmPool":
+        """The pool another process started in ``folder`` (an ``nbddp run`` of a batch, which owns it).
+
+        This process hands it jobs and may stop it (a failed run), but never starts or removes it.
+
+        Raises:
+            ValueError: ``folder`` holds no pool's description.
+        """
+        try:
+            data = json.loads((Path(folder) / POOL_FILE).read_text(encoding="utf-8"))
+            key = PoolKey(**data["key"])
+            pid, pgid, idle = int(data["pid"]), int(data["pgid"]), float(data["idle"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{folder}: not a warm pool ({exc})") from None
+        pool = cls.__new__(cls)
+        pool.key, pool.devices, pool.idle, pool.folder = key, devices, idle, Path(folder)
+        pool.runs = len(list((pool.folder / "jobs").glob("*.json")))
+        pool.stopped = False
+        pool.started_at = pool.last_used = time.monotonic()
+        pool.local_modules = {}
+        pool.launch = _Adopted(pid, pgid)
+        return pool
 
     def alive(self) -> bool:
         """Running and able to take a job: torchrun and every rank that started still there."""
@@ -123,13 +161,24 @@ class WarmPool:
         number = self.runs
         self.runs += 1
         self.last_used = time.monotonic()
-        (self.folder / "jobs").mkdir(exist_ok=True)
-        job = {"script": str(script), "cwd": str(cwd),
-               "env": {k: v for k, v in env.items() if k.startswith("NBDDP_")}}
-        partial = self.folder / "jobs" / f".{number}.partial"
-        partial.write_text(json.dumps(job))
-        os.replace(partial, self.folder / "jobs" / f"{number}.json")
+        write_json(self.folder / "jobs" / f"{number}.json", {
+            "script": str(script), "cwd": str(cwd), "env": {k: v for k, v in env.items() if k.startswith("NBDDP_")}})
         return WarmRun(self, number)
+
+    def busy(self) -> bool:
+        """A job handed out that not every rank has ended: the ranks can't take another."""
+        last = self.runs - 1
+        return last >= 0 and not all((self.folder / "ended" / f"{last}-{rank}.json").exists()
+                                     for rank in range(self.devices.nproc))
+
+    def note_modules(self) -> None:
+        """Learn the local modules the ranks imported, from every job's end report (a batch reads
+        them after each run, since its runs hand out the jobs)."""
+        for path in (self.folder / "ended").glob("*.json"):
+            try:
+                self.local_modules.update(json.loads(path.read_text()).get("modules", {}))
+            except (OSError, ValueError, AttributeError):
+                continue
 
     def stale_modules(self) -> list[str]:
         """Local modules the ranks imported that were edited (or removed) since."""
@@ -152,6 +201,22 @@ class WarmPool:
         """Stop every rank and torchrun, and remove the pool's folder."""
         self.terminate(sig)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _Adopted:
+    """The launcher process of a pool another process started: polled and stopped by pid and group."""
+
+    def __init__(self, pid: int, pgid: int) -> None:
+        self.pid, self.pgid = pid, pgid
+
+    def poll(self) -> int | None:
+        return None if process_alive(self.pid) else 1  # not our child: its exit code is the owner's to read
+
+    def alive(self) -> bool:
+        return group_alive(self.pgid)
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, reap: bool = False) -> None:
+        stop_groups([self.pgid], sig, grace)
 
 
 class WarmRun:
@@ -223,12 +288,7 @@ def acquire(devices: Devices, engine: str, cwd: Path, collective_timeout: float 
     key = pool_key(devices, cwd, collective_timeout)
     why = _fresh_because
     if _current is not None:
-        stale = _current.stale_modules()
-        why = (key.differs(_current.key) or _fresh_because
-               or (f"{', '.join(stale)} changed" if stale else "")
-               or ("" if _current.alive() else "the warm ranks had exited (idle, or stopped)"))
-        if not why and _current.idle != idle:
-            why = "their idle limit changed"
+        why = why_fresh(_current, key, idle, _fresh_because)
         if not why:
             return _current, ""
         _current.stop()
@@ -236,6 +296,19 @@ def acquire(devices: Devices, engine: str, cwd: Path, collective_timeout: float 
     _current = WarmPool(key, devices, idle)
     _stop_at_exit()
     return _current, f"starting fresh warm ranks: {why}" if why else ""
+
+
+def why_fresh(pool: WarmPool, key: PoolKey, idle: float, last_run: str = "") -> str:
+    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words.
+
+    ``last_run``: why the last run on it means it can't (it failed, was interrupted...).
+    """
+    stale = pool.stale_modules()
+    return (key.differs(pool.key) or last_run
+            or (f"{', '.join(stale)} changed" if stale else "")
+            or ("" if pool.alive() else "the warm ranks had exited (idle, or stopped)")
+            or ("they are busy with another run" if pool.busy() else "")
+            or ("their idle limit changed" if pool.idle != idle else ""))
 
 
 def _stop_at_exit() -> None:

@@ -48,7 +48,7 @@ def main(pool: Path) -> int:
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        _write(pool / "ended" / f"{number}-{rank}.json", {"status": status, "modules": modules})
+        write_json(pool / "ended" / f"{number}-{rank}.json", {"status": status, "modules": modules})
         number += 1
     rank_process.leave_group()
     return 0
@@ -137,7 +137,8 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _write(path: Path, data: dict) -> None:
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` whole or not at all: the other side polls for the file."""
     path.parent.mkdir(exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(json.dumps(data))

@@ -145,6 +145,39 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     assert [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")] == ["succeeded"] * 3
 
 
+def rank_pids(run_dir):
+    return sorted(json.loads(p.read_text())["pid"] for p in (run_dir / "ranks").glob("rank-*.json"))
+
+
+@pytest.mark.slow
+def test_a_slots_runs_share_warm_ranks_until_one_fails_and_match_fresh_runs(sweep, tmp_path, cli_run):
+    """Warm ranks in a batch: consecutive runs on one slot reuse its ranks (each in a fresh namespace,
+    so the weights are a fresh run's); a failed run's ranks are replaced before the next run."""
+    import torch
+
+    (tmp_path / "grid.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.1}, {"lr": 0.5, "fail_at": 0.5}, {"lr": 0.1}]))
+    run = cli_run(["batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2", "--out", "warm"], tmp_path)
+    assert run.wait() == 1, run.output
+    runs = sorted(p for p in (tmp_path / "warm").iterdir() if p.is_dir())
+    logs = [(r / "batch.log").read_text() for r in runs]
+    assert all("on the batch's warm ranks" in log for log in logs), logs
+    assert "starting fresh warm ranks: the last run failed" in logs[3]
+    pids = [rank_pids(r) for r in runs]
+    assert pids[0] == pids[1] == pids[2] and pids[3] != pids[0]
+    assert not run.leftovers()
+
+    fresh = cli_run(["batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2", "--out", "fresh",
+                     "--fresh"], tmp_path)
+    assert fresh.wait() == 1, fresh.output
+    fresh_runs = sorted(p for p in (tmp_path / "fresh").iterdir() if p.is_dir())
+    assert "warm ranks" not in (fresh_runs[0] / "batch.log").read_text()
+    assert rank_pids(fresh_runs[0]) != rank_pids(fresh_runs[1])
+    weights = [torch.load(r / "weights.pt")["returns"]["model"] for r in (runs[0], runs[1], runs[3], fresh_runs[0])]
+    for other in weights[1:]:
+        torch.testing.assert_close(other, weights[0], rtol=0, atol=0)
+    assert not fresh.leftovers()
+
+
 @pytest.mark.slow
 def test_python_api_returns_the_summary(sweep, tmp_path):
     import nbddp

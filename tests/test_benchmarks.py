@@ -13,7 +13,7 @@ def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):
     assert main(["--quick", "--out", str(out)]) == 0
     text = out.read_text()
     for section in ("## 1. Start", "## 2. Training throughput", "## 3. Log streaming", "## 4. Returning the model",
-                    "## 5. The light paths"):
+                    "## 5. The light paths", "## 6. Would warm ranks pay off"):
         assert section in text, text
     for case in ("torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run",
                  "import nbddp", "nbddp export (200 cells)"):
