@@ -14,8 +14,7 @@ are medians with min–max.
 4. returning the model (10M and 100M parameters): nbddp's save on rank 0 + load into the kernel's
    model, against plain ``torch.save`` + ``torch.load``; the loading process's peak memory.
 5. ``import nbddp``, ``nbddp --help``, exporting a 200-cell notebook.
-6. ``nbddp batch``: each run's time and its fresh ranks' start-up, which is what warm ranks would
-   save there (they are not used by batches: the report says why).
+6. ``nbddp batch``: each run's time and its ranks' start-up, with ``--fresh`` and on warm ranks.
 """
 
 from __future__ import annotations
@@ -376,29 +375,32 @@ def light_paths(work: Path, rounds: int) -> dict[str, list[float]]:
     return found
 
 
-# ---------------------------------------------------------------- 6: would warm ranks pay off in a batch?
+# ---------------------------------------------------------------- 6: warm ranks in a batch
 
 
-def batch_startup(work: Path, runs: int, steps: int) -> dict[str, list[float]]:
-    """``nbddp batch`` of the start-up notebook with a ``parameters`` cell, one run at a time.
+def batch_startup(work: Path, rounds: int, runs: int, steps: int) -> dict[str, dict[str, list[float]]]:
+    """``nbddp batch`` of the start-up notebook with a ``parameters`` cell, one run at a time, with
+    ``--fresh`` (every run starts its ranks) and on the slot's warm ranks (the default), interleaved.
 
-    Each run is its own ``nbddp run`` (kernel, torchrun, ranks). A run's rank start-up is the time
-    from its script being written (just before torchrun starts) to its first training step: what
-    warm ranks kept between runs would save, less their own ~0.03 s.
+    A run's rank start-up is the time from its script being written (just before its ranks are
+    started, or handed the job) to its first training step.
     """
     loop = LOOP.replace("__STEPS__", str(steps)).replace("lr=0.05", "lr=lr")
     notebook(work / "sweep.ipynb", [("lr = 0.05", ["parameters"]), (SETUP, []), ("#| ddp-train\n" + loop, [])])
     (work / "grid.json").write_text(json.dumps({"lr": [0.01 * (i + 1) for i in range(runs)]}))
-    start = time.time()
-    subprocess.run([PYTHON, "-m", "nbddp.cli", "batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2",
-                    "--parallel", "1", "--out", "sweep"], cwd=work, env=ENV, capture_output=True, text=True, check=True)
-    total = time.time() - start
-    startups = []
-    for run_dir in sorted((work / "sweep").glob("0*")):
-        first = first_step("".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log")))
-        startups.append(first - (run_dir / "train.py").stat().st_mtime)
-    shutil.rmtree(work / "sweep")
-    return {"per run": [total / runs], "rank start-up": startups}
+    found = {case: {"per run": [], "first": [], "later": []} for case in ("--fresh", "warm ranks")}
+    for _ in range(rounds):
+        for case, extra in (("--fresh", ["--fresh"]), ("warm ranks", [])):
+            start = time.time()
+            subprocess.run([PYTHON, "-m", "nbddp.cli", "batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc",
+                            "2", "--parallel", "1", "--out", "sweep", *extra], cwd=work, env=ENV, capture_output=True,
+                           text=True, check=True)
+            found[case]["per run"].append((time.time() - start) / runs)
+            for index, run_dir in enumerate(sorted((work / "sweep").glob("0*"))):
+                first = first_step("".join(p.read_text() for p in (run_dir / "logs").glob("rank-*.log")))
+                found[case]["later" if index else "first"].append(first - (run_dir / "train.py").stat().st_mtime)
+            shutil.rmtree(work / "sweep")
+    return found
 
 
 # ---------------------------------------------------------------- the report
@@ -461,21 +463,18 @@ def report(args: argparse.Namespace, figures: dict) -> str:
               "the model's size in bytes (the model itself already exists before loading).", "",
               f"## 5. The light paths ({args.rounds} rounds)", "", "| case | time |", "|---|---|"]
     lines += [f"| {case} | {summary(values, 's', 3)} |" for case, values in light.items()]
-    per_run, startup_s = statistics.median(sweep["per run"]), statistics.median(sweep["rank start-up"])
-    warm_first = statistics.median(start["%%ddp_train warm, 2nd run"]["first"])
-    saving = startup_s - warm_first
-    lines += ["", f"## 6. Would warm ranks pay off in `nbddp batch`? ({len(sweep['rank start-up'])} runs of section 1's "
+    fresh_run, warm_run = (statistics.median(sweep[c]["per run"]) for c in ("--fresh", "warm ranks"))
+    lines += ["", f"## 6. `nbddp batch` on warm ranks ({args.batch_rounds} round(s) of {args.batch_runs} runs of section 1's "
               "notebook with a `parameters` cell, one at a time)", "",
-              "| per run (the whole `nbddp run`) | its fresh ranks' start-up (script written → first step) |", "|---|---|",
-              f"| {per_run:.2f} s | {summary(sweep['rank start-up'])} |", "",
-              f"Warm ranks kept across a batch's runs would save about {saving:.1f} s per run (start-up less the "
-              f"{warm_first:.2f} s to a warm first step): {100 * saving / per_run:.0f}% of this trivial run, "
-              f"{100 * saving / (per_run + 600):.1f}% of a run that trains for 10 minutes. `nbddp batch` keeps "
-              "starting fresh ranks for every run: a sweep runs unattended, its runs train for minutes, and its point is "
-              "comparing them, so each run keeps processes of its own: rank processes shared across runs would let one "
-              "run's process-wide state (a library's module-level settings, cached allocations, threads it started) "
-              "reach the next, and a sweep's results depend on their order. The interactive edit-and-re-run loop, "
-              "where a person waits on every start, is where warm ranks are on."]
+              "| case | per run (the whole `nbddp run`) | rank start-up (script written → first step): the batch's "
+              "1st run | its later runs |", "|---|---|---|---|"]
+    lines += [f"| {case} | {summary(values['per run'])} | {summary(values['first'])} | {summary(values['later'])} |"
+              for case, values in sweep.items()]
+    lines += ["", f"A batch's runs on one device slot share its warm ranks by default: {warm_run:.2f} s per run against "
+              f"{fresh_run:.2f} s ({warm_run / fresh_run:.2f}×) for this trivial run. The saving, about "
+              f"{fresh_run - warm_run:.1f} s a run, is fixed: a run that trains for 10 minutes gains "
+              f"{100 * (fresh_run - warm_run) / (fresh_run + 600):.1f}%. Each run still has its own `nbddp run` process, "
+              "kernel and run dir; `--fresh` gives each its own ranks too."]
     if TEARDOWN_CRASHES:
         lines += ["", f"The hand-written script crashed {len(TEARDOWN_CRASHES)} time(s) after training with "
                   "\"terminate called without an active exception\" (SIGABRT): gloo's teardown race at "
@@ -494,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = 5 if args.quick else 20
     args.long_steps = 300 if args.quick else 8000  # ~2 s and ~60 s at this machine's ~140 steps/s
     args.paced, args.burst = (100, 2000) if args.quick else (1000, 100_000)
+    args.batch_rounds, args.batch_runs = (1, 2) if args.quick else (2, 4)
     work = Path(tempfile.mkdtemp(prefix="nbddp-bench-"))
     ENV["TMPDIR"] = str(work)  # torchrun by hand leaves its torchelastic_* folder there, not in /tmp
     try:
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             "throughput": throughput(work, 1 if args.quick else 2, args.long_steps),
             "streaming": streaming(work, args.paced, args.burst),
             "cell streaming": streaming_notebook(work, args.paced, args.burst),
-            "batch": batch_startup(work, 2 if args.quick else 4, args.steps),
+            "batch": batch_startup(work, args.batch_rounds, args.batch_runs, args.steps),
             "return": model_return(work, args.rounds if args.quick else 3, [1_000_000] if args.quick else [10_000_000, 100_000_000]),
         }
     finally:
