@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
-from nbddp.launchers import devices_for
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
+from nbddp.launchers import devices_for
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook import Notebook, read_notebook
 from nbddp.options import LaunchOptions
@@ -373,6 +373,7 @@ def batch(notebook: str | Path, grid: Any, *, parameters: dict[str, Any] | None 
 
     ``launch``: any :class:`nbddp.options.LaunchOptions` field (``cpu``, ``nproc``, ``engine``, ``timeout``,
     ``collective_timeout``, ``idle_timeout``, ``max_restarts``, ``returns``), as on the command line.
+    ``fresh``: start every run's ranks anew instead of sharing a device slot's warm ranks.
     """
     options = BatchOptions(Path(notebook), grid, LaunchOptions(parameters=dict(parameters or {}), **launch),
                            gpus_per_run, parallel, Path(out) if out else None, resume, fresh)

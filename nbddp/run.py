@@ -131,10 +131,11 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None,
 def _batch_pool(launch: LaunchOptions, engine: str, devices: Any, cwd: Path, say: Callable[[str], None]) -> Any:
     """The warm ranks ``nbddp batch`` keeps for this run's device slot (:data:`warm_pool.POOL_ENV`),
     if they can take it; ``None``: this run starts its own, as ``nbddp run`` alone always does."""
-    folder = os.environ.get("NBDDP_WARM_POOL")
+    from nbddp.warm_pool import POOL_ENV, WarmPool, pool_key, why_fresh
+
+    folder = os.environ.get(POOL_ENV)
     if not folder or engine != "torch" or launch.nodes or launch.slurm or launch.max_restarts:
         return None
-    from nbddp.warm_pool import WarmPool, pool_key, why_fresh
 
     try:
         pool = WarmPool.adopt(Path(folder), devices)
