@@ -225,3 +225,37 @@ def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
         assert "--collective-timeout 60.0" in result["command"]
     again = cli_run(["batch", "r.ipynb", "--grid", "grid.yaml", "--cpu", "--out", "out", "--resume"], tmp_path)
     assert again.wait() == 0 and "2/2 runs succeeded" in again.output
+
+
+def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypatch):
+    """``nbddp run`` under a batch adopts the slot's pool only when it can take the run."""
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from nbddp.devices import resolve
+    from nbddp.options import LaunchOptions
+    from nbddp.run import _batch_pool
+    from nbddp.warm_pool import POOL_ENV, POOL_FILE, pool_key
+
+    said = []
+    devices = resolve(cpu=True, nproc=2)
+    monkeypatch.setenv(POOL_ENV, str(tmp_path / "gone"))
+    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "torch", devices, tmp_path, said.append) is None
+    assert said[-1] == "nbddp: not on the batch's warm ranks (they are gone): starting fresh ones"
+
+    folder = tmp_path / "pool"
+    folder.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    key = pool_key(devices, tmp_path, LaunchOptions().collective_timeout, dict(os.environ))
+    (folder / POOL_FILE).write_text(json.dumps({"key": asdict(key), "idle": 600.0, "pid": dead.pid, "pgid": dead.pid}))
+    monkeypatch.setenv(POOL_ENV, str(folder))
+    assert _batch_pool(LaunchOptions(cpu=True, nproc=1), "torch", resolve(cpu=True, nproc=1), tmp_path, said.append) is None
+    assert "(the devices changed (2 cpu → 1 cpu))" in said[-1]
+    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "torch", devices, tmp_path, said.append) is None
+    assert "(the warm ranks had exited (idle, or stopped))" in said[-1]
+    count = len(said)
+    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "catalyst", devices, tmp_path, said.append) is None
+    assert len(said) == count  # the batch gives Catalyst runs no pool; nothing to say
