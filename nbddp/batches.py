@@ -247,6 +247,7 @@ class Batch:
                 "-o", str(RunDir(state.run_dir).output), *launch.to_argv()]
         log = open(RunDir(state.run_dir).batch_log, "ab")
         try:
+            env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
             pool = self._warm_pool(index, launch, env, log)
             if pool is not None:
                 env[POOL_ENV] = str(pool.folder)
@@ -265,26 +266,35 @@ class Batch:
 
         devices = devices_for(launch, visible=len(self.slots[slot]) or None)
         key = pool_key(devices, self.cwd, launch.collective_timeout, env)
-        pool, why = self.pools.pop(slot, None), self.last_run.pop(slot, "")
+        pool, why = self.pools.get(slot), self.last_run.pop(slot, "")
         if pool is not None:
             pool.note_modules()
             why = why_fresh(pool, key, pool.idle, why)
             if not why:
-                self.pools[slot] = pool
                 return pool
-            pool.stop()
+            self._drop_pool(slot)
         if why:
             log.write(f"nbddp: starting fresh warm ranks: {why}\n".encode())
             log.flush()
-        self.pools[slot] = WarmPool(key, devices, environ=env)
+        try:
+            self.pools[slot] = WarmPool(key, devices, environ=env)
+        except OSError as exc:  # the run starts its own ranks, and would say why it can't either
+            log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
+            log.flush()
+            return None
         return self.pools[slot]
+
+    def _drop_pool(self, slot: int) -> None:
+        """Stop a slot's warm ranks; forgotten only once stopped, so an interrupt meanwhile still finds them."""
+        self.pools[slot].stop()
+        del self.pools[slot]
 
     def _finish(self, state: RunState) -> None:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.run_dir, code)
         if state.status != Status.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
-            self.pools.pop(state.slot).stop()
+            self._drop_pool(state.slot)
             self.last_run[state.slot] = ("the last run timed out" if state.status == Status.TIMEOUT
                                          else f"the last run {state.status}")
 
@@ -294,7 +304,11 @@ class Batch:
         stop_groups([s.process.pid for s in running], grace=grace,
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
-            state.process.wait()
+            try:
+                state.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # out of its group (it can't be: SIGKILL it by pid)
+                state.process.kill()
+                state.process.wait()
             state.status = _status_of(state.run_dir, state.process.returncode, default=Status.INTERRUPTED)
 
 

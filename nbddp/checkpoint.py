@@ -81,8 +81,11 @@ def save_atomic(payload: Any, path: str | Path) -> Path:
     return path
 
 
-def load_returns(path: str | Path) -> tuple[dict[str, Any], str]:
+def load_returns(path: str | Path, mmap: bool = True) -> tuple[dict[str, Any], str]:
     """Read a checkpoint written by :func:`save_returns`: ``({name: state}, note)``, on the CPU.
+
+    ``mmap``: the states' tensors are pages of the file until :func:`load_into` copies them out
+    (which it always does), so pass it there and drop them; ``False`` reads them into memory.
 
     Raises:
         CheckpointError: missing, truncated, tampered with, or not nbddp's.
@@ -94,7 +97,7 @@ def load_returns(path: str | Path) -> tuple[dict[str, Any], str]:
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}: the training did not save its result.")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
@@ -109,8 +112,9 @@ def load_returns(path: str | Path) -> tuple[dict[str, Any], str]:
 def load_into(namespace: dict[str, Any], states: dict[str, Any]) -> list[str]:
     """Load each returned state into the object of the same name in ``namespace``.
 
-    Modules and optimizers get ``load_state_dict``; other values are assigned.
-    Returns the names loaded.
+    Modules and optimizers get ``load_state_dict``; other values are assigned. Nothing loaded
+    shares memory with ``states`` (which may be pages of the checkpoint file, see
+    :func:`load_returns`): the file can then be replaced or removed. Returns the names loaded.
 
     Raises:
         CheckpointError: a name is missing from the namespace, or the state
@@ -127,15 +131,17 @@ def load_into(namespace: dict[str, Any], states: dict[str, Any]) -> list[str]:
             )
         target = namespace[name]
         try:
-            if isinstance(target, (torch.nn.Module, torch.optim.Optimizer)):
-                target.load_state_dict(state)
+            if isinstance(target, torch.nn.Module):
+                target.load_state_dict(state)  # copies into the module's own parameters
+            elif isinstance(target, torch.optim.Optimizer):
+                target.load_state_dict(_owned(state))  # an optimizer keeps the tensors it is given
             elif isinstance(target, dict) and isinstance(state, dict) and all(
                 isinstance(v, torch.nn.Module) for v in target.values()
             ):
                 for key, module in target.items():
                     module.load_state_dict(state[key])
             else:
-                namespace[name] = state
+                namespace[name] = _owned(state)
         except (RuntimeError, KeyError, ValueError) as exc:
             raise CheckpointError(
                 f"the trained weights don't fit the notebook's {name!r} "
@@ -144,3 +150,16 @@ def load_into(namespace: dict[str, Any], states: dict[str, Any]) -> list[str]:
             ) from None
         loaded.append(name)
     return loaded
+
+
+def _owned(state: Any) -> Any:
+    """``state`` with every tensor copied into memory of its own (not pages of a mapped file)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {key: _owned(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_owned(value) for value in state)
+    return state

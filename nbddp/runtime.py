@@ -239,7 +239,7 @@ def restore(**objects: Any) -> dict[str, Any]:
     path = resume_path()
     if not path.exists():
         return {}
-    states, _ = checkpoint.load_returns(path)
+    states, _ = checkpoint.load_returns(path, mmap=False)  # rank 0 may replace the (shared) file meanwhile
     targets = {name: getattr(obj, "module", obj) for name, obj in objects.items()}  # through DDP wrappers
     checkpoint.load_into(targets, {k: v for k, v in states.items() if k in objects})
     for name, obj in objects.items():

@@ -107,8 +107,12 @@ class WarmPool:
             os.environ if environ is None else environ)
         env |= {"NBDDP_WARM": "1", "NBDDP_WARM_IDLE": str(idle)}
         self.launch: Launch | _Adopted = Launch(LaunchSpec(tuple(argv), env, Path(key.cwd), paths.launcher_log))
-        write_json(self.folder / POOL_FILE, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
-                                             "pgid": self.launch.pgid})
+        try:
+            write_json(self.folder / POOL_FILE, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
+                                                 "pgid": self.launch.pgid})
+        except BaseException:
+            self.stop()
+            raise
 
     @classmethod
     def adopt(cls, folder: Path, devices: Devices) -> "WarmPool":

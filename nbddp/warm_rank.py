@@ -72,8 +72,9 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
 
     saved = dict(os.environ)
     os.environ.update(job["env"])
-    before = set(sys.modules)
+    before, cwd, path = set(sys.modules), os.getcwd(), list(sys.path)
     torch_settings = _torch_settings()
+    _fresh_random_state()
     status = "ok"
     try:
         rank_process.log_to_run_dir(rank)
@@ -89,6 +90,8 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+        os.chdir(cwd)
+        sys.path[:] = path
         _restore_torch_settings(torch_settings)
         modules = _forget_local_modules(before, Path(job["cwd"]))
         gc.collect()
@@ -102,7 +105,8 @@ def _torch_settings() -> dict:
 
     return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
             "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark}
+            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_precision": torch.get_float32_matmul_precision()}
 
 
 def _restore_torch_settings(settings: dict) -> None:
@@ -113,6 +117,22 @@ def _restore_torch_settings(settings: dict) -> None:
     torch.set_grad_enabled(settings["grad"])
     torch.use_deterministic_algorithms(settings["deterministic"])
     torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+    torch.backends.cudnn.allow_tf32 = settings["cudnn_tf32"]
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
+
+
+def _fresh_random_state() -> None:
+    """Seed torch's, Python's and (if imported) NumPy's generators from the OS, as a new process
+    does: a job that doesn't seed gets a random state unrelated to the previous job's."""
+    import random
+
+    import torch
+
+    torch.seed()
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
 
 
 def _forget_local_modules(before: set[str], folder: Path) -> dict[str, float]:

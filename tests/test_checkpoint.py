@@ -33,6 +33,10 @@ def test_loaded_values_outlive_and_ignore_their_file(tmp_path):
     fresh_model = torch.nn.Linear(3, 2)
     kernel = {"model": fresh_model, "optimizer": torch.optim.Adam(fresh_model.parameters()), "stats": None}
     load_into(kernel, load_returns(path)[0])
+    import gc
+
+    gc.collect()
+    assert str(path) not in open("/proc/self/maps").read()  # nothing loaded is still pages of the file
     save_returns({"model": torch.nn.Linear(3, 2), "optimizer": optimizer, "stats": stats * 0}, path)  # replaced
     path.unlink()  # and then removed
     torch.testing.assert_close(kernel["model"].weight, model.weight)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import tempfile
 import time
@@ -73,8 +74,15 @@ def test_a_warm_rerun_gives_a_fresh_runs_weights_in_a_fraction_of_its_time(kerne
     assert not set(pids(fresh).values()) & set(started.values()) and "on a warm rank" not in fresh
     assert weight(kernel) == fresh_weights
 
-    train(kernel, extra="torch.set_default_dtype(torch.float64)\n")  # a job changing torch's process-wide state...
-    assert "float32" in train(kernel, extra="print('dtype', torch.get_default_dtype())\n")  # ...doesn't leak
+    # A job changing process-wide state (torch's settings, its folder, sys.path, a seeded generator)...
+    train(kernel, extra="torch.set_default_dtype(torch.float64); torch.set_float32_matmul_precision('medium')\n"
+                        "import random, sys; sys.path.insert(0, '/leak'); os.chdir('/'); random.seed(5)\n")
+    after = train(kernel, extra="import random, sys\nif nbddp.rank() == 0: print('state', torch.get_default_dtype(), "
+                                "torch.get_float32_matmul_precision(), '/leak' in sys.path, os.getcwd() == '/', "
+                                "random.random())\n")
+    state = re.search(r"\[rank 0\] state (\S+) (\S+) (\S+) (\S+) (\S+)", after)
+    assert state.groups()[:4] == ("torch.float32", "highest", "False", "False"), after  # ...doesn't leak,
+    assert float(state.group(5)) != random.Random(5).random()  # nor its seeded generator: a fresh rank's is random
     kernel.execute(SETUP.replace("torch.manual_seed(0)", "torch.manual_seed(1)"), "setup")  # an edited ddp cell
     edited = train(kernel)
     assert pids(edited) == started and weight(kernel) != fresh_weights
