@@ -13,6 +13,12 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+# Tests send SIGINT to mean Ctrl-C. A shell without job control starts background commands
+# (`.ci/run &`, nohup) with SIGINT ignored, and every process the suite starts would inherit that
+# and never see it: give the suite, and through it its children, the default disposition back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"
