@@ -298,7 +298,7 @@ def _latency(seen: dict[int, tuple[float, float]], paced: int, burst: int) -> di
         return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
     return {"p50_ms": 1000 * pct(paced_latency, 0.5), "p99_ms": 1000 * pct(paced_latency, 0.99),
-            "lost": paced + burst - len(seen), "paced_lost": paced - len(paced_latency),
+            "lost": paced + burst - len(seen),
             "burst_lines_per_s": rate, "lines": paced + burst}
 
 
