@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nbddp-bench-"))
     shutil.copy(REPO / "notebooks" / "digits_torch.ipynb", work)
-    nbddp = [sys.executable, "-m", "nbddp.cli"]
+    nbddp = [sys.executable, "-m", "nbddp"]
     subprocess.run([*nbddp, "export", "digits_torch.ipynb", "-o", "train.py", "-p", "epochs", str(args.epochs)],
                    cwd=work, check=True, stderr=subprocess.DEVNULL)
     kernel_only = work / "kernel_only.ipynb"
@@ -90,7 +90,8 @@ def _write_without_training(source: Path, target: Path) -> None:
 def _own_share(work: Path, epochs: int) -> dict[str, float]:
     """Time nbddp's own steps in-process: start → Launch, and job end → return."""
     start = time.perf_counter()
-    from nbddp import job as job_module, run as run_module
+    from nbddp.job import lifecycle as job_module
+    from nbddp.doors import notebook_run as run_module
     from nbddp.options import LaunchOptions
 
     marks: dict[str, float] = {}

@@ -166,7 +166,7 @@ class Soak:
         run_dir = self.folder / "runs" / f"run-{n:03d}"
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "nbddp.cli", "run", "soak.ipynb", "--cpu", "--nproc", str(WORLD_SIZE),
+            [sys.executable, "-m", "nbddp", "run", "soak.ipynb", "--cpu", "--nproc", str(WORLD_SIZE),
              "--run-dir", str(run_dir), "-p", "seed", str(n)],
             cwd=self.folder, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             errors="replace", timeout=self.timeout)
@@ -205,7 +205,7 @@ class Soak:
         grid.write_text(json.dumps({"seed": [first * 100 + k for k in range(runs)]}))
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "nbddp.cli", "batch", "soak.ipynb", "--grid", str(grid), "--cpu",
+            [sys.executable, "-m", "nbddp", "batch", "soak.ipynb", "--grid", str(grid), "--cpu",
              "--nproc", str(WORLD_SIZE), "--parallel", str(runs), "--out", str(out)],
             cwd=self.folder, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             errors="replace", timeout=self.timeout * runs)

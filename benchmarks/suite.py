@@ -181,7 +181,7 @@ def startup(work: Path, rounds: int, steps: int) -> dict[str, dict[str, list[flo
     for _ in range(rounds):
         add("torchrun by hand", *run_process(
             [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "hand.py"], work)[:2])
-        add("nbddp run", *run_process([PYTHON, "-m", "nbddp.cli", "run", "bench.ipynb", "--cpu", "--nproc", "2"], work)[:2])
+        add("nbddp run", *run_process([PYTHON, "-m", "nbddp", "run", "bench.ipynb", "--cpu", "--nproc", "2"], work)[:2])
         kernel = Kernel(work)
         try:
             kernel.execute("%load_ext nbddp")
@@ -206,7 +206,7 @@ def throughput(work: Path, rounds: int, steps: int) -> dict[str, list[float]]:
         out = run_process([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "hand_long.py"], work)[2]
         rates["torchrun by hand"].append(steps_per_s(out))
-        subprocess.run([PYTHON, "-m", "nbddp.cli", "run", "long.ipynb", "--cpu", "--nproc", "2"], cwd=work, env=ENV,
+        subprocess.run([PYTHON, "-m", "nbddp", "run", "long.ipynb", "--cpu", "--nproc", "2"], cwd=work, env=ENV,
                        capture_output=True, text=True, check=True)
         [run] = list(work.glob("runs/long-*"))
         rates["nbddp run"].append(steps_per_s("".join(p.read_text() for p in (run / "logs").glob("rank-*.log"))))
@@ -225,7 +225,7 @@ def streaming(work: Path, paced: int, burst: int) -> dict[str, float]:
             f"    for i in range({paced}, {paced + burst}):\n        print('LINE', i, time.time())\n"
             f"    print('BURST_DONE', time.time(), flush=True)\n")
     notebook(work / "logs.ipynb", [("#| ddp\nimport nbddp", []), (code, [])])
-    proc = subprocess.Popen([PYTHON, "-m", "nbddp.cli", "run", "logs.ipynb", "--cpu", "--nproc", "2"], cwd=work,
+    proc = subprocess.Popen([PYTHON, "-m", "nbddp", "run", "logs.ipynb", "--cpu", "--nproc", "2"], cwd=work,
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     seen: dict[int, tuple[float, float]] = {}
     for line in proc.stdout:
@@ -364,8 +364,8 @@ def light_paths(work: Path, rounds: int) -> dict[str, list[float]]:
                                                    for i in range(198)] + [("#| ddp-train\nprint(x)", [])]
     notebook(work / "big.ipynb", cells)
     cases = {"import nbddp": [PYTHON, "-c", "import nbddp, sys; assert 'torch' not in sys.modules"],
-             "nbddp --help": [PYTHON, "-m", "nbddp.cli", "--help"],
-             "nbddp export (200 cells)": [PYTHON, "-m", "nbddp.cli", "export", "big.ipynb", "-o", "big.py"]}
+             "nbddp --help": [PYTHON, "-m", "nbddp", "--help"],
+             "nbddp export (200 cells)": [PYTHON, "-m", "nbddp", "export", "big.ipynb", "-o", "big.py"]}
     found: dict[str, list[float]] = {c: [] for c in cases}
     for _ in range(rounds):
         for case, argv in cases.items():
@@ -392,7 +392,7 @@ def batch_startup(work: Path, rounds: int, runs: int, steps: int) -> dict[str, d
     for _ in range(rounds):
         for case, extra in (("--fresh", ["--fresh"]), ("warm ranks", [])):
             start = time.time()
-            subprocess.run([PYTHON, "-m", "nbddp.cli", "batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc",
+            subprocess.run([PYTHON, "-m", "nbddp", "batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--nproc",
                             "2", "--parallel", "1", "--out", "sweep", *extra], cwd=work, env=ENV, capture_output=True,
                            text=True, check=True)
             found[case]["per run"].append((time.time() - start) / runs)

@@ -17,25 +17,25 @@ __all__ = ["__version__", "batch", "load_ipython_extension", *_RUNTIME]
 
 def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
-        from nbddp import runtime
+        from nbddp.rank_side import torch_engine as runtime
 
         return getattr(runtime, name)
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
 
 
 def batch(notebook: Any, grid: Any, **options: Any) -> Any:
-    """Run ``notebook`` once per parameter set of ``grid``; see :func:`nbddp.batches.batch`.
+    """Run ``notebook`` once per parameter set of ``grid``; see :func:`nbddp.doors.batch.schedule.batch`.
 
-    (The module is ``nbddp.batches``: a submodule named ``batch`` would replace this function
+    (The module is ``nbddp.doors.batch.schedule``: a submodule named ``batch`` would replace this function
     on the package as soon as it was imported.)
     """
-    from nbddp.batches import batch as run
+    from nbddp.doors.batch.schedule import batch as run
 
     return run(notebook, grid, **options)
 
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbddp``: registers the ``%%ddp_train`` cell magic."""
-    from nbddp.jupyter.magics import load_ipython_extension as load
+    from nbddp.doors.jupyter.magics import load_ipython_extension as load
 
     load(ipython)

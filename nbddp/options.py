@@ -124,7 +124,7 @@ class LaunchOptions:
     """Run the ranks as a Slurm job; ``None`` runs them here."""
 
     def __post_init__(self) -> None:
-        from nbddp.parameters import check_name
+        from nbddp.notebook.literals import check_name
 
         if self.nproc is not None and self.nproc < 1:
             raise UsageError(f"--nproc {self.nproc}: need at least 1 process.")
@@ -201,7 +201,7 @@ class LaunchOptions:
 
 def _value_arg(value: Any) -> str:
     """``-p`` text that parses back to exactly ``value`` (a string stays a string, never a literal)."""
-    from nbddp.parameters import parse_value
+    from nbddp.notebook.literals import parse_value
 
     if isinstance(value, str) and parse_value(value) == value and not value.startswith("-"):
         return value
@@ -309,7 +309,7 @@ def parse_returns(text: str) -> tuple[str, ...]:
 def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], tuple[str, ...]]:
     """``(engine, parameters, returns)`` from what :func:`add_script_arguments` parsed, checked."""
     from nbddp.errors import ParameterError
-    from nbddp.parameters import parse_pairs
+    from nbddp.notebook.literals import parse_pairs
 
     try:
         parameters = parse_pairs(args.parameters)

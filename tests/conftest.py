@@ -130,7 +130,7 @@ class CliRun:
         self.seen: set[int] = set()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nbddp.cli", *map(str, args)], cwd=cwd, env=full_env,
+            [sys.executable, "-m", "nbddp", *map(str, args)], cwd=cwd, env=full_env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             start_new_session=True,
         )

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from nbddp.batches import load_grid, plan
+from nbddp.doors.batch.schedule import load_grid, plan
 from nbddp.errors import ParameterError
-from nbddp.notebook import read_notebook
+from nbddp.notebook.reader import read_notebook
 from tests.conftest import code, write_notebook
 
 PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0"
@@ -189,8 +189,8 @@ def test_python_api_returns_the_summary(sweep, tmp_path):
 
 def test_gpu_slots_pin_disjoint_devices(monkeypatch):
     """Simulated: this machine has no GPU, so the count is patched; the slot arithmetic is real."""
-    from nbddp import batches
-    from nbddp.batches import BatchOptions, device_slots
+    from nbddp.doors.batch import schedule as batches
+    from nbddp.doors.batch.schedule import BatchOptions, device_slots
     from nbddp.errors import DeviceError
 
     monkeypatch.setattr(batches, "visible_gpu_count", lambda: 4)
@@ -236,8 +236,8 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
 
     from nbddp.devices import resolve
     from nbddp.options import LaunchOptions
-    from nbddp.run import _batch_pool
-    from nbddp.warm_pool import POOL_ENV, POOL_FILE, pool_key
+    from nbddp.doors.notebook_run import _batch_pool
+    from nbddp.launchers.warm_pool import POOL_ENV, POOL_FILE, pool_key
 
     said = []
     devices = resolve(cpu=True, nproc=2)

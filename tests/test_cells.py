@@ -2,9 +2,9 @@
 
 import pytest
 
-from nbddp.cells import cell_role, export_cell, select_cells
+from nbddp.notebook.cells import cell_role, export_cell, select_cells
 from nbddp.errors import CellError, NotebookError
-from nbddp.notebook import Cell, read_notebook
+from nbddp.notebook.reader import Cell, read_notebook
 from tests.conftest import code, md
 
 

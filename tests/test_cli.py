@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from nbddp.cli import main
+from nbddp.doors.cli import main
 from tests.conftest import code
 
 TRAIN = [code("lr = 0.1", "parameters"), code("#| ddp-train\nprint(lr)")]
@@ -78,10 +78,10 @@ def test_import_nbddp_does_not_import_torch():
 
 def test_help_does_not_import_torch():
     modules = _modules_after(
-        "import contextlib, io\nfrom nbddp.cli import main\n"
+        "import contextlib, io\nfrom nbddp.doors.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['--help'])"
     )
-    assert "nbddp.cli" in modules and "torch" not in modules
+    assert "nbddp.doors.cli" in modules and "torch" not in modules
 
 
 def test_console_script_help():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nbddp.checkpoint import load_returns
-from nbddp.cli import main
+from nbddp.doors.cli import main
 from tests.conftest import EXAMPLES, PYTHON, kill_group, survivors
 
 pytestmark = pytest.mark.slow

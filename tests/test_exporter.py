@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from nbddp.cli import main
+from nbddp.doors.cli import main
 from tests.conftest import code
 
 

@@ -103,7 +103,7 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     assert not run.leftovers(grace=10), "ranks outlived a SIGKILLed launcher"
     assert ranks
     # It had no chance to remove its kernel's socket folder; the next run removes it.
-    from nbddp.run import SOCKETS_PREFIX, kernel_socket_dir
+    from nbddp.doors.notebook_run import SOCKETS_PREFIX, kernel_socket_dir
 
     [left] = Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}{run.proc.pid}-*")
     fresh = kernel_socket_dir()

@@ -8,12 +8,12 @@ import shlex
 
 import pytest
 
-from nbddp.job import node_gone
+from nbddp.job.lifecycle import node_gone
 from nbddp.launchers import launcher_for
 from nbddp.launchers.slurm import Slurm, sbatch_script
 from nbddp.launchers.slurm_watch import filesystem_type
 from nbddp.options import Nodes, SlurmRequest
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 TORCHRUN = """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:

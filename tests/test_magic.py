@@ -257,7 +257,7 @@ def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):
 
 
 def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
-    from nbddp import registry
+    from nbddp.job import registry
 
     client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
     live = registry.find(run_dir.name)

@@ -3,7 +3,7 @@
 import re
 import xml.etree.ElementTree as ET
 
-from nbddp.metric_plot import nice_ticks, svg_plot, use_log_scale
+from nbddp.display.metric_plot import nice_ticks, svg_plot, use_log_scale
 
 SVG = "{http://www.w3.org/2000/svg}"
 

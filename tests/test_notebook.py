@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from nbddp.cli import main
+from nbddp.doors.cli import main
 from nbddp.errors import NotebookError
-from nbddp.notebook import read_notebook
+from nbddp.notebook.reader import read_notebook
 from tests.conftest import code, md
 
 

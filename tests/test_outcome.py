@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.outcome import Evidence, Status, judge
-from nbddp.report import RankError
-from nbddp.rundir import RunDir
+from nbddp.job.outcome import Evidence, Status, judge
+from nbddp.job.record import RankError
+from nbddp.job.rundir import RunDir
 
 RUN = RunDir(Path("/runs/r1"))
 
@@ -63,7 +63,7 @@ ROWS = [
                                              "launcher_tail": "usage: torchrun ...\nValueError: bad flag"},
      Status.FAILED, 1, None, "ValueError: bad flag\n\nthe launcher failed (exit code 2)"),
     ("unpicklable for Catalyst's spawn is bad input", {"launcher_exit": 1, "checkpoint_exists": False,
-                                                       "launcher_tail": "nbddp.runtime_catalyst.UnpicklableError: x"},
+                                                       "launcher_tail": "nbddp.rank_side.catalyst_engine.UnpicklableError: x"},
      Status.FAILED, 2, None, "UnpicklableError: x"),
     ("an error means failure even with weights", {"errors": (error(),)}, Status.FAILED, 1, 1, "rank 1 raised ValueError"),
     ("Slurm ended the job itself", {"launcher_exit": 1, "rank_exit_codes": {0: -15, 1: -15}, "checkpoint_exists": False,
@@ -103,7 +103,7 @@ def test_the_exception_of_a_failed_run_carries_its_outcome_and_pickles():
     import pickle
 
     from nbddp.errors import RunFailed, RunInterrupted, RunTimeout
-    from nbddp.outcome import run_error
+    from nbddp.job.outcome import run_error
 
     failed = run_error(judge(evidence(errors=(error(),), launcher_exit=1)), RUN)
     assert isinstance(failed, RunFailed) and failed.status == "failed" and failed.exit_code == 1

@@ -3,8 +3,8 @@
 import pytest
 
 from nbddp.errors import ParameterError
-from nbddp.notebook import read_notebook
-from nbddp.parameter_cell import check_overrides, declared_parameters, effective_parameters
+from nbddp.notebook.reader import read_notebook
+from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
 from tests.conftest import code
 
 

@@ -5,7 +5,7 @@ import ast
 import pytest
 
 from nbddp.errors import ParameterError
-from nbddp.parameters import assignments, check_name, parse_pairs, parse_value, to_literal
+from nbddp.notebook.literals import assignments, check_name, parse_pairs, parse_value, to_literal
 
 
 @pytest.mark.parametrize("name", ["x=1\nimport os#", "1lr", "lr rate", "", "class", "None", "a.b", "x;y"])

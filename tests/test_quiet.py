@@ -1,8 +1,8 @@
 """QuietStream: tracebacks once and in notebook terms, a peer's consequent failure folded, warnings once."""
 
-from nbddp.quiet import QuietStream
-from nbddp.sourcemap import Segment, SourceMap
-from nbddp.stream import LogLine, MetricsEvent
+from nbddp.job.rank_output import QuietStream
+from nbddp.notebook.sourcemap import Segment, SourceMap
+from nbddp.job.follow import LogLine, MetricsEvent
 
 SCRIPT = "/runs/x/train.py"
 SOURCE_MAP = SourceMap("nb.ipynb", "train.py", (Segment(script_start=20, length=10, cell=3, cell_line=1, role="train"),))

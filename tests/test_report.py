@@ -1,6 +1,6 @@
 """Describing exits (launchers' own reports: tests/test_launchers.py)."""
 
-from nbddp.report import describe_exit
+from nbddp.job.record import describe_exit
 
 
 

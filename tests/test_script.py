@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from nbddp.errors import NbddpError
-from nbddp.notebook import read_notebook
-from nbddp.script import ExportOptions, generate, indent_code, write_script
-from nbddp.sourcemap import SourceMap, sourcemap_path
+from nbddp.notebook.reader import read_notebook
+from nbddp.notebook.script import ExportOptions, generate, indent_code, write_script
+from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 from tests.conftest import code, md
 
 
@@ -83,15 +83,15 @@ def test_command_line_parameters_follow_papermill_cells_and_win(notebook):
     text = script.text
     assert text.index("lr = 0.2") < text.index("# %% parameters from the command line") < text.index("seen = lr")
     namespace = {"__name__": "not_main"}
-    exec(compile(text.replace("import nbddp.runtime as _nbddp\n_nbddp.start()", "pass"), "train.py", "exec"), namespace)
+    exec(compile(text.replace("import nbddp.rank_side.torch_engine as _nbddp\n_nbddp.start()", "pass"), "train.py", "exec"), namespace)
     assert namespace["seen"] == 0.5 and namespace["tag"] == "a'b\n"
 
 
 def test_parameters_without_a_parameters_cell_go_first(notebook):
     """As the magic writes values from the kernel; a notebook's -p needs a parameters cell."""
-    from nbddp.cells import select_cells
+    from nbddp.notebook.cells import select_cells
     from nbddp.errors import ParameterError
-    from nbddp.script import render
+    from nbddp.notebook.script import render
 
     nb = read_notebook(notebook([code("#| ddp\ny = x + 1"), code("#| ddp-train\npass")]))
     script = render(select_cells(nb), nb.path, ExportOptions(parameters={"x": 1}))
@@ -126,7 +126,7 @@ def test_catalyst_script_keeps_the_users_train_call(notebook):
     assert "    runner.train(model=model, loaders=loaders, num_epochs=1)\n" in text
     assert "_nbddp.use_ddp(returns=['model'])" in text
     assert text.index("use_ddp") < text.index("runner.train(")
-    assert "import nbddp.runtime_catalyst as _nbddp\n_nbddp.start()" in text
+    assert "import nbddp.rank_side.catalyst_engine as _nbddp\n_nbddp.start()" in text
 
 
 def test_engine_can_be_forced(notebook):

@@ -2,7 +2,7 @@
 
 import json
 
-from nbddp.stream import LogLine, MetricsEvent, RunFollower
+from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
 
 
 def append(path, data: bytes):

@@ -1,7 +1,7 @@
 """What `nbddp run` prints: rank lines, and on a terminal tqdm's epoch bar; metrics are never echoed as lines."""
 
-from nbddp.stream import LogLine, MetricsEvent
-from nbddp.terminal import NotebookOutputSink, TerminalSink
+from nbddp.job.follow import LogLine, MetricsEvent
+from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 
 
 def test_without_a_terminal_only_what_the_ranks_printed_is_shown():

@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("ipywidgets")
 
-from nbddp.jupyter.view import CHUNK_LINES, KEEP_LINES, MAX_CHUNKS, LogPane  # noqa: E402
+from nbddp.doors.jupyter.view import CHUNK_LINES, KEEP_LINES, MAX_CHUNKS, LogPane  # noqa: E402
 
 
 def _text(chunk) -> str:

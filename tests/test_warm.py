@@ -153,8 +153,8 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
         time.sleep(0.2)
     assert not any(alive(p) for p in running.values()), "warm ranks outlived their kernel"
     # The killed kernel couldn't remove its pool's folder; the next pool anywhere removes it.
-    from nbddp.procs import owned_temp_dir
-    from nbddp.warm_pool import FOLDER_PREFIX
+    from nbddp.launchers.process_groups import owned_temp_dir
+    from nbddp.launchers.warm_pool import FOLDER_PREFIX
 
     [left] = Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*")
     os.rmdir(owned_temp_dir(FOLDER_PREFIX))
@@ -164,7 +164,7 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
 def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so():
     from pathlib import Path
 
-    from nbddp import warm_pool
+    from nbddp.launchers import warm_pool
     from nbddp.devices import Devices
 
     cpu = Devices("cpu", 2)

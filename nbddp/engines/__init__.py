@@ -13,7 +13,7 @@ import ast
 from dataclasses import dataclass
 from typing import Sequence
 
-from nbddp.cells import TRAIN, ExportedCell
+from nbddp.notebook.cells import TRAIN, ExportedCell
 from nbddp.errors import NbddpError
 
 ENGINES = ("torch", "catalyst")

@@ -14,7 +14,7 @@ from nbddp.engines import EngineCode
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
     return EngineCode(
         imports=(
-            "import nbddp.runtime as _nbddp",
+            "import nbddp.rank_side.torch_engine as _nbddp",
             "_nbddp.start()  # joins the process group (nccl on GPUs, gloo on CPU) under torchrun",
         ),
         train_prologue=(),

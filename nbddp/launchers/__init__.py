@@ -2,8 +2,8 @@
 
 A :class:`Launcher` turns a written script, the devices and the run dir into the command that
 starts every rank, and reads the launcher's own output back into per-rank exit codes. Everything
-else is shared: :class:`nbddp.launch.Launch` owns the local process (one process group,
-parent-death signal, SIGTERM → grace → SIGKILL), :class:`nbddp.job.Job` follows and judges.
+else is shared: :class:`nbddp.launchers.local_process.Launch` owns the local process (one process group,
+parent-death signal, SIGTERM → grace → SIGKILL), :class:`nbddp.job.lifecycle.Job` follows and judges.
 
 The implementations, chosen in one place (:func:`launcher_for`):
 
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from nbddp.devices import Devices, resolve
 from nbddp.options import DEFAULT_RDZV_TIMEOUT
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 if TYPE_CHECKING:
     from nbddp.options import LaunchOptions, Nodes, SlurmRequest
@@ -49,7 +49,7 @@ class Launcher:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        """Variables the ranks need beyond :class:`nbddp.rank_env.RankEnv`'s common ones."""
+        """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones."""
         return {}
 
     def report(self, run_dir: RunDir) -> str:

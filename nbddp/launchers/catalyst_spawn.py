@@ -1,7 +1,7 @@
 """The Catalyst engine's launcher: the script itself, whose DDP engine spawns the ranks (``mp.spawn``).
 
 The world size travels in ``NBDDP_NPROC`` and, across nodes, the topology in ``NBDDP_NNODES``,
-``NBDDP_NODE_RANK`` and ``NBDDP_MASTER`` (see :mod:`nbddp.rank_env`): Catalyst's
+``NBDDP_NODE_RANK`` and ``NBDDP_MASTER`` (see :mod:`nbddp.rank_side.env`): Catalyst's
 ``DistributedDataParallelEngine`` takes them as its ``world_size``, ``workers_dist_rank`` and
 ``address``/``port``. The ranks' exit codes come from the spawn's own error report.
 """
@@ -16,7 +16,7 @@ from nbddp.devices import Devices
 from nbddp.launchers import Launcher
 from nbddp.launchers.torchrun import rendezvous_failure
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")

@@ -27,7 +27,7 @@ from nbddp.devices import Devices
 from nbddp.errors import UsageError
 from nbddp.launchers import Launcher, _read
 from nbddp.options import SlurmRequest
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 #: Final states in which Slurm, not the training, ended the job; what each means for the user.
 SCHEDULER_ENDS = {

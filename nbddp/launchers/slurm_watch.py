@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from nbddp.launchers.slurm import FINAL_STATES
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 POLL_SECONDS = 1.0
 #: A job neither ``scontrol`` nor ``squeue`` knows for this long has ended without us seeing how.

@@ -9,7 +9,7 @@ from pathlib import Path
 from nbddp.devices import Devices
 from nbddp.launchers import Launcher
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _NODES_MISSING = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")

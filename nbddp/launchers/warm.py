@@ -1,7 +1,7 @@
-"""Warm ranks (:mod:`nbddp.warm_pool`) seen as a launcher: the job is handed to ranks already running.
+"""Warm ranks (:mod:`nbddp.launchers.warm_pool`) seen as a launcher: the job is handed to ranks already running.
 
 There is no launcher process per job. The ranks' own error reports and done marks (written as by
-a fresh rank) are the evidence, which :func:`nbddp.outcome.judge` reads the same way; should a rank
+a fresh rank) are the evidence, which :func:`nbddp.job.outcome.judge` reads the same way; should a rank
 die, the pool's torchrun reports it in the pool's log, read here with torchrun's own parsers.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nbddp.launchers import _read
 from nbddp.launchers.torchrun import Torchrun
-from nbddp.rundir import RunDir
+from nbddp.job.rundir import RunDir
 
 
 class WarmRanks(Torchrun):

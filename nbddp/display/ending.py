@@ -1,0 +1,75 @@
+"""How a run ended, said once: one line with the time, where the weights went and the run dir.
+
+Every front door ends a run with exactly one such line (the terminal's ``nbddp run``, the
+``%%ddp_train`` view and its static copy), so the four outcomes read the same everywhere:
+
+    succeeded in 11.3s · model loaded on the CPU · run dir runs/digits-20261122-101500
+    failed after 4.6s · rank 1 raised ValueError: boom · no weights came back · run dir …
+    interrupted after 3.2s · every rank stopped · no weights came back · run dir …
+    timed out after 60.0s · … · run dir …
+
+The final metrics are shown once, beside it, without the counters (epoch, step, …).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbddp.display.metric_plot import COUNTERS
+from nbddp.job.follow import format_metrics
+
+_VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
+          "timeout": "timed out after"}
+NO_WEIGHTS = "no weights came back"
+
+
+@dataclass(frozen=True)
+class Ending:
+    status: str
+    """A :class:`nbddp.job.outcome.Status` value (``succeeded``, ``failed``, ``timeout``, ``interrupted``)."""
+    seconds: float
+    run_dir: Path | None
+    weights: str = NO_WEIGHTS
+    """Where the weights went: ``model loaded on the CPU``, a path, or :data:`NO_WEIGHTS`."""
+    reason: str = ""
+    """Why it didn't succeed, in a few words (the first line of the error)."""
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "succeeded"
+
+    def line(self) -> str:
+        parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"]
+        if self.reason:
+            parts.append(self.reason)
+        parts.append(self.weights)
+        if self.run_dir is not None:
+            parts.append(f"run dir {shown_path(self.run_dir)}")
+        return " · ".join(parts)
+
+    def metrics_line(self) -> str:
+        """``final metrics: loss=0.0213 accuracy=0.98``, or ``""`` when there are none besides counters."""
+        shown = final_metrics(self.metrics)
+        return f"final metrics: {format_metrics(shown)}" if shown else ""
+
+
+def final_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if k not in COUNTERS}
+
+
+def first_line(text: str, limit: int = 160) -> str:
+    line = next((part.strip() for part in str(text).splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when it lies inside it (shorter to read)."""
+    try:
+        relative = Path(path).resolve().relative_to(Path(os.getcwd()).resolve())
+        return str(relative) if str(relative) != "." else str(path)
+    except (ValueError, OSError):
+        return str(path)

@@ -1,0 +1,90 @@
+"""Where rank output goes outside Jupyter: the terminal of ``nbddp run`` and its executed notebook."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from nbddp.job.follow import Event, LogLine, MetricsEvent, format_metrics, rank_prefix
+
+#: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
+NOTEBOOK_OUTPUT_LINES = 2000
+
+
+def stdout_write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+class TerminalSink:
+    """Rank output as ``[rank N] line``. Metrics that count epochs (``nbddp.log(epoch=..., epochs=...)``)
+    become tqdm's epoch bar under the lines on a terminal; they are never echoed as lines (the ranks
+    print what they want seen; every record is in ``metrics.jsonl``, the last one in the ending)."""
+
+    def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None) -> None:
+        self.write = write
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.bar = None
+        self.last_progress: dict[int | None, float] = {}
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine):
+            if event.progress:  # a redrawn progress bar: at most one line a second per rank
+                now = time.monotonic()
+                if now - self.last_progress.get(event.rank, 0.0) < 1.0:
+                    return
+                self.last_progress[event.rank] = now
+            self.line(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
+        elif isinstance(event, MetricsEvent):
+            epoch, epochs = event.values.get("epoch"), event.values.get("epochs")
+            if self.tty and isinstance(epochs, int) and isinstance(epoch, int) and 0 <= epoch <= epochs:
+                self._epoch_bar(event.values)
+
+    def line(self, text: str) -> None:
+        """Write ``text`` above the epoch bar (the bar stays under the newest line)."""
+        if self.bar is not None:
+            self.bar.clear()
+        self.write(text)
+        if self.bar is not None:
+            self.bar.refresh()
+
+    def _epoch_bar(self, values: dict) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=values["epochs"], unit="epoch", file=sys.stdout, dynamic_ncols=True)
+        shown = {k: v for k, v in values.items() if k not in ("epoch", "epochs", "time")}
+        self.bar.set_postfix_str(format_metrics(shown), refresh=False)
+        self.bar.update(values["epoch"] - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class NotebookOutputSink:
+    """Collects rank output as the training cell's stream outputs, capped."""
+
+    def __init__(self, run_dir: Path, limit: int = NOTEBOOK_OUTPUT_LINES) -> None:
+        self.lines: list[str] = []
+        self.limit = limit
+        self.dropped = 0
+        self.run_dir = run_dir
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine) and not event.progress:
+            if len(self.lines) < self.limit:
+                self.lines.append(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
+            else:
+                self.dropped += 1
+
+    def outputs(self) -> list[dict]:
+        from nbformat.v4 import new_output
+
+        text = "".join(self.lines)
+        if self.dropped:
+            text += f"[nbddp] {self.dropped} more lines not shown: full logs in {self.run_dir / 'logs'}\n"
+        return [new_output("stream", name="stdout", text=text)] if text else []

@@ -1,0 +1,399 @@
+"""``nbddp batch``: one notebook, a grid of parameter sets, each a full ``nbddp run``.
+
+Each run is a separate ``nbddp run`` process (its own kernel, job, run dir and
+executed notebook), so a failure or a crash stays inside its run. One loop in
+the main thread starts runs as devices free up and watches them: no worker
+threads, so every child is tied to a thread that lives as long as the batch
+(see :mod:`nbddp.launchers.parent_death`). Runs are identified by their parameters, which is
+what ``--resume`` matches on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nbddp.devices import requested_gpus, resolve, visible_gpu_count
+from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
+from nbddp.launchers import devices_for
+from nbddp.launchers.slurm import CANCEL_SECONDS
+from nbddp.notebook.reader import Notebook, read_notebook
+from nbddp.options import LaunchOptions
+from nbddp.job.outcome import Status
+from nbddp.notebook.parameters import check_overrides, declared_parameters
+from nbddp.notebook.literals import check_name, is_plain_data
+from nbddp.launchers.process_groups import stop_groups
+from nbddp.job.rundir import RunDir
+from nbddp.notebook.script import ExportOptions, generate
+from nbddp.launchers.warm_pool import POOL_ENV
+
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 12.0
+#: A ``--slurm`` run cancels its job and waits for it to leave the queue before it exits.
+SLURM_STOP_GRACE_SECONDS = CANCEL_SECONDS + 30.0
+#: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
+SLURM_PARALLEL = 4
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    index: int
+    name: str
+    parameters: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        """Identity of a run for ``--resume``: its parameters, not its position."""
+        return json.dumps(self.parameters, sort_keys=True, default=repr)
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    notebook: Path
+    grid: Any
+    """A path to a YAML/JSON file, or the grid itself (mapping of lists, or list of mappings)."""
+    launch: LaunchOptions = LaunchOptions()
+    """Every run's launch options (``launch.parameters``: fixed for every run; no run dir: each run gets one)."""
+    gpus_per_run: int | None = None
+    parallel: int | None = None
+    out: Path | None = None
+    resume: bool = False
+    fresh: bool = False
+    """Every run on ranks of its own (by default a device slot's runs share warm ranks, as ``%%ddp_train`` re-runs do)."""
+
+    def __post_init__(self) -> None:
+        if self.launch.run_dir is not None:
+            raise UsageError("a batch gives each run its own run dir under --out; --run-dir is for one run.")
+        if self.launch.nodes is not None:
+            raise UsageError("a batch spans several nodes with --slurm (each run becomes a Slurm job); with "
+                             "--nnodes every node would have to start the same runs in lockstep on one port. "
+                             "Use --slurm, or `nbddp run --nnodes` on each node for one run.")
+        if self.launch.gpus is not None and self.gpus_per_run is not None and str(self.launch.gpus) != str(self.gpus_per_run):
+            raise UsageError("--gpus and --gpus-per-run both say how many GPUs a run uses: give one.")
+        if self.gpus_per_run is not None and self.gpus_per_run < 1:
+            raise UsageError(f"--gpus-per-run {self.gpus_per_run}: need at least 1.")
+        if self.parallel is not None and self.parallel < 1:
+            raise UsageError(f"--parallel {self.parallel}: need at least 1.")
+
+    @property
+    def per_run_gpus(self) -> int | None:
+        if self.gpus_per_run is not None:
+            return self.gpus_per_run
+        return None if self.launch.gpus is None else requested_gpus(self.launch.gpus)
+
+
+def load_grid(grid: Any) -> list[dict[str, Any]]:
+    """The parameter sets of a grid: a file path, a mapping of name → values, or a list of mappings."""
+    if isinstance(grid, (str, Path)):
+        path = Path(grid)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ParameterError(f"--grid {path}: cannot read it ({exc.strerror or exc}).") from None
+        grid = _parse_grid_text(text, path)
+    if isinstance(grid, dict):
+        for name, values in grid.items():
+            if not isinstance(values, list) or not values:
+                raise ParameterError(f"grid: {name!r} must map to a non-empty list of values, not {values!r}.")
+        names = list(grid)
+        sets = [dict(zip(names, combo)) for combo in itertools.product(*(grid[n] for n in names))]
+    elif isinstance(grid, list) and all(isinstance(item, dict) for item in grid) and grid:
+        sets = [dict(item) for item in grid]
+    else:
+        raise ParameterError("a grid is a mapping of parameter name → list of values, or a non-empty list of mappings.")
+    for values in sets:
+        for name, value in values.items():
+            check_name(name)
+            if not is_plain_data(value):
+                raise ParameterError(f"grid: the value of {name!r} must be plain data, not {type(value).__name__}.")
+    return sets
+
+
+def _parse_grid_text(text: str, path: Path) -> Any:
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ParameterError(f"--grid {path}: not valid JSON ({exc}).") from None
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml is a dependency
+        raise ParameterError(f"--grid {path}: reading YAML needs pyyaml (pip install pyyaml), or use JSON.") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ParameterError(f"--grid {path}: not valid YAML ({exc}).") from None
+
+
+def plan(notebook: Notebook, sets: list[dict[str, Any]], fixed: dict[str, Any]) -> list[PlannedRun]:
+    """Check every name against the parameters cell, then name the runs.
+
+    Raises:
+        ParameterError: a name the parameters cell doesn't define (papermill only warns).
+    """
+    if not declared_parameters(notebook):
+        raise ParameterError(f"{notebook.path}: no 'parameters' cell, so a batch has nothing to vary. "
+                             "Tag the cell that sets the hyperparameters 'parameters' (or start it with '#| parameters').")
+    check_overrides(notebook, {n for values in sets for n in values} | set(fixed))
+    runs = []
+    for index, values in enumerate(sets, start=1):
+        parameters = {**values, **fixed}
+        label = "-".join(f"{k}={_short(v)}" for k, v in values.items())
+        name = re.sub(r"[^A-Za-z0-9._=+-]+", "_", f"{index:03d}-{label}")[:90].rstrip("_-")
+        runs.append(PlannedRun(index, name, parameters))
+    return runs
+
+
+def _short(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=repr)
+
+
+@dataclass
+class RunState:
+    run: PlannedRun
+    run_dir: Path
+    process: subprocess.Popen | None = None
+    slot: int = -1
+    """The index of the device slot it runs in (CPU slots have no GPU ids, so only the index tells them apart)."""
+    started: float = 0.0
+    status: str = "pending"
+
+
+class Batch:
+    """Schedules the planned runs onto device slots and records how each ended."""
+
+    def __init__(self, options: BatchOptions, out: Path, runs: list[PlannedRun], slots: list[tuple[str, ...]],
+                 nproc: int, device_kind: str, progress: Callable[["Batch"], None] | None = None,
+                 engine: str = "torch") -> None:
+        self.options, self.out, self.runs = options, out, runs
+        self.slots = slots
+        self.free_slots = list(range(len(slots)))
+        self.nproc, self.device_kind = nproc, device_kind
+        self.progress = progress or (lambda batch: None)
+        self.states = [RunState(r, out / r.name) for r in runs]
+        launch = options.launch
+        self.warm = not (options.fresh or device_kind == "slurm" or engine != "torch" or launch.max_restarts)
+        self.cwd = Path(options.notebook).resolve().parent
+        self.pools: dict[int, Any] = {}
+        """Each device slot's warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`), kept between its runs."""
+        self.last_run: dict[int, str] = {}
+        """Why a slot's next run can't use its warm ranks: its last run did not succeed."""
+
+    def run(self) -> list[RunState]:
+        pending = [s for s in self.states if not self._finished_before(s)]
+        running: list[RunState] = []
+        try:
+            while pending or running:
+                while pending and self.free_slots:
+                    state = pending.pop(0)
+                    self._start(state, self.free_slots.pop(0))
+                    running.append(state)
+                for state in list(running):
+                    if state.process.poll() is not None:
+                        self._finish(state)
+                        running.remove(state)
+                self.progress(self)
+                time.sleep(POLL_SECONDS)
+        except BaseException:
+            self._stop_all(running)
+            raise
+        finally:
+            for pool in self.pools.values():
+                pool.stop()
+        self.progress(self)
+        return self.states
+
+    def _finished_before(self, state: RunState) -> bool:
+        """``--resume``: a run whose parameters already succeeded in this folder is skipped."""
+        if not self.options.resume:
+            return False
+        for result in self.out.glob("*/result.json"):
+            try:
+                data = json.loads(result.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
+            if data.get("status") == Status.SUCCEEDED and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
+                state.run_dir, state.status = result.parent, "skipped"
+                return True
+        return False
+
+    def _start(self, state: RunState, index: int) -> None:
+        slot = self.slots[index]
+        if state.run_dir.exists():  # an earlier failed or interrupted try: keep it, beside
+            attempt = 1
+            while state.run_dir.with_name(f"{state.run_dir.name}.try{attempt}").exists():
+                attempt += 1
+            state.run_dir.rename(state.run_dir.with_name(f"{state.run_dir.name}.try{attempt}"))
+        state.run_dir.mkdir(parents=True, mode=0o700)
+        env = dict(os.environ)
+        devices: dict[str, Any] = {"cpu": True, "nproc": self.nproc, "gpus": None}
+        if self.device_kind == "slurm":
+            devices = {}
+        elif self.device_kind == "cuda":
+            devices = {"cpu": False, "nproc": None, "gpus": str(len(slot))}
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
+        launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
+        argv = [sys.executable, "-m", "nbddp", "run", str(self.options.notebook),
+                "-o", str(RunDir(state.run_dir).output), *launch.to_argv()]
+        log = open(RunDir(state.run_dir).batch_log, "ab")
+        try:
+            env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
+            pool = self._warm_pool(index, launch, env, log)
+            if pool is not None:
+                env[POOL_ENV] = str(pool.folder)
+            state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             env=env, start_new_session=True)
+        finally:
+            log.close()
+        state.slot, state.started, state.status = index, time.monotonic(), "running"
+
+    def _warm_pool(self, slot: int, launch: LaunchOptions, env: dict[str, str], log: Any) -> Any:
+        """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and
+        again (with a line in the run's log saying why) when what they were started with no longer holds."""
+        if not self.warm:
+            return None
+        from nbddp.launchers.warm_pool import WarmPool, pool_key, why_fresh
+
+        devices = devices_for(launch, visible=len(self.slots[slot]) or None)
+        key = pool_key(devices, self.cwd, launch.collective_timeout, env)
+        pool, why = self.pools.get(slot), self.last_run.pop(slot, "")
+        if pool is not None:
+            pool.note_modules()
+            why = why_fresh(pool, key, pool.idle, why)
+            if not why:
+                return pool
+            self._drop_pool(slot)
+        if why:
+            log.write(f"nbddp: starting fresh warm ranks: {why}\n".encode())
+            log.flush()
+        try:
+            self.pools[slot] = WarmPool(key, devices, environ=env)
+        except OSError as exc:  # the run starts its own ranks, and would say why it can't either
+            log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
+            log.flush()
+            return None
+        return self.pools[slot]
+
+    def _drop_pool(self, slot: int) -> None:
+        """Stop a slot's warm ranks; forgotten only once stopped, so an interrupt meanwhile still finds them."""
+        self.pools[slot].stop()
+        del self.pools[slot]
+
+    def _finish(self, state: RunState) -> None:
+        self.free_slots.append(state.slot)
+        code = state.process.returncode
+        state.status = _status_of(state.run_dir, code)
+        if state.status != Status.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
+            self._drop_pool(state.slot)
+            self.last_run[state.slot] = ("the last run timed out" if state.status == Status.TIMEOUT
+                                         else f"the last run {state.status}")
+
+    def _stop_all(self, running: Sequence[RunState]) -> None:
+        """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
+        grace = SLURM_STOP_GRACE_SECONDS if self.device_kind == "slurm" else STOP_GRACE_SECONDS
+        stop_groups([s.process.pid for s in running], grace=grace,
+                    reap=lambda: [s.process.poll() for s in running])
+        for state in running:
+            try:
+                state.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # out of its group (it can't be: SIGKILL it by pid)
+                state.process.kill()
+                state.process.wait()
+            state.status = _status_of(state.run_dir, state.process.returncode, default=Status.INTERRUPTED)
+
+
+def _status_of(run_dir: Path, code: int | None, default: str = Status.FAILED) -> str:
+    try:
+        return json.loads(RunDir(run_dir).result.read_text(encoding="utf-8"))["status"]
+    except (OSError, ValueError, KeyError):
+        return Status.SUCCEEDED if code == 0 else default
+
+
+def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[list[tuple[str, ...]], int, str]:
+    """``(slots, nproc, kind)``: each slot is the GPU ids one run gets (empty on CPU).
+
+    Raises:
+        DeviceError: a run needs more GPUs than are visible.
+    """
+    if options.launch.slurm is not None:  # Slurm places each run's job; its devices are the job's
+        if options.gpus_per_run is not None:
+            raise UsageError("--gpus-per-run counts this machine's GPUs; with --slurm say --gpus-per-node G.")
+        return [() for _ in range(options.parallel or SLURM_PARALLEL)], options.launch.nproc or 0, "slurm"
+    gpus = 0 if options.launch.cpu else visible_gpu_count()
+    if gpus == 0:
+        if options.per_run_gpus:
+            raise DeviceError(f"--gpus-per-run {options.per_run_gpus}: no GPU is visible. Use --cpu --nproc N.")
+        devices = resolve(cpu=True, nproc=options.launch.nproc)
+        if not options.launch.cpu:
+            say(f"nbddp: no GPU visible: each run uses {devices.nproc} CPU processes (gloo).")
+        return [() for _ in range(options.parallel or 1)], devices.nproc, "cpu"
+    per_run = options.per_run_gpus or 1
+    if per_run > gpus:
+        raise DeviceError(f"--gpus-per-run {per_run} asks for more GPUs than the {gpus} visible.")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")][:gpus] if visible else [str(i) for i in range(gpus)]
+    slots = [tuple(ids[i * per_run:(i + 1) * per_run]) for i in range(gpus // per_run)]
+    if options.parallel:
+        slots = slots[: options.parallel]
+    return slots, per_run, "cuda"
+
+
+def default_out(notebook: Path) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return notebook.resolve().parent / "batches" / f"{notebook.stem}-{stamp}"
+
+
+def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = None,
+              say: Callable[[str], None] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Plan, check, run and summarize a batch. Returns ``(rows, exit code)``.
+
+    Bad input (grid, names, devices) raises before anything runs.
+    """
+    from nbddp.doors.batch.summary import summarize
+
+    say = say or (lambda text: print(text, file=sys.stderr, flush=True))
+    notebook = read_notebook(options.notebook)
+    runs = plan(notebook, load_grid(options.grid), options.launch.parameters)
+    slots, nproc, kind = device_slots(options, say)
+    out = Path(options.out) if options.out else default_out(options.notebook)
+    if options.resume and not out.exists():
+        raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
+    engine = generate(notebook, ExportOptions(engine=options.launch.engine, returns=options.launch.returns)).engine
+    batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)
+    try:
+        states = batch.run()
+    finally:
+        rows = summarize(out, [(s.run, s.run_dir, s.status) for s in batch.states])
+    failed = [s for s in states if s.status not in (Status.SUCCEEDED, "skipped")]
+    return rows, 1 if failed else 0
+
+
+def batch(notebook: str | Path, grid: Any, *, parameters: dict[str, Any] | None = None, gpus_per_run: int | None = None,
+          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, fresh: bool = False,
+          **launch: Any):
+    """Run a parameter grid from Python; returns the summary (a pandas DataFrame if pandas is installed).
+
+    ``launch``: any :class:`nbddp.options.LaunchOptions` field (``cpu``, ``nproc``, ``engine``, ``timeout``,
+    ``collective_timeout``, ``idle_timeout``, ``max_restarts``, ``returns``), as on the command line.
+    ``fresh``: start every run's ranks anew instead of sharing a device slot's warm ranks.
+    """
+    options = BatchOptions(Path(notebook), grid, LaunchOptions(parameters=dict(parameters or {}), **launch),
+                           gpus_per_run, parallel, Path(out) if out else None, resume, fresh)
+    rows, _ = run_batch(options)
+    try:
+        import pandas
+    except ImportError:
+        return rows
+    return pandas.DataFrame(rows)

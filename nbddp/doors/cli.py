@@ -1,0 +1,225 @@
+"""``nbddp``: the command line, a thin shell over the core.
+
+argparse turns argv into frozen option objects; the work happens in
+:mod:`nbddp.notebook.script` and :mod:`nbddp.doors.notebook_run`. Nothing imported here at module
+level imports torch, so ``nbddp --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from nbddp import __version__
+from nbddp.errors import NbddpError, UsageError
+from nbddp.options import (add_device_arguments, add_launch_arguments, add_script_arguments, add_topology_arguments,
+                           launch_options, script_arguments)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nbddp",
+        description="Distributed PyTorch training (DDP) from Jupyter notebooks.",
+        epilog="Tag cells 'parameters', 'ddp' (setup, runs in every rank) and 'ddp-train' "
+        "(the training), or start them with '#| ddp' / '#| ddp-train'.",
+    )
+    parser.add_argument("--version", action="version", version=f"nbddp {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    export = commands.add_parser("export", help="write the DDP training script of a notebook")
+    export.add_argument("notebook", type=Path, help="the .ipynb file")
+    export.add_argument("-o", "--output", default=None,
+                        help="script path (default: NOTEBOOK with .py); '-' prints it")
+    add_script_arguments(export)
+    export.add_argument("--keep-markdown", action="store_true", help="keep markdown cells as comments")
+    add_device_arguments(export)
+    add_topology_arguments(export)
+    export.set_defaults(handler=_export)
+
+    run = commands.add_parser("run", help="run a notebook with its training cells as a DDP job")
+    run.add_argument("notebook", type=Path, help="the .ipynb file")
+    run.add_argument("-o", "--output", type=Path, default=None,
+                     help="executed notebook (default: RUN_DIR/output.ipynb)")
+    add_launch_arguments(run)
+    run.set_defaults(handler=_run)
+
+    batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
+    batch.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
+    batch.add_argument("--grid", required=True, type=Path,
+                       help="YAML/JSON: name -> list of values (all combinations), or a list of mappings")
+    add_launch_arguments(batch, run_dir=False)
+    sweep = batch.add_argument_group("batch")
+    sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
+                       help="GPUs per run (default 1; --gpus K says the same)")
+    sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1; --slurm default 4)")
+    sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
+    sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
+    sweep.add_argument("--fresh", action="store_true",
+                       help="start every run's ranks anew (default: a device slot's runs share warm ranks)")
+    batch.set_defaults(handler=_batch)
+
+    ps = commands.add_parser("ps", help="list the runs alive now")
+    ps.set_defaults(handler=_ps)
+    kill = commands.add_parser("kill", help="stop a live run and every process of it")
+    kill.add_argument("runs", nargs="+", metavar="RUN", help="run dir name or path (from nbddp ps), or its process group")
+    kill.set_defaults(handler=_kill)
+    return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from nbddp.notebook.reader import read_notebook
+    from nbddp.notebook.script import ExportOptions, generate, write_script
+
+    from nbddp.doors.export import export_launch
+
+    to_stdout = args.output == "-"
+    target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
+    if args.nnodes is not None and args.node_rank is None:
+        args.node_rank = 0  # the header gives the command of every node
+    engine, parameters, returns = script_arguments(args)
+    script_name = "train.py" if target is None else target.name
+    notebook = read_notebook(args.notebook)
+    plan = export_launch(args, notebook, engine, script_name)
+    if plan.sbatch is not None and to_stdout:
+        raise UsageError("--slurm writes train.sbatch beside the script: give -o PATH instead of -o -.")
+    options = ExportOptions(engine=plan.engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
+                            script_name=script_name, launch_hint=plan.hint,
+                            script_dir=Path.cwd() if target is None else target.parent)
+    script = generate(notebook, options)
+    if to_stdout:
+        sys.stdout.write(script.text)
+        return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path, map_path = write_script(script, target)
+    print(f"wrote {path} ({script.engine} engine) and its source map {map_path.name}", file=sys.stderr)
+    if plan.sbatch is not None:
+        sbatch = path.with_suffix(".sbatch")
+        sbatch.write_text(plan.sbatch, encoding="utf-8")
+        sbatch.chmod(0o755)
+        print(f"wrote {sbatch}: submit it with `sbatch {sbatch.name}` from {path.parent}", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from nbddp.doors.notebook_run import RunOptions, SignalReceived, run_notebook
+
+    options = RunOptions(args.notebook, launch_options(args), args.output, command=_command())
+
+    def stop(signum, frame):  # noqa: ANN001 - SIGINT already raises KeyboardInterrupt
+        raise SignalReceived(signum)
+
+    # Only the CLI installs handlers (never the kernel): the run stops every rank and exits 128+N.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return run_notebook(options).exit_code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from nbddp.doors.batch.schedule import BatchOptions, run_batch
+    from nbddp.doors.notebook_run import SignalReceived
+
+    options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
+                           args.out, args.resume, args.fresh)
+
+    def stop(signum, frame):  # noqa: ANN001
+        raise SignalReceived(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rows, code = run_batch(options, progress=_BatchProgress())
+    except KeyboardInterrupt:
+        print("\nnbddp: batch interrupted; every running run was stopped. Resume with --resume.", file=sys.stderr)
+        return 130
+    except SignalReceived as exc:
+        print(f"\nnbddp: batch stopped by {signal.Signals(exc.signum).name}. Resume with --resume.", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = sum(r["status"] != "succeeded" for r in rows)
+    print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
+          if rows else "nbddp: no runs", file=sys.stderr)
+    return code
+
+
+class _BatchProgress:
+    """tqdm's bar over the batch's runs (on a terminal; one line per finished run otherwise)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.done = 0
+
+    def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.doors.batch.schedule.Batch
+        from tqdm import tqdm
+
+        states = batch.states
+        finished = [s for s in states if s.status not in ("pending", "running")]
+        failed = sum(s.status not in ("succeeded", "skipped") for s in finished)
+        if self.bar is None:
+            self.bar = tqdm(total=len(states), unit="run", file=sys.stderr, dynamic_ncols=True,
+                            disable=not sys.stderr.isatty())
+        running = [s.run.name for s in states if s.status == "running"]
+        self.bar.set_postfix_str(f"{failed} failed; running {', '.join(running) or 'none'}", refresh=False)
+        self.bar.update(len(finished) - self.bar.n)
+        if self.bar.disable and len(finished) != self.done:
+            print(f"{len(finished)}/{len(states)} runs done, {failed} failed", file=sys.stderr, flush=True)
+        self.done = len(finished)
+        if len(finished) == len(states):
+            self.bar.close()
+
+
+def _ps(args: argparse.Namespace) -> int:
+    import time
+
+    from nbddp.job.registry import live_runs
+
+    runs = live_runs()
+    if not runs:
+        print("no live runs")
+        return 0
+    print(f"{'RUN':<40} {'AGE':>7} {'ENGINE':<9} {'WORLD':>5} {'OWNER':<14} RUN DIR")
+    for run in runs:
+        age = time.time() - run.started
+        print(f"{run.name:<40} {age:>6.0f}s {run.engine:<9} {run.world_size:>5} {run.owner + ' ' + str(run.owner_pid):<14} {run.run_dir}")
+    return 0
+
+
+def _kill(args: argparse.Namespace) -> int:
+    from nbddp.job.registry import find, kill
+
+    code = 0
+    for which in args.runs:
+        run = find(which)
+        if kill(run):
+            print(f"stopped {run.name}")
+        else:
+            print(f"nbddp: error: {run.name} still has processes after SIGKILL", file=sys.stderr)
+            code = 1
+    return code
+
+
+def _command() -> str:
+    """How this process was started, for ``result.json``."""
+    from nbddp.options import format_argv
+
+    return format_argv(["nbddp", *sys.argv[1:]])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except NbddpError as exc:
+        print(f"nbddp: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

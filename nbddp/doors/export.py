@@ -1,0 +1,87 @@
+"""How an exported script is launched by hand: the header's command, and the sbatch script for Slurm.
+
+``nbddp export`` takes the same device, node and Slurm flags as ``nbddp run``; instead of
+launching, it writes what a person types (the per-node torchrun command, in the script's header)
+or submits (``train.sbatch`` beside ``train.py``, made by the same generator ``nbddp run --slurm``
+submits). Nothing here probes this machine's devices: the script runs elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from nbddp.notebook.cells import select_cells
+from nbddp.devices import Devices
+from nbddp.engines import detect_engine
+from nbddp.errors import UsageError
+from nbddp.notebook.reader import Notebook
+from nbddp.launchers.slurm import slurm_devices
+from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    engine: str
+    hint: str | None
+    """The header's launch command (``None``: the engine's one-machine default)."""
+    sbatch: str | None = None
+    """The batch script's text, for ``--slurm``."""
+
+
+def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | None, script_name: str) -> ExportPlan:
+    """The launch plan of an export, from ``nbddp export``'s device, node and Slurm flags."""
+    nodes, slurm = topology(args)
+    engine = engine or detect_engine(select_cells(notebook))
+    devices = _devices(args, slurm)
+    if slurm is not None:
+        from nbddp.launchers.slurm import sbatch_script
+
+        if nodes is not None:
+            raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint.")
+        # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
+        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", 2), script_name, python=sys.executable,
+                               rdzv_timeout=args.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
+        return ExportPlan(engine, f"sbatch {script_name.rsplit('.', 1)[0]}.sbatch  (Slurm; see that file)", sbatch)
+    if nodes is None:
+        return ExportPlan(engine, None if devices is None else local_hint(engine, devices, script_name))
+    return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", 2), script_name, args.rdzv_timeout))
+
+
+def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | None:
+    """The devices the header and batch script name; ``None``: the engine's one-machine default."""
+    from nbddp.devices import requested_gpus
+
+    if slurm is not None and args.gpus is not None:
+        raise UsageError("--gpus counts this machine's GPUs; with --slurm say --gpus-per-node G.")
+    gpus = slurm.gpus_per_node if slurm is not None else (requested_gpus(args.gpus) if args.gpus is not None else None)
+    if gpus is not None and (args.cpu or args.nproc is not None):
+        raise UsageError("GPUs and --cpu/--nproc contradict each other: choose one.")
+    if slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
+        return slurm_devices(slurm, args.cpu, args.nproc, require_commands=False)
+    if gpus is not None:
+        return Devices("cuda", gpus)
+    if args.cpu or args.nproc is not None:
+        return Devices("cpu", args.nproc or 2)
+    return None
+
+
+def local_hint(engine: str, devices: Devices, script: str) -> str:
+    if engine == "catalyst":
+        return f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind} python {script}"
+    return f"python -m torch.distributed.run --standalone --nproc-per-node {devices.nproc} {script}"
+
+
+def node_hint(engine: str, nodes: Nodes, devices: Devices, script: str,
+              rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT) -> str:
+    """The command every node runs, ``R`` standing for its node rank."""
+    host = nodes.host_port()[0]
+    others = "1" if nodes.count == 2 else f"1 to {nodes.count - 1}"
+    where = f"   (on every node: R=0 on {host}, R={others} on the others)"
+    if engine == "catalyst":
+        return (f"NBDDP_NNODES={nodes.count} NBDDP_NODE_RANK=R NBDDP_MASTER={nodes.endpoint} "
+                f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind} python {script}" + where)
+    return (f"python -m torch.distributed.run --nnodes {nodes.count} --node-rank R --rdzv-backend static "
+            f"--rdzv-endpoint {nodes.endpoint} --rdzv-conf timeout={int(rdzv_timeout)} "
+            f"--nproc-per-node {devices.nproc} {script}" + where)

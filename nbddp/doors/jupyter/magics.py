@@ -1,0 +1,162 @@
+"""``%load_ext nbddp`` → ``%%ddp_train``: argument parsing and display only.
+
+The work is in :mod:`nbddp.doors.jupyter.kernel_cells`; this module records which ``#| ddp``
+cells the kernel executed (IPython's ``pre_run_cell`` event carries the cell
+id the front end sent) and turns the magic's line into options.
+"""
+
+from __future__ import annotations
+
+
+import time
+from pathlib import Path
+
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script, run_cell_job
+from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
+from nbddp.display.ending import NO_WEIGHTS, Ending, first_line
+from nbddp.errors import RunError
+from nbddp.options import ArgumentParser, add_launch_arguments, launch_options, parse_line
+from nbddp.job.outcome import Status
+from nbddp.job.record import last_metrics
+
+
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%%ddp_train", description="Train the cell with DDP; the weights come back here.")
+    add_launch_arguments(parser)
+    parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start fresh ranks for this run instead of the kernel's warm ones (%%ddp_ranks shows them)")
+    return parser
+
+
+_PARSER = _parser()
+
+
+def _ranks_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show, stop or restart them.")
+    parser.add_argument("action", nargs="?", choices=("show", "stop", "restart"), default="show")
+    parser.add_argument("--idle", type=float, metavar="SECONDS",
+                        help="idle ranks exit after this long without a run (default 600)")
+    return parser
+
+
+_RANKS_PARSER = _ranks_parser()
+
+
+@magics_class
+class DdpMagics(Magics):
+    def __init__(self, shell) -> None:  # noqa: ANN001
+        super().__init__(shell)
+        self.history = CellHistory()
+        self.warm_idle = 600.0
+        shell.events.register("pre_run_cell", self._record)
+
+    def _record(self, info) -> None:  # noqa: ANN001 - IPython's ExecutionInfo
+        tags = ()
+        kernel = getattr(self.shell, "kernel", None)
+        if kernel is not None:  # tags, when the front end reports them with the request
+            try:
+                tags = tuple(kernel.get_parent().get("metadata", {}).get("tags", ()) or ())
+            except Exception:  # noqa: BLE001 - a front end's odd metadata must never break a cell
+                tags = ()
+        self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, self.shell.execution_count)
+
+    @line_magic
+    def ddp_ranks(self, line: str):
+        """Show (``%ddp_ranks``), ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets
+        how long idle ranks wait for the next ``%%ddp_train`` before exiting (default 600)."""
+        from nbddp.launchers import warm_pool
+
+        args = parse_line(_RANKS_PARSER, line)
+        if args is None:
+            return None
+        if args.idle is not None:
+            self.warm_idle = args.idle
+        if args.action in ("stop", "restart"):
+            stopped = warm_pool.stop_current()
+            print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
+                  + ("; the next %%ddp_train starts fresh ones" if args.action == "restart" else ""))
+            return None
+        print(f"[nbddp] {warm_pool.describe()}")
+        return None
+
+    @cell_magic
+    def ddp_train(self, line: str, cell: str):
+        """Train this cell across the GPUs (or CPU processes) with DDP; weights come back here.
+
+        Options are those of ``nbddp run`` (``%%ddp_train --help`` lists them), plus ``--dry-run``.
+        """
+        args = parse_line(_PARSER, line)
+        if args is None:  # --help
+            return None
+        options = launch_options(args)
+        script, parameters = build_script(self.history, cell, self.shell.user_ns, options,
+                                          self.shell.execution_count)
+        if args.dry_run:
+            print(script.text)
+            return None
+        return self._train(script, parameters, options, f"%%ddp_train {line}".strip(), warm=not args.fresh)
+
+    def _train(self, script, parameters, options, command: str, warm: bool) -> None:  # noqa: ANN001
+        """Run the job with its live view; end with one line, or an error without nbddp's frames."""
+        from nbddp.doors.jupyter.view import make_view
+
+        started = time.monotonic()
+        view = None
+        run_dir: Path | None = None
+
+        def on_start(directory: Path, ranks: range) -> None:
+            nonlocal view, run_dir
+            run_dir = directory
+            view = make_view(ranks, directory)
+
+        def sink(event) -> None:  # noqa: ANN001
+            if view is not None:
+                view(event)
+
+        def heartbeat() -> None:
+            if view is not None:
+                view.tick()
+            if getattr(self.shell, "exit_now", False):  # ipykernel's shutdown_request: a restart or shutdown
+                raise KeyboardInterrupt("the kernel is shutting down")
+
+        def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
+            if view is None:
+                return
+            metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
+            ending = Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics)
+            try:
+                view.close(ending)
+            except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
+                print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
+
+        try:
+            result = run_cell_job(script, parameters, options, self.shell.user_ns, [sink], command=command,
+                                  on_start=on_start, heartbeat=heartbeat, warm=warm, warm_idle=self.warm_idle)
+        except KeyboardInterrupt:
+            shutting_down = getattr(self.shell, "exit_now", False)
+            end(Status.INTERRUPTED, "the kernel is restarting or shutting down" if shutting_down
+                else "every rank stopped")
+            raise _short_interrupt(time.monotonic() - started, run_dir) from None
+        except RunError as exc:
+            end(exc.status, first_line(str(exc)))
+            raise
+        except BaseException as exc:  # the checkpoint couldn't load, or nbddp itself broke: say so, then raise
+            end(Status.FAILED, first_line(f"{type(exc).__name__}: {exc}"))
+            raise
+        end(Status.SUCCEEDED, weights=result.weights(), metrics=result.record.final_metrics)
+        return None
+
+
+def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
+    """A KeyboardInterrupt that IPython shows as one short message, not nbddp's stack and the cell's source."""
+    where = f" Its logs: {run_dir}" if run_dir else ""
+    exc = KeyboardInterrupt(f"the run was interrupted after {seconds:.1f}s; every rank has stopped.{where}")
+    exc._render_traceback_ = lambda: [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {exc}"]  # IPython looks for it
+    return exc
+
+
+def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+    apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process)
+    ipython.register_magics(DdpMagics(ipython))

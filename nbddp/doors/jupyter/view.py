@@ -1,0 +1,255 @@
+"""What a running ``%%ddp_train`` cell shows: ipywidgets where they render, text elsewhere.
+
+The widget view is displayed once and then only its widgets' values change (never the output
+itself), so the front end keeps its DOM: a reader's scroll position and selection in a log pane
+survive new lines, which arrive as new chunks appended below the old ones. The status line and
+the plot are redrawn together, from the same metrics record, so they never disagree.
+
+When the run ends, however it ends, the output is replaced (``update_display``) by a static copy
+(:mod:`nbddp.doors.jupyter.snapshot`) that renders without a kernel: after a reload, in nbviewer or on
+GitHub. Should the kernel restart mid-run, the page's widget manager marks the view disconnected,
+and a CSS rule in the view turns its status line into a note saying so (no JavaScript needed).
+
+The output's ``text/plain`` copy is what front ends without widgets show, and what nbclient and
+papermill store. A terminal IPython, which can't update a display, gets lines printed as they come.
+Updates happen in the thread running the cell (ipykernel's output from other threads changed
+across versions).
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Sequence
+
+from nbddp.display.ending import Ending, shown_path
+from nbddp.doors.jupyter.snapshot import snapshot_html, snapshot_text
+from nbddp.display.metric_plot import curves, svg_plot
+from nbddp.job.follow import Event, LogLine, MetricsEvent, format_metrics, rank_prefix
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+REFRESH_SECONDS = 0.25
+KEEP_LINES = 400
+PANE_HEIGHT_PX = 240
+#: A pane's lines arrive as chunks (one per refresh that had new lines). Past this many, the pane
+#: is rebuilt as one chunk of its last KEEP_LINES lines: rare, and bounding what the page holds.
+MAX_CHUNKS = 400
+#: A chunk holds at most this many lines: a burst of 100k lines in one refresh shows its last ones
+#: under a line saying how many were skipped (the run dir's logs have every line), so the page and
+#: the widget messages stay small however fast a rank prints.
+CHUNK_LINES = KEEP_LINES
+
+#: The view's own CSS, scoped to it. ipywidgets adds ``jupyter-widgets-disconnected`` to every
+#: widget of a kernel that restarted: then the status says so and the bar turns grey.
+_STYLE = """<style>
+.nbddp-view .nbddp-gone{display:none}
+.nbddp-view.jupyter-widgets-disconnected .nbddp-gone{display:inline;color:#b00020}
+.nbddp-view.jupyter-widgets-disconnected .nbddp-live{display:none}
+.nbddp-view.jupyter-widgets-disconnected .progress-bar{background-color:#9e9e9e !important}
+.nbddp-view pre.nbddp-lines{margin:0;padding:0 4px;line-height:1.35;font-size:12px;white-space:pre}
+</style>"""
+
+
+class TextView:
+    """Plain text: each line printed as it arrives (terminal IPython, plain Python)."""
+
+    def __init__(self, write=print) -> None:
+        self.write = write
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine) and not event.progress:
+            self.write(f"{rank_prefix(event.rank, event.every_rank)}{event.text}")
+
+    def tick(self) -> None:
+        pass
+
+    def close(self, ending: Ending) -> None:
+        self.write(f"[nbddp] {ending.line()}")
+        if ending.metrics_line():
+            self.write(f"[nbddp] {ending.metrics_line()}")
+
+
+class LogPane:
+    """One scrolling log pane: lines appended as new chunks, so what is on screen stays put.
+
+    The scroll box is a flex column in reverse: it opens scrolled to the bottom and stays there as
+    lines arrive, unless the reader has scrolled up, whose place the browser keeps.
+    """
+
+    def __init__(self, w: Any) -> None:
+        self._w = w
+        self.inner = w.VBox(layout=w.Layout(flex="0 0 auto", width="100%"))
+        self.scroller = w.Box([self.inner], layout=w.Layout(
+            height=f"{PANE_HEIGHT_PX}px", overflow="auto", display="flex", flex_flow="column-reverse"))
+        self.footer = w.HTML(layout=w.Layout(display="none", margin="0"))
+        self.widget = w.VBox([self.scroller, self.footer], layout=w.Layout(width="100%"))
+        self.widget.add_class("nbddp-pane")
+        self.lines: deque[str] = deque(maxlen=KEEP_LINES)
+        self.dropped = 0
+        self._pending: list[str] = []
+        self._progress: str | None = None
+        self._progress_dirty = False
+
+    def add(self, text: str) -> None:
+        if len(self.lines) == self.lines.maxlen:
+            self.dropped += 1
+        self.lines.append(text)
+        self._pending.append(text)
+
+    def progress(self, text: str) -> None:
+        self._progress, self._progress_dirty = text, True
+
+    def flush(self) -> None:
+        if self._pending:
+            if len(self.inner.children) >= MAX_CHUNKS:
+                self.inner.children = (self._chunk(self.lines),)
+            else:
+                self.inner.children = (*self.inner.children, self._chunk(self._pending))
+            self._pending = []
+        if self._progress_dirty:
+            self._progress_dirty = False
+            self.footer.value = f"<pre class='nbddp-lines'>{html.escape(self._progress or '')}</pre>"
+            self.footer.layout.display = None
+
+    def _chunk(self, lines: Sequence[str]) -> Any:
+        if len(lines) > CHUNK_LINES:
+            skipped = len(lines) - CHUNK_LINES
+            lines = [f"… {skipped:,} lines skipped here (the run dir's logs have every line)", *lines[-CHUNK_LINES:]]
+        return self._w.HTML(f"<pre class='nbddp-lines'>{html.escape(chr(10).join(lines))}</pre>",
+                            layout=self._w.Layout(margin="0"))
+
+
+class WidgetView:
+    """Progress bar and status; a log pane for all ranks and one per rank; the live metric plot."""
+
+    def __init__(self, ranks: Sequence[int], run_dir: Path | None = None, title: str = "nbddp") -> None:
+        import ipywidgets as w
+        from IPython.display import display
+
+        self._w = w
+        self.started = time.monotonic()
+        self.run_dir = run_dir
+        self.title = title
+        self.metrics: list[dict[str, Any]] = []
+        self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, layout=w.Layout(width="30%"))
+        self.status = w.HTML(layout=w.Layout(width="70%"))
+        self.everything = LogPane(w)
+        self.panes: dict[int | None, LogPane] = {rank: LogPane(w) for rank in ranks}
+        self.tabs = w.Tab(children=[self.everything.widget, *(p.widget for p in self.panes.values())],
+                          titles=["all ranks", *(f"rank {r}" for r in ranks)], layout=w.Layout(flex="3 1 0%", min_width="0"))
+        self.plot = w.HTML(layout=w.Layout(flex="2 1 0%", display="none", min_width="0"))
+        self.box = w.VBox([w.HBox([self.progress, self.status]),
+                           w.HBox([self.tabs, self.plot], layout=w.Layout(align_items="flex-start"))])
+        self.box.add_class("nbddp-view")
+        self._plotted = self._shown_seconds = -1
+        self._last_refresh = 0.0
+        self._update_status()
+        self.handle = display(self._live_bundle(len(ranks)), raw=True, display_id=True)
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, LogLine):
+            prefixed = f"{rank_prefix(event.rank, event.every_rank)}{event.text}"
+            pane = self._pane(event.rank) if not event.every_rank else None
+            if event.progress:
+                (pane or self.everything).progress(event.text if pane else prefixed)
+                return
+            self.everything.add(prefixed)
+            if event.every_rank:
+                for pane in self.panes.values():
+                    pane.add(event.text)
+            elif pane is not None:
+                pane.add(event.text)
+        elif isinstance(event, MetricsEvent):
+            self.metrics.append(event.values)
+        self.tick()
+
+    def tick(self) -> None:
+        """Refresh what changed, at most every ``REFRESH_SECONDS`` (called often by the run's loop)."""
+        if time.monotonic() - self._last_refresh >= REFRESH_SECONDS:
+            self.refresh()
+
+    def refresh(self) -> None:
+        self._last_refresh = time.monotonic()
+        self.everything.flush()
+        for pane in self.panes.values():
+            pane.flush()
+        if len(self.metrics) != self._plotted or int(time.monotonic() - self.started) != self._shown_seconds:
+            self._update_status()
+        if len(self.metrics) != self._plotted:
+            self._plotted = len(self.metrics)
+            plot = svg_plot(self.metrics)
+            if plot:
+                self.plot.value = plot
+                self.plot.layout.display = None
+
+    def close(self, ending: Ending) -> None:
+        """Replace the live view by its static copy, and free the widgets."""
+        self.refresh()
+        panes = [("all ranks", list(self.everything.lines))]
+        panes += [(f"rank {rank}" if rank is not None else "launcher", list(p.lines)) for rank, p in self.panes.items()]
+        bundle = {"text/html": snapshot_html(ending, panes, self.metrics),
+                  "text/plain": snapshot_text(ending, self.everything.lines, self.everything.dropped)}
+        self.handle.update(bundle, raw=True)
+        _close_tree(self.box)
+
+    def _pane(self, rank: int | None) -> LogPane:
+        if rank not in self.panes:  # a rank (or the launcher) not foreseen: a new tab at the end
+            self.panes[rank] = LogPane(self._w)
+            self.tabs.children = (*self.tabs.children, self.panes[rank].widget)
+            self.tabs.titles = (*self.tabs.titles, rank_prefix(rank).strip(" []"))
+        return self.panes[rank]
+
+    def _update_status(self) -> None:
+        seconds = int(time.monotonic() - self.started)
+        self._shown_seconds = seconds
+        last = self.metrics[-1] if self.metrics else {}
+        epoch, epochs = last.get("epoch"), last.get("epochs")
+        if isinstance(epoch, (int, float)) and isinstance(epochs, (int, float)) and epochs > 0:
+            self.progress.max, self.progress.value = float(epochs), float(min(epoch, epochs))
+            text = f"epoch {epoch:g}/{epochs:g}"
+            values = curves(last)
+            text += f" · {format_metrics(values)}" if values else ""
+        elif last:
+            text = format_metrics(curves(last)) or "running"
+        else:
+            text = "starting…" if not any(p.lines for p in self.panes.values()) else "running"
+        where = f" · {html.escape(shown_path(self.run_dir))}" if self.run_dir else ""
+        self.status.value = (
+            f"{_STYLE}<span class='nbddp-live'><b>{html.escape(self.title)}</b> {html.escape(text)} · {seconds}s{where}</span>"
+            f"<span class='nbddp-gone'><b>the kernel restarted: this run was stopped</b> after {seconds}s"
+            f"{' · its logs are in ' + html.escape(shown_path(self.run_dir)) if self.run_dir else ''}</span>")
+
+    def _live_bundle(self, nproc: int) -> dict[str, Any]:
+        where = f"; its logs are in {shown_path(self.run_dir)}" if self.run_dir else ""
+        return {"text/plain": f"[nbddp] training on {nproc} processes (live view: needs ipywidgets){where}",
+                WIDGET_MIME: {"model_id": self.box.model_id, "version_major": 2, "version_minor": 0}}
+
+
+def _close_tree(widget: Any) -> None:
+    """Close a widget, its children and their layouts and styles: the kernel forgets them all."""
+    for child in getattr(widget, "children", ()):
+        _close_tree(child)
+    for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+        if part is not None:
+            part.close()
+    widget.close()
+
+
+def make_view(ranks: Sequence[int], run_dir: Path | None = None, mode: str | None = None):
+    """``WidgetView`` inside a kernel with ipywidgets, else ``TextView``. ``NBDDP_VIEW`` overrides."""
+    import os
+
+    mode = mode or os.environ.get("NBDDP_VIEW", "auto")
+    if mode != "text":
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            in_kernel = shell is not None and getattr(shell, "kernel", None) is not None
+            if in_kernel or mode == "widgets":
+                return WidgetView(ranks, run_dir)
+        except ImportError:
+            pass
+    return TextView()

@@ -1,0 +1,128 @@
+"""Follow a running job's files and turn them into events for the sinks.
+
+Ranks write ``logs/rank-N.log`` and rank 0 writes ``metrics.jsonl``; the
+launcher's own output (torchrun, or the Catalyst parent) goes to
+``logs/launcher.log``. Following files rather than pipes means a rank that
+floods its output never blocks, and nothing is lost if the viewer is slow.
+Bytes are split on newlines *before* decoding (a UTF-8 character is never cut
+in two), undecodable bytes are replaced, and a carriage-return progress bar is
+reduced to what a terminal would show.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Union
+
+from nbddp.job.rundir import RunDir
+
+_RANK_LOG = re.compile(r"rank-(\d+)\.log$")
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """One line of output. ``rank`` is ``None`` for the launcher process itself."""
+
+    rank: int | None
+    text: str
+    progress: bool = False
+    """True for the current state of a ``\\r`` progress bar (more will replace it)."""
+    every_rank: bool = False
+    """The same line came from every rank (shown once, as ``[all ranks]``)."""
+
+
+@dataclass(frozen=True)
+class MetricsEvent:
+    """One ``nbddp.log(**metrics)`` record from rank 0."""
+
+    values: dict
+
+
+Event = Union[LogLine, MetricsEvent]
+Sink = Callable[[Event], None]
+
+
+@dataclass
+class _Followed:
+    path: Path
+    rank: int | None
+    offset: int = 0
+    partial: bytes = b""
+    shown_progress: bytes = field(default=b"")
+
+
+class RunFollower:
+    """Reads what was appended to a run dir's log and metrics files since the last poll."""
+
+    def __init__(self, run_dir: Path, include_launcher: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.include_launcher = include_launcher
+        self._files: dict[Path, _Followed] = {}
+        self._metrics = _Followed(RunDir(self.run_dir).metrics, None)
+
+    def poll(self, final: bool = False) -> Iterator[Event]:
+        """New events since the last call; ``final`` flushes unterminated lines too."""
+        for followed in self._discover():
+            yield from self._read_lines(followed, final)
+        for raw in self._read_complete(self._metrics, final):
+            try:
+                values = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(values, dict):
+                yield MetricsEvent(values)
+
+    def _discover(self) -> list[_Followed]:
+        paths = RunDir(self.run_dir)
+        logs = paths.logs
+        if logs.is_dir():
+            for path in logs.iterdir():
+                if path in self._files:
+                    continue
+                match = _RANK_LOG.search(path.name)
+                if match:
+                    self._files[path] = _Followed(path, int(match.group(1)))
+                elif path == paths.launcher_log and self.include_launcher:
+                    self._files[path] = _Followed(path, None)
+        return sorted(self._files.values(), key=lambda f: (f.rank is not None, f.rank or 0))
+
+    def _read_lines(self, followed: _Followed, final: bool) -> Iterator[LogLine]:
+        for raw in self._read_complete(followed, final):
+            text = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # what a terminal shows after redraws
+            yield LogLine(followed.rank, text.decode("utf-8", errors="replace"))
+        if b"\r" in followed.partial:  # a progress bar being redrawn: show its latest state
+            current = followed.partial.rsplit(b"\r", 1)[0].rsplit(b"\r", 1)[-1]
+            if current and current != followed.shown_progress:
+                followed.shown_progress = current
+                yield LogLine(followed.rank, current.decode("utf-8", errors="replace"), progress=True)
+
+    @staticmethod
+    def _read_complete(followed: _Followed, final: bool) -> list[bytes]:
+        try:
+            with open(followed.path, "rb") as f:
+                f.seek(followed.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        followed.offset += len(data)
+        data = followed.partial + data
+        lines = data.split(b"\n")
+        followed.partial = lines.pop()
+        if final and followed.partial:
+            lines.append(followed.partial)
+            followed.partial = b""
+        return lines
+
+
+def rank_prefix(rank: int | None, every_rank: bool = False) -> str:
+    if every_rank:
+        return "[all ranks] "
+    return "[launcher] " if rank is None else f"[rank {rank}] "
+
+
+def format_metrics(values: dict) -> str:
+    shown = {k: v for k, v in values.items() if k != "time"}
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())

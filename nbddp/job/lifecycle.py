@@ -1,0 +1,370 @@
+"""One DDP job: a plain spec; ``start()`` that fully starts it or leaves nothing behind; following it
+while it runs; and gathering the evidence that :func:`nbddp.job.outcome.judge` turns into the outcome.
+
+Used by ``nbddp run`` (with a kernel beside it), by the ``%%ddp_train`` magic (inside the kernel)
+and so by every run of ``nbddp batch``. How the processes are started is the launcher's business
+(:mod:`nbddp.launchers`); owning them is :class:`nbddp.launchers.local_process.Launch`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nbddp.job import registry
+from nbddp.devices import Devices
+from nbddp.errors import NbddpError, UsageError
+from nbddp.launchers.local_process import Launch, LaunchSpec
+from nbddp.launchers import Launcher, launcher_for
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes, SlurmRequest
+from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
+from nbddp.launchers.process_groups import process_alive
+from nbddp.job.rank_output import QuietStream
+from nbddp.rank_side.env import RankEnv
+from nbddp.job.record import RunRecord, last_metrics, rank_errors
+from nbddp.job.rundir import RunDir, rank_of
+from nbddp.notebook.script import Script, write_script
+from nbddp.job.follow import RunFollower, Sink
+
+POLL_SECONDS = 0.05
+RANK_CHECK_SECONDS = 0.5
+_HOST = socket.gethostname()
+#: Beyond ``--rdzv-timeout``: time for torch to report the failure itself, with its own words.
+RENDEZVOUS_GRACE_SECONDS = 5.0
+
+
+def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
+    """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private."""
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if RunDir(run_dir).holds_a_run():
+            raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return run_dir.resolve()
+    parent = notebook.resolve().parent / "runs"
+    parent.mkdir(exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 10_000):
+        candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            candidate.mkdir(mode=0o700)  # atomic: two runs in the same second get different dirs
+            return candidate
+        except FileExistsError:
+            continue
+    raise NbddpError(f"could not create a run dir in {parent}.")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, where, on what: everything a job needs before it starts."""
+
+    script: Script
+    devices: Devices
+    run_dir: Path
+    cwd: Path
+    python: str = sys.executable
+    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
+    owner: str = "cli"
+    """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
+    max_restarts: int = 0
+    nodes: Nodes | None = None
+    """This node's part in a multi-node run."""
+    slurm: SlurmRequest | None = None
+    """The Slurm job the ranks run as (``None``: here)."""
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    pool: Any = None
+    """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to run on instead of starting a launcher."""
+
+    @property
+    def node_count(self) -> int:
+        return self.nodes.count if self.nodes else self.slurm.nodes if self.slurm else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.devices.nproc * self.node_count
+
+
+def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: Path, cwd: Path,
+             owner: str = "cli", pool: Any = None) -> JobSpec:
+    """The one way a front door turns its options into a job: its run dir created, its limits carried over."""
+    run_dir = create_run_dir(notebook, launch.run_dir)
+    return JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout, owner=owner,
+                   max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
+                   rdzv_timeout=launch.rdzv_timeout, pool=pool)
+
+
+def deadline_of(launch: LaunchOptions) -> float | None:
+    """``--timeout`` as a monotonic deadline, counted from now."""
+    return time.monotonic() + launch.timeout if launch.timeout else None
+
+
+class Job:
+    """A started job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
+
+    def __init__(self, spec: JobSpec, launcher: Launcher, launch: Launch, live: registry.LiveRun) -> None:
+        self.spec, self.launcher, self.launch, self.live = spec, launcher, launch, live
+        self.script, self.devices = spec.script, spec.devices
+        self.run_dir = spec.run_dir
+        self.paths = RunDir(spec.run_dir)
+        self.checkpoint = self.paths.weights
+        self.script_path = spec.run_dir / spec.script.source_map.script
+        self.collective_timeout = spec.collective_timeout
+        self.early_exit: int | None = None
+        self.idle_for: float | None = None
+        self.rendezvous_expired = False
+        self.started_at = time.time()
+        self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
+        self.quiet = QuietStream(spec.script.source_map, self.local_ranks())
+
+    @classmethod
+    def start(cls, spec: JobSpec) -> "Job":
+        """Write the script, start the launcher, register the run: all of it, or nothing left running."""
+        if spec.pool is not None:
+            return cls._start_warm(spec)
+        launcher = launcher_for(spec.script.engine, spec.nodes, spec.slurm, spec.rdzv_timeout)
+        if spec.max_restarts and not launcher.supports_restarts:
+            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+        paths = RunDir(spec.run_dir)
+        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
+        paths.logs.mkdir(exist_ok=True)
+        argv = launcher.command(script_path, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
+        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
+                      spec.collective_timeout).to_environ(os.environ) | launcher.environment()
+        launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, launcher.stop_grace))
+        try:
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
+            return cls(spec, launcher, launch, live)
+        except BaseException:
+            launch.stop()
+            raise
+
+    @classmethod
+    def _start_warm(cls, spec: JobSpec) -> "Job":
+        """Hand the job to the warm ranks of ``spec.pool`` (see :mod:`nbddp.launchers.warm_pool`)."""
+        from nbddp.launchers.warm import WarmRanks
+
+        paths = RunDir(spec.run_dir)
+        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
+        paths.logs.mkdir(exist_ok=True)
+        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights, spec.collective_timeout).to_environ({})
+        launch = spec.pool.submit(script_path, env, spec.cwd)
+        try:
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
+            return cls(spec, WarmRanks(spec.pool.folder), launch, live)
+        except BaseException:
+            launch.stop()
+            raise
+
+    def pump(self, sinks: Sequence[Sink], final: bool = False) -> bool:
+        """Deliver what the ranks wrote since the last call.
+
+        All files are read before any sink runs: a slow sink (a plot being drawn) must not
+        stretch the moments at which different ranks' files are read, or their lines interleave badly.
+        """
+        events = list(self.follower.poll(final=final))
+        for event in self.quiet.feed(events, final=final):
+            for sink in sinks:
+                sink(event)
+        return bool(events)
+
+    def wait(self, sinks: Sequence[Sink], deadline: float | None = None,
+             idle_timeout: float | None = None, heartbeat: Callable[[], Any] | None = None) -> JobOutcome:
+        """Stream until the job ends, then judge it; ``heartbeat`` is called on every poll (a view
+        refreshing its clock; a kernel noticing it is being shut down). Stops every rank first when:
+
+        * the monotonic ``deadline`` passes (``--timeout``),
+        * no rank printed or logged anything for ``idle_timeout`` seconds (``--idle-timeout``),
+        * a rank ended without finishing while the others still run (it would leave them
+          waiting in a collective: a hang, not a failure, under NCCL),
+        * or anything is raised here (KeyboardInterrupt included), which then propagates.
+        """
+        last_activity = last_check = time.monotonic()
+        timed_out = False
+        try:
+            while self.launch.poll() is None:
+                now = time.monotonic()
+                if self.pump(sinks):
+                    last_activity = now
+                if heartbeat is not None:
+                    heartbeat()
+                if deadline is not None and now > deadline:
+                    timed_out = True
+                elif idle_timeout and now - last_activity > idle_timeout:
+                    self.idle_for, timed_out = idle_timeout, True
+                elif now - last_check > RANK_CHECK_SECONDS:
+                    last_check = now
+                    self.early_exit = self._rank_ended_early()
+                    self.rendezvous_expired = self._rendezvous_expired()
+                if timed_out or self.early_exit is not None or self.rendezvous_expired:
+                    self.launch.stop(signal.SIGTERM)
+                    break
+                time.sleep(POLL_SECONDS)
+        except BaseException:
+            self.launch.stop(signal.SIGTERM)
+            self.pump(sinks, final=True)
+            raise
+        if self.launch.stopped_by is None and self.launch.alive():
+            self.launch.stop(signal.SIGTERM, reap=True)  # the launcher left stragglers behind
+        self.pump(sinks, final=True)
+        return self.outcome(timed_out=timed_out)
+
+    def _rank_ended_early(self, despite_errors: bool = False, live: bool = True) -> int | None:
+        """A rank whose process is gone with neither a 'done' mark nor an error report.
+
+        While any rank has reported an error, a rank killed by the launcher in response looks
+        the same, so nobody is blamed unless ``despite_errors`` (the error says a peer vanished).
+        ``live``: called while the job runs, so a launcher exiting meanwhile defers to its report.
+        """
+        paths = self.paths
+        if not despite_errors and any(paths.errors.glob("rank-*.json")):
+            return None  # (after a restart too: stale reports make this check conservative)
+        for info in paths.ranks.glob("rank-*.json") if paths.ranks.is_dir() else ():
+            rank = rank_of(info)
+            if paths.rank_done(rank).exists() or paths.rank_error(rank).exists():
+                continue
+            try:
+                started = json.loads(info.read_text())
+                pid = started["pid"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if started.get("host", _HOST) != _HOST:
+                continue  # a rank of another node (a shared run dir under Slurm): its node reports it
+            if not process_alive(pid):
+                # Its error report or done mark may be a moment behind its exit; and a launcher that
+                # saw it die (a signal, a crash) exits within its monitor interval with a better report.
+                deadline = time.monotonic() + self.launcher.exit_settle
+                while time.monotonic() < deadline:
+                    if (live and self.launch.poll() is not None) or paths.rank_done(rank).exists() \
+                            or paths.rank_error(rank).exists():
+                        return None
+                    time.sleep(0.05)
+                return rank
+        return None
+
+    def _rendezvous_expired(self) -> bool:
+        """A multi-node run whose nodes haven't all met ``--rdzv-timeout`` (+ a grace) after it started.
+
+        torch bounds the wait itself, but its store client retries once after a random delay, so a
+        node could wait up to twice the timeout; this keeps the promise. The roster (``nodes.json``)
+        is written once every node has joined; torchrun starts a node's ranks once its agents have met.
+        """
+        if self.spec.nodes is None or self.script.engine != "torch" or self.paths.nodes.exists():
+            return False  # (Catalyst's ranks meet inside runner.train; their own init timeout bounds it)
+        if self.paths.ranks.is_dir() and any(self.paths.ranks.glob("rank-*.json")):
+            return False  # torchrun starts ranks only once the nodes have met
+        return time.time() - self.started_at > self.spec.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.launch.stop(sig)
+
+    def restarts(self) -> int:
+        """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
+        attempts = [0]
+        for info in self.paths.ranks.glob("rank-*.json"):
+            try:
+                attempts.append(int(json.loads(info.read_text()).get("attempt", 0)))
+            except (OSError, ValueError):
+                continue
+        return max(attempts)
+
+    def evidence(self, timed_out: bool = False, interrupted_by: int | None = None) -> Evidence:
+        """What the job's processes left behind, for :func:`nbddp.job.outcome.judge`."""
+        latest = self.restarts()  # errors of attempts torchrun recovered from don't count
+        errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
+        log = self.launcher.report(self.paths)
+        evidence = Evidence(
+            run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
+            rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
+            done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
+            checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
+            launcher_tail="\n".join(log.splitlines()[-15:]),
+            stop_requested=self.paths.stop_mark.exists(),
+            timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
+            stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
+            collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
+            checkpoint_expected=self.spec.nodes is None or self.spec.nodes.rank == 0,
+            final_metrics=last_metrics(self.run_dir),
+            rendezvous_failure=self.launcher.rendezvous_failure(log, expired=self.rendezvous_expired),
+            scheduler_end=self.launcher.ended_by_scheduler(self.paths),
+        )
+        if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
+            self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
+            evidence = replace(evidence, early_exit=self.early_exit)
+            if self.early_exit is None and self.spec.nodes is not None:
+                evidence = replace(evidence, node_gone=node_gone(self.nodes(), self.spec.nodes.rank, errors[0].message))
+        return evidence
+
+    def _first_rank(self) -> int:
+        return self.spec.nodes.rank * self.devices.nproc if self.spec.nodes else 0
+
+    def _local_ranks(self) -> int:
+        """How many ranks this job's launcher runs (one node's, unless Slurm runs every node's)."""
+        return self.spec.world_size if self.spec.slurm else self.devices.nproc
+
+    def local_ranks(self) -> range:
+        """The global ranks whose output this job streams."""
+        return range(self._first_rank(), self._first_rank() + self._local_ranks())
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The nodes that joined a multi-node run (``nodes.json``), empty on one machine."""
+        try:
+            return list(json.loads(self.paths.nodes.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            return []
+
+    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
+        return judge(self.evidence(timed_out, interrupted_by))
+
+    def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
+               parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
+               command: str = "") -> RunRecord:
+        """``result.json`` for this job, written into the run dir and returned.
+
+        ``parameters``: every value the run used; ``overrides``: those given on top of the defaults.
+        """
+        ended = time.time()
+        record = RunRecord(
+            status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=self.script.engine,
+            devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.spec.world_size,
+            parameters=dict(parameters), started_at=self.started_at, ended_at=ended,
+            wall_time_s=round(ended - self.started_at, 3),
+            rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
+            final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
+            restarts=self.restarts(),
+            checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
+            error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
+            nodes=self.nodes(), slurm_job=self.launcher.job_info(self.paths),
+        )
+        record.write(self.run_dir)
+        return record
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.launch.poll() is None or self.launch.alive():
+            self.launch.stop()
+        registry.unregister(self.live)
+
+
+def node_gone(roster: list[dict[str, Any]], own_node: int, message: str) -> dict[str, Any] | None:
+    """Which node of a multi-node run went away, from the roster and a rank's "closed by peer" error.
+
+    With two nodes it is the other one; with more, the one whose address the error names, when
+    exactly one does (on one host, several nodes share an address and nobody is blamed).
+    """
+    others = [node for node in roster if node.get("node") != own_node]
+    if len(others) == 1:
+        return others[0]
+    address = re.search(r"\[([0-9a-fA-F.:]+)\]:\d+", message)
+    named = [node for node in others if address and node.get("ip") == address.group(1)]
+    return named[0] if len(named) == 1 else None

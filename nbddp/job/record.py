@@ -1,0 +1,156 @@
+"""What happened in a run, told in the notebook's terms: rank errors and ``result.json``.
+
+Each rank that raised wrote ``errors/rank-N.json`` (see :mod:`nbddp.rank_side.torch_engine`);
+the root cause is the earliest one, as in torchrun. Its frames in the
+generated script are translated through the source map to ``cell N, line L``.
+Ranks killed by a signal leave no error file; their exit codes are read from
+the launcher's own failure report (torchrun's, or ``mp.spawn``'s).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nbddp.notebook.sourcemap import SourceMap
+from nbddp.job.rundir import RunDir
+
+
+
+@dataclass(frozen=True)
+class RankError:
+    rank: int
+    type: str
+    message: str
+    cell: int | None
+    line: int | None
+    location: str | None
+    """``nb.ipynb, cell 3, line 5`` or ``In [5], line 2``; ``None`` outside the notebook's code."""
+    source_line: str
+    traceback: str
+    time: float
+    attempt: int = 0
+    """torchrun's restart count when it was raised (``--max-restarts``)."""
+
+    def headline(self, notebook: str) -> str:
+        where = self.location or f"{notebook} (outside the notebook's cells)"
+        text = f"rank {self.rank} raised {self.type}: {self.message}\n  at {where}"
+        if self.source_line:
+            text += f"\n      {self.source_line.strip()}"
+        return text
+
+
+def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
+    """Every rank's recorded exception, earliest first."""
+    errors = []
+    for path in sorted(RunDir(run_dir).errors.glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        cell = line = location = None
+        source_line = ""
+        for frame in reversed(data.get("frames", [])):  # innermost frame that is notebook code
+            if Path(frame["file"]).name == Path(source_map.script).name:
+                where = source_map.lookup(frame["line"])
+                if where:
+                    cell, line, _ = where
+                    location = source_map.where(frame["line"])
+                    source_line = frame.get("text", "")
+                    break
+        errors.append(RankError(
+            rank=data["rank"], type=data["type"], message=data["message"], cell=cell, line=line,
+            location=location, source_line=source_line, attempt=int(data.get("attempt", 0)), traceback=source_map.translate_traceback(data.get("traceback", "")),
+            time=data.get("time", 0.0),
+        ))
+    return sorted(errors, key=lambda e: e.time)
+
+
+def describe_exit(code: int) -> str:
+    """``-9`` → ``killed by SIGKILL (out of memory?)``; positive codes as they are."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (often the kernel's out-of-memory killer)" if -code == signal.SIGKILL else ""
+        hint = " (a crash in native code)" if -code == signal.SIGSEGV else hint
+        return f"killed by {name}{hint}"
+    return f"exit code {code}"
+
+
+@dataclass
+class RunRecord:
+    """``result.json``: everything needed to understand a run afterwards."""
+
+    status: str
+    exit_code: int
+    notebook: str
+    engine: str
+    devices: dict[str, Any]
+    world_size: int
+    parameters: dict[str, Any]
+    """Every parameter value the run used: the parameters cell's defaults with the overrides applied
+    (a default that isn't a literal is ``{"expression": "..."}``)."""
+    started_at: float
+    ended_at: float
+    wall_time_s: float
+    rank_exit_codes: dict[str, int] = field(default_factory=dict)
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    checkpoint: str | None = None
+    error: str | None = None
+    script: str = "train.py"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """The parameters given on the command line (``-p``) or by the batch, which win over the defaults."""
+    command: str = ""
+    """How the run was started: the exact ``nbddp ...`` command, or the ``%%ddp_train`` line."""
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    """A multi-node run: every node that joined (node rank, host, its ranks, its run dir)."""
+    slurm_job: dict[str, Any] | None = None
+    """A Slurm run: the job's id, final state and reason, and its nodes."""
+    versions: dict[str, str] = field(default_factory=lambda: versions())
+    """nbddp, torch and Python, as installed where the run was launched."""
+
+    def write(self, run_dir: Path) -> Path:
+        path = RunDir(run_dir).result
+        path.write_text(json.dumps(asdict(self), indent=1, default=repr), encoding="utf-8")
+        return path
+
+
+def versions() -> dict[str, str]:
+    """nbddp, torch and Python versions, read from package metadata (no torch import)."""
+    import platform
+    from importlib import metadata
+
+    from nbddp import __version__
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return {"nbddp": __version__, "torch": torch_version, "python": platform.python_version()}
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every ``nbddp.log`` record of a run, in order; unreadable lines skipped."""
+    path = RunDir(run_dir).metrics
+    records: list[dict[str, Any]] = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    """The final ``nbddp.log`` record (without its timestamp)."""
+    records = read_metrics(run_dir)
+    return {k: v for k, v in records[-1].items() if k != "time"} if records else {}

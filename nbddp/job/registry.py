@@ -1,0 +1,103 @@
+"""Runs that are alive right now, for ``nbddp ps`` and ``nbddp kill``.
+
+Each job writes one small file while it runs (``$NBDDP_STATE_DIR``, default
+``~/.local/state/nbddp/live``): who owns it (the ``nbddp run`` process or the
+kernel), the job's process group and its run dir. Entries whose processes are
+all gone are pruned when listed, so a crash never leaves a ghost behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbddp.errors import UsageError
+from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
+from nbddp.job.rundir import RunDir
+
+
+def state_dir() -> Path:
+    root = os.environ.get("NBDDP_STATE_DIR") or Path.home() / ".local" / "state" / "nbddp"
+    path = Path(root) / "live"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    name: str
+    run_dir: str
+    owner_pid: int
+    pgid: int
+    started: float
+    engine: str
+    world_size: int
+    owner: str = "cli"
+    """``cli``: an ``nbddp run`` process, asked to stop its own job. ``kernel``: a Jupyter kernel,
+    which is never signalled; its job's processes are stopped directly."""
+
+    @property
+    def entry(self) -> Path:
+        return state_dir() / f"{self.name}.json"
+
+
+def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
+    run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner)
+    run.entry.write_text(json.dumps(run.__dict__), encoding="utf-8")
+    return run
+
+
+def unregister(run: LiveRun) -> None:
+    run.entry.unlink(missing_ok=True)
+
+
+def live_runs() -> list[LiveRun]:
+    """Registered runs with a live process; stale entries are removed."""
+    runs = []
+    for entry in sorted(state_dir().glob("*.json")):
+        try:
+            run = LiveRun(**json.loads(entry.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            entry.unlink(missing_ok=True)
+            continue
+        if group_alive(run.pgid):
+            runs.append(run)
+        else:
+            entry.unlink(missing_ok=True)
+    return runs
+
+
+def find(which: str) -> LiveRun:
+    """A live run by run-dir name, run-dir path or process group id."""
+    for run in live_runs():
+        if which in (run.name, run.run_dir, str(run.pgid), str(Path(which).resolve())):
+            return run
+    raise UsageError(f"no live run {which!r}. `nbddp ps` lists the runs alive now.")
+
+
+def kill(run: LiveRun, grace: float = 10.0) -> bool:
+    """End a run: ask its owner to stop it (recorded as interrupted), else stop its processes.
+
+    Returns True when nothing of the run is left.
+    """
+    from nbddp.launchers.slurm import CANCEL_SECONDS as SLURM_CANCEL_SECONDS
+
+    paths = RunDir(Path(run.run_dir))
+    paths.stop_mark.touch()  # the owner records the run as interrupted, not failed
+    slurm = paths.sbatch_script.exists()  # its watcher cancels the job and waits for it to leave the queue
+    if slurm:
+        grace = max(grace, SLURM_CANCEL_SECONDS)
+    if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
+        os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
+        deadline = time.monotonic() + grace
+        while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
+            time.sleep(0.1)
+    stop_groups([run.pgid], grace=SLURM_CANCEL_SECONDS if slurm else 5.0)
+    gone = not group_alive(run.pgid)
+    if gone:
+        unregister(run)
+    return gone

@@ -1,0 +1,34 @@
+"""``python -m nbddp.launchers.parent_death PARENT_PID -- COMMAND...``: die with the parent, then exec COMMAND.
+
+The launcher (torchrun, or the Catalyst script) is a child of the CLI or of
+the Jupyter kernel. If that parent dies without stopping it (kernel restart,
+SIGKILL), Linux's parent-death signal delivers SIGTERM to it; torchrun then
+stops its ranks, and each rank has the same signal tied to torchrun (see
+:mod:`nbddp.rank_side.torch_engine`). The setting survives ``exec``, so this costs one
+short-lived Python start and no ``preexec_fn`` in a threaded kernel.
+
+Caveat: Linux ties the signal to the parent *thread* that started the
+process, so launch from a thread that lives as long as the run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> None:
+    parent, command = int(argv[0]), argv[argv.index("--") + 1:]
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        sys.exit(128 + signal.SIGTERM)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,88 @@
+"""The notebook's ``parameters`` cell: the names it declares, their defaults, and overrides checked
+against them.
+
+papermill only warns about a ``-p`` name the notebook doesn't declare; nbddp refuses it before
+anything runs (for ``run``, ``export`` and ``batch`` alike), because a typo such as
+``-p learning_rate 0.1`` for a notebook that reads ``lr`` would otherwise silently train with the
+default and waste the run.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
+from nbddp.errors import ParameterError
+from nbddp.notebook.reader import Notebook
+
+
+def declared_parameters(notebook: Notebook) -> dict[str, Any]:
+    """Name → default for every name assigned in the ``parameters`` cell(s), in order.
+
+    A default that is a literal is its value; any other expression is kept as its source text in
+    ``{"expression": "..."}`` (so ``result.json`` can say what it was without running it).
+    """
+    declared: dict[str, Any] = {}
+    for cell in notebook.code_cells:
+        if cell_role(cell, notebook.path) not in (PARAMETERS, INJECTED):
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            for name, value in _assignments(node, cell.source):
+                declared[name] = value
+    return declared
+
+
+def _assignments(node: ast.stmt, source: str) -> list[tuple[str, Any]]:
+    if isinstance(node, ast.Assign):
+        targets, value = node.targets, node.value
+    elif isinstance(node, ast.AnnAssign) and node.value is not None:
+        targets, value = [node.target], node.value
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # `lr: float`, set by -p
+        return [(node.target.id, {"annotation": ast.get_source_segment(source, node.annotation)})]
+    else:
+        return []
+    default = _default(value, source)
+    found = []
+    for target in targets:
+        names = [sub.id for sub in ast.walk(target) if isinstance(sub, ast.Name)]
+        single = isinstance(target, ast.Name)
+        found += [(name, default if single else {"expression": ast.get_source_segment(source, value)})
+                  for name in names]
+    return found
+
+
+def _default(value: ast.expr, source: str) -> Any:
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return {"expression": ast.get_source_segment(source, value)}
+
+
+def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, Any]) -> dict[str, Any]:
+    """Refuse names the parameters cell doesn't declare; returns the declared defaults.
+
+    Raises:
+        ParameterError: a name not declared (the message lists the declared ones), or any name
+            at all when the notebook has no parameters cell.
+    """
+    declared = declared_parameters(notebook)
+    unknown = sorted(set(names) - set(declared))
+    if not unknown:
+        return declared
+    plural = "s" * (len(unknown) > 1)
+    if not declared:
+        raise ParameterError(
+            f"{notebook.path}: unknown parameter{plural} {', '.join(unknown)}: the notebook has no 'parameters' "
+            "cell. Tag the cell that sets the hyperparameters 'parameters' (or start it with '#| parameters').")
+    raise ParameterError(f"{notebook.path}: unknown parameter{plural} {', '.join(unknown)}; "
+                         f"the parameters cell defines {', '.join(declared)}.")
+
+
+def effective_parameters(declared: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter value a run uses: the declared defaults, then the overrides over them."""
+    return {**declared, **overrides}

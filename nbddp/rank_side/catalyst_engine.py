@@ -1,0 +1,308 @@
+"""Catalyst glue that runs in the script's process and in the ranks Catalyst spawns.
+
+Catalyst 22.4 is the last release and was written for older torch/accelerate,
+so three incompatibilities are handled here, deliberately and in one place:
+
+* On CPU its DDP engine must be built with ``cpu=True`` and the gloo backend,
+  or every rank believes it is the main process and they race on the logdir.
+* Its default port 2112 collides between concurrent runs: a free port is used.
+* Its ``mp.spawn`` children exit 0 on SIGINT (torch's spawn wrapper swallows
+  ``KeyboardInterrupt``), so an interrupted rank here exits 130 instead.
+* accelerate renamed ``DistributedType.TPU`` to ``XLA``; Catalyst's engine and
+  metric callbacks still read ``TPU``, which crashes outside DDP. The alias is
+  restored (:func:`apply_compat_shims`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from datetime import timedelta
+from typing import Any, Sequence
+
+from catalyst import dl
+from catalyst.core.callback import Callback, CallbackOrder
+
+from nbddp.rank_side import process as rank_process
+from nbddp.rank_side import torch_engine as runtime
+from nbddp.options import DEFAULT_RDZV_TIMEOUT
+from nbddp.rank_side.env import RankEnv
+
+_state = {"trained": False, "patched": False}
+
+
+def apply_compat_shims() -> None:
+    from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
+
+    apply_catalyst_shims()
+
+
+def free_port() -> int:
+    """A port the OS says is free on loopback right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def requested_processes() -> tuple[int, bool]:
+    """``(world size, cpu)`` from the launcher's environment, else from the hardware."""
+    import torch
+
+    env = RankEnv.from_environ()
+    cpu = env.device == "cpu" or not torch.cuda.is_available()
+    return env.nproc or (2 if cpu else torch.cuda.device_count()), cpu
+
+
+def start() -> None:
+    """Called by the catalyst engine's script at import time (and so in every spawned rank)."""
+    rank_process.use_notebook_folder()
+    apply_compat_shims()
+
+
+def use_ddp(returns: Sequence[str] = ("model",)) -> None:
+    """Make every Catalyst ``Runner.train`` below run on Catalyst's DDP engine; its trained model
+    comes back under the first name of ``returns``."""
+    patch_runner_train(tuple(returns))
+
+
+def finish(namespace: dict[str, Any], returns: Sequence[str]) -> None:
+    """End of the training block: nothing to do once rank 0 of the spawned ranks saved the model."""
+    if trained():
+        return
+    runtime.finish(namespace, returns, mark=False)  # runner.train never ran: save like the torch engine
+
+
+def trained() -> bool:
+    """True once a patched ``runner.train`` finished in this (launching) process."""
+    return _state["trained"]
+
+
+class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
+    """Catalyst's DDP engine, spawning through :func:`_rank_main` (per-rank logs, exit codes)."""
+
+    def spawn(self, fn, *args, **kwargs):  # noqa: ANN001
+        import torch.multiprocessing as mp
+
+        check_picklable(fn)
+        return mp.spawn(_rank_main, args=(fn, self._world_size, self._workers_global_rank),
+                        nprocs=self._num_local_workers, join=True)
+
+    def setup(self, local_rank: int, world_size: int) -> None:
+        """Catalyst's setup; across nodes, joining waits at most ``--rdzv-timeout`` (then the collective
+        timeout applies) and the nodes check they run the same script."""
+        env = RankEnv.from_environ()
+        if not env.nnodes or env.nnodes < 2:
+            return super().setup(local_rank, world_size)
+        import torch.distributed.distributed_c10d as c10d
+
+        collective = self._process_group_kwargs.get("timeout")
+        self._process_group_kwargs["timeout"] = timedelta(seconds=env.rdzv_timeout or DEFAULT_RDZV_TIMEOUT)
+        super().setup(local_rank, world_size)
+        c10d._set_pg_timeout(collective or timedelta(minutes=30))
+        nproc = self._num_local_workers
+        rank_process.exchange_roster(env.node_rank or 0, env.nnodes, self._workers_global_rank + local_rank,
+                                     range(self._workers_global_rank, self._workers_global_rank + nproc))
+
+    def cleanup(self) -> None:
+        """Leave the group the way the torch engine does (see :func:`nbddp.rank_side.process.leave_group`)."""
+        rank_process.leave_group()
+
+
+class UnpicklableError(TypeError):
+    """Something Catalyst's spawn must send to the ranks can't be pickled (raised before spawning)."""
+
+
+def check_picklable(fn) -> None:  # noqa: ANN001 - the runner's bound method
+    """Fail before spawning, naming the notebook cell of the culprit, instead of deep in pickle."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(fn)
+        return
+    except Exception as exc:  # noqa: BLE001 - any pickling failure is reported the same way
+        reason = f"{type(exc).__name__}: {exc}"
+    path, culprit = _find_unpicklable(getattr(fn, "__self__", fn), "runner")
+    where = _where_defined(culprit)
+    raise UnpicklableError(
+        f"{where + ': ' if where else ''}Catalyst's DDP engine sends the runner and everything given to "
+        f"runner.train to its processes by pickling, and {path} ({type(culprit).__name__}) can't be pickled "
+        f"({reason}). Define it with `def`/`class` at the top level of a '#| ddp' cell instead of a lambda "
+        "or a nested function."
+    )
+
+
+def _find_unpicklable(obj, path: str, depth: int = 0):  # noqa: ANN001
+    """The innermost attribute/item of ``obj`` that fails to pickle, with a readable path to it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    if depth > 6:
+        return path, obj
+    children = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    elif hasattr(obj, "__dict__") and not callable(getattr(obj, "__code__", None)):
+        children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+    import types
+
+    for child_path, child in children:
+        if isinstance(child, types.MethodType):
+            continue  # pickling a bound method pickles its owner: it leads back up, not down
+        try:
+            ForkingPickler.dumps(child)
+        except Exception:  # noqa: BLE001
+            return _find_unpicklable(child, child_path, depth + 1)
+    return path, obj
+
+
+def _where_defined(obj) -> str | None:  # noqa: ANN001
+    """``nb.ipynb, cell 3, line 4`` for a function defined in the generated script."""
+    from pathlib import Path
+
+    from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
+
+    code = getattr(obj, "__code__", None)
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if code is None or main is None or Path(code.co_filename).resolve() != Path(main).resolve():
+        return None
+    try:
+        return SourceMap.load(sourcemap_path(main)).where(code.co_firstlineno)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """What nbddp builds Catalyst's DDP engine with: the requested devices on a free loopback port
+    (on CPU ``cpu=True`` and gloo, without which every rank believes it is the main process)."""
+    nproc, cpu = requested_processes()
+    kwargs: dict[str, Any] = {"address": "127.0.0.1", "port": free_port(), "world_size": nproc,
+                              "num_node_workers": nproc}
+    env = RankEnv.from_environ()
+    if env.nnodes and env.nnodes > 1:  # one node of several: node 0's rank 0 listens at the rendezvous endpoint
+        host, _, port = env.master.rpartition(":")
+        kwargs.update(address=host.strip("[]"), port=int(port), world_size=nproc * env.nnodes,
+                      workers_dist_rank=(env.node_rank or 0) * nproc)
+    group: dict[str, Any] = {"backend": "gloo"} if cpu else {}
+    timeout = rank_process.collective_timeout()
+    if timeout is not None:
+        group["timeout"] = timeout
+    if cpu:
+        kwargs.update(cpu=True)
+    if group:
+        kwargs["process_group_kwargs"] = group
+    return kwargs
+
+
+def make_engine() -> NbddpDistributedDataParallelEngine:
+    """Catalyst's DDP engine built with :func:`engine_kwargs`."""
+    apply_compat_shims()
+    kwargs = engine_kwargs()
+    # Catalyst's engine reads these before its own defaults (2112 would collide between runs).
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = kwargs["address"], str(kwargs["port"])
+    return NbddpDistributedDataParallelEngine(**kwargs)
+
+
+def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> None:
+    """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function.
+
+    ``first_rank``: the global rank of this node's first process (its node rank × processes per node).
+    """
+    global_rank = first_rank + local_rank
+    rank_process.become_rank(global_rank, world_size)
+    apply_compat_shims()
+    try:
+        fn(local_rank, world_size)
+        rank_process.mark_done(global_rank)
+    except KeyboardInterrupt:
+        sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
+    except BaseException:
+        rank_process.record_exception(global_rank, *sys.exc_info())
+        raise
+
+
+def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
+    """Wrap ``catalyst.runners.runner.Runner.train`` so the user's call runs distributed.
+
+    The call stays as the user wrote it; only ``engine`` is replaced and a
+    callback that hands the trained model back is added.
+    """
+    if _state["patched"]:
+        return
+    from catalyst.runners.runner import Runner
+
+    original = Runner.train
+
+    def train(self, *args, **kwargs):
+        kwargs["engine"] = make_engine()
+        kwargs["callbacks"] = _with_return_callback(kwargs.get("callbacks"), returns[0])
+        result = original(self, *args, **kwargs)
+        _state["trained"] = True
+        return result
+
+    train.__wrapped__ = original
+    Runner.train = train
+    _state["patched"] = True
+
+
+def _with_return_callback(callbacks, name: str):
+    callback = ReturnModelCallback(name)
+    if callbacks is None:
+        return {"_nbddp_return": callback}
+    if isinstance(callbacks, dict):
+        return {**callbacks, "_nbddp_return": callback}
+    return [*callbacks, callback]
+
+
+class ReturnModelCallback(Callback):
+    """On rank 0 at the end of training, save the runner's model (its best checkpoint if kept)."""
+
+    def __init__(self, name: str = "model") -> None:
+        super().__init__(order=CallbackOrder.External + 50)
+        self.name = name
+
+    def on_epoch_end(self, runner) -> None:  # noqa: ANN001
+        """Catalyst's epoch metrics become ``nbddp.log`` records: live view, summary, batches."""
+        if runner.engine.process_index != 0:
+            return
+        values = {
+            f"{loader}/{name}": value
+            for loader, metrics in runner.epoch_metrics.items() if not loader.startswith("_")
+            for name, value in metrics.items() if "/" not in name and name not in ("lr", "momentum")
+        }
+        runtime.log(epoch=runner.epoch_step, epochs=runner.num_epochs, **values)
+
+    def on_experiment_end(self, runner) -> None:  # noqa: ANN001
+        from nbddp import checkpoint
+
+        if runner.engine.process_index != 0:
+            return
+        model = runner.engine.unwrap_model(runner.model)
+        state, note = checkpoint.state_of(model), "the runner's final model"
+        best = _best_checkpoint(runner)
+        if best is not None:
+            import torch
+
+            path, metric, name = best
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(loaded, dict) and loaded.keys() == state.keys():
+                state, note = loaded, f"the runner's best checkpoint {path} ({name}={metric:.4g})"
+        checkpoint.save_returns({self.name: state}, rank_process.checkpoint_path(), note=note)
+        print(f"[nbddp] returning {note}", flush=True)
+
+
+def _best_checkpoint(runner) -> tuple[str, float, str] | None:  # noqa: ANN001
+    """The best model checkpoint a Catalyst ``CheckpointCallback`` kept, if any."""
+    from catalyst.callbacks.checkpoint import CheckpointCallback
+
+    for callback in getattr(runner, "callbacks", {}).values():
+        if (
+            isinstance(callback, CheckpointCallback)
+            and callback.mode == "model"
+            and callback.metric_key is not None
+            and callback._storage
+        ):
+            best = callback._storage[0]
+            return str(best.logpath), float(best.metric), f"{callback.loader_key or ''}.{callback.metric_key}".strip(".")
+    return None

@@ -1,0 +1,281 @@
+"""A rank's plumbing, shared by both engines: log to files, report an exception, mark a finish,
+leave the process group cleanly.
+
+Launched by nbddp (``NBDDP_RUN_DIR`` set, see :mod:`nbddp.rank_side.env`) each rank writes its output to
+``logs/rank-N.log``, its uncaught exception to ``errors/rank-N.json`` and a ``done`` mark when its
+training finished: files, not pipes, so a flood of output can never block a rank and a dying
+launcher can't take a rank's last words with it. :mod:`nbddp.rank_side.torch_engine` (the torch engine and the
+user API) and :mod:`nbddp.rank_side.catalyst_engine` both build on this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nbddp.rank_side.env import RankEnv
+from nbddp.job.rundir import RunDir
+
+
+def use_notebook_folder() -> None:
+    """A kernel imports modules from the notebook's folder; so do the ranks (their cwd is that folder)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(1, cwd)
+
+
+def run_dir() -> RunDir | None:
+    """The run dir nbddp launched this rank for (``None`` without a launcher)."""
+    return RankEnv.from_environ().run_dir
+
+
+def become_rank(global_rank: int, size: int) -> None:
+    """Per-rank plumbing shared by both engines: die with the parent, log to files, leave the group safely."""
+    _die_with_parent()
+    guard_destroy()
+    if not log_to_run_dir(global_rank):
+        print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+        return
+    previous_hook = sys.excepthook
+
+    def record(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
+        record_exception(global_rank, exc_type, exc, tb)
+        previous_hook(exc_type, exc, tb)
+
+    sys.excepthook = record
+    announce(global_rank, size)
+
+
+def log_to_run_dir(global_rank: int) -> bool:
+    """Send this process's stdout and stderr (the file descriptors: C code too) to ``logs/rank-N.log``.
+
+    ``False`` without a run dir (``python train.py``), where output stays where it was.
+    """
+    directory = run_dir()
+    if directory is None:
+        return False
+    directory.logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return True
+
+
+def announce(global_rank: int, size: int, note: str = "") -> None:
+    """``ranks/rank-N.json`` (pid, host, world size, attempt) and the "started" line: the rank is running."""
+    directory = run_dir()
+    directory.ranks.mkdir(exist_ok=True)
+    directory.rank_info(global_rank).write_text(json.dumps(
+        {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()}))
+    print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()}){note}", flush=True)
+
+
+def mark_done(global_rank: int) -> None:
+    """Tell the launcher this rank finished its training normally (see :mod:`nbddp.job.lifecycle`)."""
+    directory = run_dir()
+    if directory is not None:
+        directory.ranks.mkdir(exist_ok=True)
+        directory.rank_done(global_rank).touch()
+
+
+def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
+    """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook."""
+    directory = run_dir()
+    if directory is None or exc_type in (KeyboardInterrupt, SystemExit):
+        return
+    directory.errors.mkdir(parents=True, exist_ok=True)
+    frames = [
+        {"file": f.filename, "line": f.lineno, "function": f.name, "text": f.line or ""}
+        for f in traceback.extract_tb(tb)
+    ]
+    report = {
+        "rank": global_rank,
+        "attempt": restart_count(),
+        "time": time.time(),
+        "type": exc_type.__name__,
+        "message": str(exc),
+        "frames": frames,
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+    }
+    directory.rank_error(global_rank).write_text(json.dumps(report), encoding="utf-8")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this rank when its parent (torchrun / Catalyst) dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: range) -> list[dict[str, Any]]:
+    """Across nodes: tell the others who this node is and learn who they are, through the group's store.
+
+    The first rank of each node publishes its host, ranks, run dir and a digest of the training
+    script; every rank reads all of them (a few store reads, once), and the first rank of each node
+    writes the roster to ``nodes.json`` (node 0's ``result.json`` lists it; a node that went away is
+    named from it). Nodes started with different notebooks or ``-p`` values would train different
+    code in lockstep: every rank refuses that here, before the first step.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    first = global_rank == node_ranks.start
+    if first:
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        digest = _code_digest(Path(main)) if main and Path(main).exists() else ""
+        directory = run_dir()
+        me = {"node": node_rank, "host": socket.gethostname(), "ip": _address(),
+              "ranks": [node_ranks.start, node_ranks.stop - 1], "run_dir": str(directory) if directory else None,
+              "script": digest, "setup": f"{len(node_ranks)} {RankEnv.from_environ().device or 'auto'}"}
+        store.set(f"nbddp/node/{node_rank}", json.dumps(me))
+    roster = [json.loads(store.get(f"nbddp/node/{n}")) for n in range(nnodes)]
+    directory = run_dir()
+    if first and directory is not None:
+        partial = directory.nodes.with_name(f".{directory.nodes.name}.{node_rank}.partial")
+        partial.write_text(json.dumps(roster, indent=1))
+        os.replace(partial, directory.nodes)
+    mine = roster[node_rank]
+    for other in roster:
+        from nbddp.errors import NbddpError
+
+        if other["script"] != mine["script"]:
+            raise NbddpError(
+                f"node {other['node']} ({other['host']}) runs a different training script than node {node_rank}: "
+                "start every node with the same notebook and the same -p values.")
+        if other["setup"] != mine["setup"]:
+            raise NbddpError(
+                f"node {other['node']} ({other['host']}) runs {other['setup']} processes, node {node_rank} "
+                f"{mine['setup']}: start every node with the same --gpus, or --cpu and --nproc.")
+    return roster
+
+
+def _code_digest(script: Path) -> str:
+    """A digest of what the script does: comment lines (its header names paths that differ between
+    machines) don't count."""
+    import hashlib
+
+    code = [line for line in script.read_text(encoding="utf-8").splitlines() if not line.lstrip().startswith("#")]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()[:16]
+
+
+def _address() -> str:
+    """This host's address as other hosts see it (best effort; names the node a peer error points at)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
+def collective_timeout():
+    """``--collective-timeout`` (set by the launcher): how long a rank waits for its peers in a
+    collective before raising, instead of torch's 30 minutes for gloo."""
+    from datetime import timedelta
+
+    seconds = RankEnv.from_environ().collective_timeout
+    return timedelta(seconds=seconds) if seconds else None
+
+
+def leave_group() -> None:
+    """Wait for every rank, then leave the process group so that the rank can exit cleanly.
+
+    Why not a plain ``barrier()`` + ``destroy_process_group()``: gloo runs collectives on worker
+    threads, and a barrier keeps weak references to the collectives still in flight, typically
+    DDP's last gradient all-reduce. That all-reduce captured torch's thread-local state during
+    ``backward()``, which holds a Python object (autograd's ``contextvars`` context). The worker
+    thread frees the barrier, and with it that object, *after* the main thread has seen the
+    barrier complete; when the main thread has meanwhile reached interpreter shutdown, the
+    worker's attempt to take the GIL makes CPython end the thread with ``pthread_exit``, whose
+    unwinding through a ``noexcept`` destructor calls ``std::terminate``: "terminate called
+    without an active exception", SIGABRT, a finished rank reported dead. Busy CPUs widen the
+    window (1 run in ~10 with two runs and a CPU hog on two cores).
+
+    So the barrier's work object is kept alive for the life of the process: the gloo thread
+    never drops the last reference, nothing Python-owned is freed off the main thread, and the
+    process ends through normal interpreter shutdown with exit status 0. Works the barrier
+    did not capture were completely released before it started (gloo releases a finished work
+    under the same lock the barrier takes to snapshot the in-flight ones).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _final_barrier()
+    if not warm():  # a warm rank keeps its group for the next job (see nbddp.rank_side.warm_loop)
+        _TORCH_DESTROY()
+
+
+def warm() -> bool:
+    """True in a warm rank, which runs job after job in one process group."""
+    return os.environ.get("NBDDP_WARM") == "1"
+
+
+#: torch's own ``destroy_process_group``, before :func:`guard_destroy` wraps it.
+_TORCH_DESTROY = dist.destroy_process_group
+
+
+def _final_barrier() -> None:
+    work = dist.barrier(async_op=True)
+    work.wait()
+    _keep_until_exit(work)
+
+
+def guard_destroy() -> None:
+    """Make the training code's own ``dist.destroy_process_group()`` leave the group the same safe way.
+
+    Scripts ported to a notebook often end with ``dist.barrier(); dist.destroy_process_group()``;
+    that barrier has the same teardown race as any (see :func:`leave_group`). Destroying the default
+    group therefore first runs a final barrier whose work is kept until exit. Every rank meets a
+    barrier in any case: those that don't destroy the group themselves meet :func:`leave_group`'s.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if getattr(dist.destroy_process_group, "_nbddp_guarded", False):
+        return
+
+    def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's signature
+        if dist.is_initialized() and (group is None or group is c10d.GroupMember.WORLD):
+            _final_barrier()
+            if warm():
+                return None  # the warm rank's group outlives the job
+        return _TORCH_DESTROY(group)
+
+    destroy_process_group.__doc__ = _TORCH_DESTROY.__doc__
+    destroy_process_group._nbddp_guarded = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
+
+def _keep_until_exit(obj: Any) -> None:
+    """A reference that even interpreter shutdown (which clears module globals) never drops."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def checkpoint_path() -> Path:
+    """``$NBDDP_CHECKPOINT``, else ``weights.pt`` in the run dir, else beside the script."""
+    env = RankEnv.from_environ()
+    if env.checkpoint is not None:
+        return env.checkpoint
+    if env.run_dir is not None:
+        return env.run_dir.weights
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or "train.py"
+    return Path(main).with_suffix(".weights.pt")
+
+
+def restart_count() -> int:
+    """How many times torchrun restarted the ranks (``--max-restarts``); 0 on the first attempt."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)

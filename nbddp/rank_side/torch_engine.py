@@ -1,0 +1,252 @@
+"""The torch engine's rank side and the API training cells use (``nbddp.prepare``, ``nbddp.log``, …).
+
+The torch engine's script imports this module first: :func:`start` joins the process group under
+torchrun, :func:`finish` returns the weights and leaves it. The plumbing shared with the Catalyst
+engine (per-rank logs, error reports, done marks, a clean exit) is :mod:`nbddp.rank_side.process`. Run without a
+launcher every helper degrades to a plain single process, so training cells also run in a kernel.
+
+torch is imported here, never by ``import nbddp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from nbddp import checkpoint
+from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
+                                mark_done, restart_count, run_dir, use_notebook_folder)
+from nbddp.rank_side.env import RankEnv
+
+
+
+# ---------------------------------------------------------------- who am I
+
+
+def rank() -> int:
+    """Global rank of this process (0 in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    """Number of processes in the job (1 in a single process)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    """Rank on this machine: which GPU this process drives."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    """True on rank 0: the one process that logs metrics and saves weights."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """``cuda:<local_rank>`` on a GPU run, else ``cpu``."""
+    if _use_cuda():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def _use_cuda() -> bool:
+    return RankEnv.from_environ().device != "cpu" and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def start(engine: str = "torch") -> None:
+    """Called by the torch engine's script at import time, in every process that imports it.
+
+    Under torchrun: send output to the rank's log, record an uncaught exception, join the process
+    group. Elsewhere: nothing that changes behaviour, so ``python train.py`` is a normal single process.
+    (``engine``: only scripts exported by nbddp 0.1 pass it; the Catalyst engine now starts through
+    :mod:`nbddp.rank_side.catalyst_engine`.)
+    """
+    if engine != "torch":
+        from nbddp.errors import NbddpError
+
+        raise NbddpError(f"this script was exported by an older nbddp for the {engine} engine; export it again "
+                         "(nbddp export NOTEBOOK) or run the notebook with nbddp run.")
+    use_notebook_folder()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        become_rank(rank(), world_size())
+        if _use_cuda():
+            torch.cuda.set_device(local_rank())
+        dist.init_process_group(
+            backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(),
+            store=_attempt_store(), rank=rank(), world_size=world_size(),
+        )
+        nnodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
+        if nnodes > 1:
+            per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+            node = int(os.environ["GROUP_RANK"])
+            exchange_roster(node, nnodes, rank(), range(node * per_node, (node + 1) * per_node))
+
+
+def _attempt_store():
+    """torchrun's store, scoped to this restart attempt.
+
+    With ``--standalone`` and ``--max-restarts``, the agent's store outlives an attempt, so the
+    ranks of attempt 1 could read the gloo addresses of attempt 0's dead ranks and hang or be
+    refused. A prefix per attempt keeps every attempt's keys apart.
+    """
+    from datetime import timedelta
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),
+        is_master=not agent_store and rank() == 0, timeout=timedelta(seconds=300),
+        multi_tenant=not agent_store,
+    )
+    return dist.PrefixStore(f"nbddp/attempt_{restart_count()}", store)
+
+
+def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True) -> None:
+    """End of the training block: rank 0 saves the returned variables, then all leave the group.
+
+    ``mark``: write this rank's done mark (the Catalyst engine's spawned ranks write their own).
+    """
+    names = list(returns)
+    if is_main():
+        missing = [n for n in names if n not in namespace]
+        if missing:
+            raise NameError(
+                f"nbddp: cannot return {', '.join(missing)}: no such variable after the training "
+                "cells. Name the variables to bring back with --return NAME[,NAME...]."
+            )
+        checkpoint.save_returns({n: namespace[n] for n in names}, checkpoint_path())
+    me = rank()
+    leave_group()
+    if mark:
+        mark_done(me)
+
+
+# ---------------------------------------------------------------- user API
+
+
+def prepare(obj: Any) -> Any:
+    """Make a model or data loader distributed; unchanged in a single process.
+
+    * ``nn.Module`` → moved to this rank's device and wrapped in
+      ``DistributedDataParallel``.
+    * ``DataLoader`` → the same loader (batch size *per process*, shuffle,
+      collate_fn, workers, drop_last, pin_memory kept) over a
+      ``DistributedSampler`` whose epoch advances each time it is iterated.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if isinstance(obj, torch.nn.Module):
+        if not distributed:
+            return obj
+        obj = obj.to(device())
+        ids = [local_rank()] if device().type == "cuda" else None
+        return DistributedDataParallel(obj, device_ids=ids)
+    if isinstance(obj, DataLoader):
+        return _distributed_loader(obj) if distributed else obj
+    raise TypeError(
+        f"nbddp.prepare() takes an nn.Module or a DataLoader, not {type(obj).__name__}."
+    )
+
+
+class _EpochLoader(torch.utils.data.DataLoader):
+    """A DataLoader that calls ``sampler.set_epoch`` each time a new pass starts."""
+
+    def __iter__(self):
+        self.sampler.set_epoch(self._nbddp_epoch)
+        self._nbddp_epoch += 1
+        return super().__iter__()
+
+
+def _distributed_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data.DataLoader:
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    if loader.batch_size is None:
+        raise TypeError("nbddp.prepare(): loaders with batch_sampler are not supported; pass batch_size.")
+    sampler = DistributedSampler(
+        loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), drop_last=loader.drop_last
+    )
+    new = _EpochLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        persistent_workers=loader.persistent_workers,
+    )
+    new._nbddp_epoch = 0
+    return new
+
+
+def log(**metrics: Any) -> None:
+    """Record metrics (epoch, step, loss, …) from rank 0: ``metrics.jsonl`` and the live view.
+
+    Other ranks' calls are ignored, so the training loop needs no ``if``.
+    """
+    if not is_main():
+        return
+    record = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
+    directory = run_dir()
+    if directory is None:
+        print("[nbddp.log] " + " ".join(f"{k}={v}" for k, v in record.items()), flush=True)
+        return
+    record["time"] = time.time()
+    with open(directory.metrics, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+
+def resume_path() -> Path:
+    directory = run_dir()
+    return directory.resume if directory else checkpoint_path().with_name("resume.pt")
+
+
+def save_checkpoint(**state: Any) -> None:
+    """Save training state (modules, optimizers, counters) so a restarted run can resume.
+
+    Rank 0 writes ``resume.pt`` atomically (a crash mid-save keeps the previous one); other
+    ranks return at once. Pair it with :func:`restore` at the top of the training cell.
+    """
+    if is_main():
+        checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
+
+
+def restore(**objects: Any) -> dict[str, Any]:
+    """Load the last :func:`save_checkpoint` into ``objects`` (modules/optimizers, by name).
+
+    Returns the other saved values (e.g. ``{"epoch": 3}``), or ``{}`` on a fresh start, so::
+
+        done = nbddp.restore(model=model, optimizer=optimizer)
+        for epoch in range(done.get("epoch", -1) + 1, epochs): ...
+    """
+    path = resume_path()
+    if not path.exists():
+        return {}
+    states, _ = checkpoint.load_returns(path, mmap=False)  # rank 0 may replace the (shared) file meanwhile
+    targets = {name: getattr(obj, "module", obj) for name, obj in objects.items()}  # through DDP wrappers
+    checkpoint.load_into(targets, {k: v for k, v in states.items() if k in objects})
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):  # optimizer state was saved from the CPU copy
+            for value in obj.state.values():
+                for key, tensor in value.items():
+                    if isinstance(tensor, torch.Tensor):
+                        value[key] = tensor.to(device())
+    print(f"[nbddp] restart {restart_count()}: resumed from {path.name}", flush=True)
+    return {k: v for k, v in states.items() if k not in objects}

@@ -1,0 +1,170 @@
+"""A warm rank: started once by torchrun, it joins the process group and then runs job after job.
+
+What a fresh rank pays on every run (interpreter start, ``import torch``, device and gloo/NCCL
+initialisation, the rendezvous) is paid here once; each job still runs its script exactly as a
+fresh rank would: ``runpy`` executes it as ``__main__`` in a **fresh namespace**, with the run's
+own ``NBDDP_*`` environment, its output in the run's ``logs/rank-N.log``, its exception in
+``errors/rank-N.json``. Modules the job imported from the notebook's folder are forgotten after
+it, so the next job imports them anew, and the CUDA caching allocator is emptied between jobs.
+
+The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs as files: ``jobs/N.json`` in the pool's
+folder; each rank answers ``ended/N-RANK.json``. A rank with no job for ``NBDDP_WARM_IDLE``
+seconds leaves the group and exits; so does every rank when the kernel dies (parent-death signal,
+through torchrun).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+POLL_SECONDS = 0.005
+DEFAULT_IDLE_SECONDS = 600.0
+
+
+def main(pool: Path) -> int:
+    from nbddp.rank_side import process as rank_process
+    from nbddp.rank_side import torch_engine as runtime
+
+    os.environ.pop("NBDDP_RUN_DIR", None)
+    runtime.start()  # joins the group; no run dir yet: output goes to the pool's log
+    rank, size = runtime.rank(), runtime.world_size()
+    idle = float(os.environ.get("NBDDP_WARM_IDLE", DEFAULT_IDLE_SECONDS))
+    (pool / "ready").mkdir(exist_ok=True)
+    (pool / "ready" / f"rank-{rank}").write_text(str(os.getpid()))
+    number = 0
+    pool_stdout, pool_stderr = os.dup(1), os.dup(2)
+    while True:
+        job = _next_job(pool, number, idle)
+        if job is None:
+            break
+        status, modules = _run(job, rank, size)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(pool_stdout, 1)
+        os.dup2(pool_stderr, 2)
+        write_json(pool / "ended" / f"{number}-{rank}.json", {"status": status, "modules": modules})
+        number += 1
+    rank_process.leave_group()
+    return 0
+
+
+def _next_job(pool: Path, number: int, idle: float) -> dict | None:
+    """The next job's description, or ``None`` once idle for ``idle`` seconds (the kernel stops a pool
+    by stopping its processes)."""
+    path, deadline = pool / "jobs" / f"{number}.json", time.monotonic() + idle
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):  # not there yet (written atomically)
+            time.sleep(POLL_SECONDS)
+    return None
+
+
+def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
+    """Run one job's script as a fresh rank would: ``ok`` or ``failed``, and the local modules it imported."""
+    from nbddp.rank_side import process as rank_process
+
+    saved = dict(os.environ)
+    os.environ.update(job["env"])
+    before, cwd, path = set(sys.modules), os.getcwd(), list(sys.path)
+    torch_settings = _torch_settings()
+    _fresh_random_state()
+    status = "ok"
+    try:
+        rank_process.log_to_run_dir(rank)
+        rank_process.announce(rank, size, note=" on a warm rank")
+        try:
+            runpy.run_path(job["script"], run_name="__main__")
+        except SystemExit as exc:
+            status = "ok" if exc.code in (None, 0) else "failed"
+        except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
+            rank_process.record_exception(rank, type(exc), exc, exc.__traceback__)
+            traceback.print_exc()
+            status = "failed"
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        os.chdir(cwd)
+        sys.path[:] = path
+        _restore_torch_settings(torch_settings)
+        modules = _forget_local_modules(before, Path(job["cwd"]))
+        gc.collect()
+        _release_device_memory()
+    return status, modules
+
+
+def _torch_settings() -> dict:
+    """torch's process-wide settings a job may change (a fresh rank would start from the defaults)."""
+    import torch
+
+    return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
+            "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def _restore_torch_settings(settings: dict) -> None:
+    import torch
+
+    torch.set_default_dtype(settings["dtype"])
+    torch.set_num_threads(settings["threads"])
+    torch.set_grad_enabled(settings["grad"])
+    torch.use_deterministic_algorithms(settings["deterministic"])
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+    torch.backends.cudnn.allow_tf32 = settings["cudnn_tf32"]
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
+
+
+def _fresh_random_state() -> None:
+    """Seed torch's, Python's and (if imported) NumPy's generators from the OS, as a new process
+    does: a job that doesn't seed gets a random state unrelated to the previous job's."""
+    import random
+
+    import torch
+
+    torch.seed()
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _forget_local_modules(before: set[str], folder: Path) -> dict[str, float]:
+    """Drop modules the job imported from the notebook's folder, so the next job imports them afresh;
+    return their files' modification times (the kernel starts fresh ranks when one is edited)."""
+    folder, found = folder.resolve(), {}
+    for name in set(sys.modules) - before:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path and Path(path).resolve().is_relative_to(folder):
+            del sys.modules[name]
+            try:
+                found[str(Path(path).resolve())] = os.stat(path).st_mtime
+            except OSError:
+                pass
+    return found
+
+
+def _release_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write ``data`` whole or not at all: the other side polls for the file."""
+    path.parent.mkdir(exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
