@@ -1,9 +1,8 @@
 """The returned weights: atomic save on rank 0, safe CPU load in the kernel.
 
-Saving writes a temporary file in the same folder and ``os.replace``-s it over
-the target once it is complete, so a crashed rank or a full disk never leaves a
-truncated checkpoint where a good one was. Like ``torch.save``, it leaves the
-flush to disk to the OS (no ``fsync``): that made the kernel wait for the disk,
+Saving writes the file whole or not at all (:mod:`nbddp.atomic`), so a crashed
+rank or a full disk never leaves a truncated checkpoint where a good one was.
+Like ``torch.save``, it leaves the flush to disk to the OS (no ``fsync``): that made the kernel wait for the disk,
 over a second for a 400 MB checkpoint in BENCHMARKS.md's runs, to guard only
 against the machine losing power in the seconds after the save. Loading always uses
 ``weights_only=True`` (never a full unpickle of a file a rank wrote) and
@@ -15,11 +14,10 @@ that has none, and ``mmap=True``: the tensors are read straight from the file
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from nbddp.atomic import replace_atomically
 from nbddp.errors import CheckpointError
 
 FORMAT = 1
@@ -53,7 +51,8 @@ def save_returns(values: dict[str, Any], path: str | Path, note: str = "") -> Pa
 
 
 def save_atomic(payload: Any, path: str | Path) -> Path:
-    """``torch.save`` to a temp file beside ``path``, then rename it over ``path``.
+    """``torch.save`` to a temporary file beside ``path``, renamed over ``path`` once complete
+    (:func:`nbddp.atomic.replace_atomically`).
 
     Raises:
         CheckpointError: naming the path, when the disk is full or unwritable;
@@ -62,23 +61,13 @@ def save_atomic(payload: Any, path: str | Path) -> Path:
     import torch
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a writer killed mid-save
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        torch.save(payload, tmp)  # by path: torch's own writer, faster than through a Python file object
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        # torch.save reports a short write (full disk, quota) as RuntimeError, not OSError.
-        if isinstance(exc, (OSError, RuntimeError)):
-            reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
-            raise CheckpointError(f"could not write the checkpoint {path}: {reason}. "
-                                  "Free some disk space (or choose another --run-dir) and run again.") from exc
-        raise
-    return path
+        # by path: torch's own writer, faster than through a Python file object
+        return replace_atomically(path, lambda tmp: torch.save(payload, tmp))
+    except (OSError, RuntimeError) as exc:  # torch.save reports a short write (full disk, quota) as RuntimeError
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"could not write the checkpoint {path}: {reason}. "
+                              "Free some disk space (or choose another --run-dir) and run again.") from exc
 
 
 def load_returns(path: str | Path, mmap: bool = True) -> tuple[dict[str, Any], str]:

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 from nbddp.errors import DeviceError, UsageError
 
+#: CPU processes (gloo) per node when neither ``--nproc`` nor GPUs say otherwise.
+CPU_PROCESSES = 2
+
 
 @dataclass(frozen=True)
 class Devices:
@@ -88,11 +91,11 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
     if cpu:
         if gpus is not None:
             raise UsageError("--cpu and --gpus contradict each other: choose one.")
-        return Devices("cpu", nproc or 2)
+        return Devices("cpu", nproc or CPU_PROCESSES)
     visible = visible_gpu_count() if visible is None else visible
     if gpus is None:
         if visible == 0:
-            n = nproc or 2
+            n = nproc or CPU_PROCESSES
             return Devices("cpu", n, note=f"no GPU visible: running on the CPU with {n} processes (gloo).")
         if nproc is not None and nproc > visible:
             raise DeviceError(f"--nproc {nproc} asks for more GPUs than the {visible} visible.")

@@ -9,6 +9,8 @@ with, so that scripts and CI can tell bad input (2) from a bad device request
 
 from __future__ import annotations
 
+from nbddp.job.status import Status
+
 
 class NbddpError(Exception):
     """Base class: an error the user can act on. Never a bug in nbddp."""
@@ -64,7 +66,7 @@ class RunError(NbddpError):
     exception type it raised (``exc_type``), the notebook ``cell`` and ``line``, and the ``run_dir``.
     """
 
-    status = "failed"
+    status = Status.FAILED
 
     def __init__(self, message: str, *, exit_code: int | None = None, rank: int | None = None,
                  exc_type: str | None = None, cell: int | None = None, line: int | None = None,
@@ -92,18 +94,27 @@ class RunFailed(RunError):
 class RunTimeout(RunError):
     """The run exceeded a time limit (``--timeout``, ``--idle-timeout``, a collective); every rank was stopped."""
 
-    status = "timeout"
-    exit_code = 124
+    status = Status.TIMEOUT
+    exit_code = Status.TIMEOUT.exit_code
 
 
 class RunInterrupted(RunError):
     """The run was interrupted (a signal, the stop button, ``nbddp kill``); every rank was stopped."""
 
-    status = "interrupted"
-    exit_code = 130
+    status = Status.INTERRUPTED
+    exit_code = Status.INTERRUPTED.exit_code
 
 
 class CheckpointError(NbddpError):
     """The returned weights could not be written, read or loaded into the kernel."""
 
     exit_code = 1
+
+
+class SignalReceived(BaseException):
+    """Raised in the main thread by the CLI's SIGTERM/SIGHUP handlers (SIGINT raises KeyboardInterrupt):
+    like a Ctrl-C, it stops every rank, and the run ends interrupted with exit code ``128 + signum``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

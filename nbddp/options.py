@@ -26,6 +26,8 @@ DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 #: ``--rdzv-timeout``: how long the nodes of a multi-node run wait for each other before failing.
 DEFAULT_RDZV_TIMEOUT = 300.0
 DEFAULT_RETURNS = ("model",)
+#: Warm ranks with no job for this long (seconds) leave the group and exit (``%ddp_ranks --idle``).
+DEFAULT_WARM_IDLE = 600.0
 _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
 #: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
 _SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait", "array",

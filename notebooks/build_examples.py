@@ -60,7 +60,7 @@ def torch_notebook():
             "        loss.backward()\n"
             "        optimizer.step()\n"
             "        total, count = total + loss.item() * len(yb), count + len(yb)\n"
-            "    nbddp.log(epoch=epoch + 1, loss=total / count)\n"
+            "    nbddp.log(epoch=epoch + 1, epochs=epochs, loss=total / count)\n"
             "    print(f\"epoch {epoch + 1} loss {total / count:.4f}\")"
         ),
         new_code_cell(EVALUATE),

@@ -235,27 +235,29 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     from dataclasses import asdict
 
     from nbddp.devices import resolve
+    from nbddp.launchers.pool_dir import PoolDir
+    from nbddp.launchers.warm_pool import POOL_ENV, adopt_batch_pool, pool_key, why_not_warm
     from nbddp.options import LaunchOptions
-    from nbddp.doors.notebook_run import _batch_pool
-    from nbddp.launchers.warm_pool import POOL_ENV, POOL_FILE, pool_key
 
-    said = []
     devices = resolve(cpu=True, nproc=2)
     monkeypatch.setenv(POOL_ENV, str(tmp_path / "gone"))
-    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "torch", devices, tmp_path, said.append) is None
-    assert said[-1] == "nbddp: not on the batch's warm ranks (they are gone): starting fresh ones"
+    assert adopt_batch_pool(devices, tmp_path, 300.0) == (
+        None, "not on the batch's warm ranks (they are gone): starting fresh ones")
 
     folder = tmp_path / "pool"
     folder.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     key = pool_key(devices, tmp_path, LaunchOptions().collective_timeout, dict(os.environ))
-    (folder / POOL_FILE).write_text(json.dumps({"key": asdict(key), "idle": 600.0, "pid": dead.pid, "pgid": dead.pid}))
+    PoolDir(folder).description.write_text(json.dumps({"key": asdict(key), "idle": 600.0, "pid": dead.pid,
+                                                       "pgid": dead.pid}))
     monkeypatch.setenv(POOL_ENV, str(folder))
-    assert _batch_pool(LaunchOptions(cpu=True, nproc=1), "torch", resolve(cpu=True, nproc=1), tmp_path, said.append) is None
-    assert "(the devices changed (2 cpu → 1 cpu))" in said[-1]
-    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "torch", devices, tmp_path, said.append) is None
-    assert "(the warm ranks had exited (idle, or stopped))" in said[-1]
-    count = len(said)
-    assert _batch_pool(LaunchOptions(cpu=True, nproc=2), "catalyst", devices, tmp_path, said.append) is None
-    assert len(said) == count  # the batch gives Catalyst runs no pool; nothing to say
+    pool, said = adopt_batch_pool(resolve(cpu=True, nproc=1), tmp_path, 300.0)
+    assert pool is None and "(the devices changed (2 cpu → 1 cpu))" in said
+    pool, said = adopt_batch_pool(devices, tmp_path, 300.0)
+    assert pool is None and "(the warm ranks had exited (idle, or stopped))" in said
+    # The one rule: what warm ranks can't serve at all is never offered a pool (the batch sets none for it).
+    assert "torch engine only" in why_not_warm("catalyst", LaunchOptions())
+    assert "one machine" in why_not_warm("torch", LaunchOptions(nodes=__import__("nbddp.options").options.Nodes(2, 0, "h:1")))
+    assert "--max-restarts" in why_not_warm("torch", LaunchOptions(max_restarts=1))
+    assert why_not_warm("torch", LaunchOptions()) == ""

@@ -27,8 +27,9 @@ def test_export_for_several_nodes_writes_every_nodes_command_into_the_header(not
     path = notebook(TRAIN)
     assert main(["export", str(path), "-o", "-", "--nnodes", "2", "--rdzv-endpoint", "gpu0:29500", "--gpus", "4"]) == 0
     header = capsys.readouterr().out.split("\n\n")[0]
-    assert ("# Launch: python -m torch.distributed.run --nnodes 2 --node-rank R --rdzv-backend static "
-            "--rdzv-endpoint gpu0:29500 --rdzv-conf timeout=300 --nproc-per-node 4 train.py   "
+    # (written as the launcher's own argv is, by the same function: see test_launchers)
+    assert ("# Launch: python -m torch.distributed.run --nnodes=2 --node-rank=R --rdzv-backend=static "
+            "--rdzv-endpoint=gpu0:29500 --rdzv-conf=timeout=300 --nproc-per-node=4 train.py   "
             "(on every node: R=0 on gpu0, R=1 on the others)") in header
     assert main(["export", str(path), "-o", "-", "--engine", "catalyst", "--nnodes", "3", "--rdzv-endpoint", "h:1",
                  "--cpu"]) == 0

@@ -1,6 +1,6 @@
 """Exported scripts of the example notebooks train across 2 real processes (gloo, CPU).
 
-torch engine: ``torchrun --standalone --nproc-per-node 2 train.py``.
+torch engine: ``torchrun --standalone --nproc-per-node=2 train.py``.
 catalyst engine: ``python train.py`` (Catalyst's own mp.spawn).
 """
 

@@ -103,10 +103,11 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     assert not run.leftovers(grace=10), "ranks outlived a SIGKILLed launcher"
     assert ranks
     # It had no chance to remove its kernel's socket folder; the next run removes it.
-    from nbddp.doors.notebook_run import SOCKETS_PREFIX, kernel_socket_dir
+    from nbddp.doors.notebook_kernel import SOCKETS_PREFIX
+    from nbddp.launchers.process_groups import owned_temp_dir
 
     [left] = Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}{run.proc.pid}-*")
-    fresh = kernel_socket_dir()
+    fresh = owned_temp_dir(SOCKETS_PREFIX)
     assert not left.exists() and os.path.isdir(fresh)
     os.rmdir(fresh)
 

@@ -9,11 +9,21 @@ import shlex
 import pytest
 
 from nbddp.job.lifecycle import node_gone
-from nbddp.launchers import launcher_for
+from nbddp.job.lifecycle import JobSpec
+from nbddp.launchers import launcher_for as launcher_for_spec
+from nbddp.notebook.script import Script
+from nbddp.notebook.sourcemap import SourceMap
 from nbddp.launchers.slurm import Slurm, sbatch_script
 from nbddp.launchers.slurm_watch import filesystem_type
 from nbddp.options import Nodes, SlurmRequest
 from nbddp.job.rundir import RunDir
+
+def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0):
+    """The seam's choice for a job of ``engine`` (a spec with an empty script)."""
+    script = Script("", SourceMap("nb.ipynb", "train.py", ()), engine, ())
+    spec = JobSpec(script, Devices("cpu", 2), Path("/r"), Path("/"), nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout)
+    return launcher_for_spec(spec)
+
 
 TORCHRUN = """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -152,3 +162,37 @@ def test_nbddp_keeps_the_rendezvous_timeout_when_torch_would_wait_longer():
     assert node0.rendezvous_failure("", expired=False) is None
     assert "the 2 nodes never all met at h:1 within --rdzv-timeout 9s" in node0.rendezvous_failure("", expired=True)
     assert "node 0's rendezvous at h:1 never answered" in node1.rendezvous_failure("", expired=True)
+
+
+def test_the_torchrun_command_is_one_whichever_place_renders_it():
+    """The launcher's argv, a Slurm job's task line and an exported script's header are renderings of one
+    function: torchrun's own parser reads the same nodes, rendezvous, timeout and processes from each."""
+    from torch.distributed.run import get_args_parser
+
+    from nbddp.doors.export import local_hint, node_hint
+
+    parser = get_args_parser()
+    fields = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "nproc_per_node", "standalone")
+
+    def read(words):
+        start = words.index("torch.distributed.run") + 1
+        args = parser.parse_args(words[start:])
+        return {name: getattr(args, name) for name in fields}
+
+    nodes, devices = Nodes(2, 0, "node0:29500"), Devices("cpu", 3)
+    argv = launcher_for("torch", nodes, rdzv_timeout=300.5).command(Path("/r/train.py"), devices, RunDir(Path("/r")),
+                                                                     python="py")
+    header = node_hint("torch", nodes, devices, "train.py", 300.5).split("   (on every node")[0]
+    sbatch = sbatch_script("torch", SlurmRequest(2), devices, "train.py", python="py", rdzv_timeout=300.5)
+    task = next(line for line in sbatch.splitlines() if line.startswith("srun"))
+    words = shlex.split(task.replace("$SLURM_NNODES", "2").replace("$head:$port", "node0:29500"))
+    inner = shlex.split(words[words.index("-c") + 1].replace("$SLURM_NODEID", "0"))  # the task's own shell
+    slurm = [*inner[1:-1], *words[words.index('$PYTHON') + 1:]]
+    expected = {"nnodes": "2", "node_rank": 0, "rdzv_backend": "static", "rdzv_endpoint": "node0:29500",
+                "rdzv_conf": "timeout=301", "nproc_per_node": "3", "standalone": False}
+    assert read(argv) == expected
+    assert read(shlex.split(header.replace("--node-rank=R", "--node-rank=0"))) == expected
+    assert read(slurm) == expected
+    one = read(shlex.split(local_hint("torch", devices, "train.py")))
+    assert one == read(launcher_for("torch").command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
+    assert one["standalone"] and one["nproc_per_node"] == "3"

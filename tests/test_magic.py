@@ -1,9 +1,13 @@
 """``%%ddp_train`` in a real ipykernel, driven by nbclient, papermill and the Jupyter protocol."""
 
 import json
+import os
 import re
+import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -182,11 +186,24 @@ def test_kernel_interrupt_stops_every_rank(tmp_path):
 
 
 def test_kernel_restart_leaves_no_rank_alive(tmp_path):
+    """A restart SIGKILLs the kernel: it gets no chance to clean up, yet no rank and no pool folder outlive it.
+
+    (Killed directly, as a restart does: calling the client's restart from this thread while its own
+    thread runs the cell raced nbclient's cleanup, which closed the ZMQ context the restart used.)
+    """
     client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
-    run_sync(client.km.restart_kernel)(now=True)  # SIGKILL: the kernel gets no chance to clean up
+    kernel_pid = client.km.provisioner.process.pid
+    os.kill(kernel_pid, signal.SIGKILL)
     assert _gone_within(pids, 10), {p for p in pids if alive(p)}
-    run_sync(client.km.shutdown_kernel)(now=True)  # nbclient's liveness poll then ends the waiting cell
-    thread.join(30)
+    thread.join(60)  # nbclient's liveness poll ends the waiting cell (DeadKernelError)
+    assert not thread.is_alive() and errors and type(errors[0]).__name__ == "DeadKernelError", errors
+    from nbddp.launchers.pool_dir import FOLDER_PREFIX
+
+    deadline = time.monotonic() + 10
+    while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "the killed kernel's warm-pool folder outlived its ranks"
 
 
 class ProtocolKernel:
@@ -220,7 +237,9 @@ class ProtocolKernel:
             if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
                 continue
             kind, content = reply["msg_type"], reply["content"]
-            if kind == "stream":
+            if kind == "execute_input":
+                self.count = content["execution_count"]  # the cell's In [N]
+            elif kind == "stream":
                 text.append(content["text"])
             elif kind in ("display_data", "update_display_data"):  # the live view's text/plain copy
                 key = content.get("transient", {}).get("display_id") or len(displays)
@@ -233,6 +252,26 @@ class ProtocolKernel:
     def close(self):
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)  # as a front end does: the kernel exits normally (atexit runs)
+
+
+def test_help_alone_in_a_cell_and_errors_that_name_the_cell_as_the_notebook_shows_it(tmp_path):
+    """``%%ddp_train --help`` alone in a cell (as README writes it) prints the help; an empty training cell
+    says so; a syntax error is named by the cell's ``In [N]`` (or as the %%ddp_train cell), not a count of its own."""
+    kernel = ProtocolKernel(tmp_path)
+    try:
+        kernel.execute("%load_ext nbddp")
+        help_text = kernel.execute("%%ddp_train --help")
+        assert "usage: %%ddp_train" in help_text and "--fresh" in help_text and "--dry-run" in help_text
+        assert "the cell has no training code" in kernel.execute("%%ddp_train --cpu\n\n")
+        kernel.execute("#| ddp\nimport torch\nx = [1,\n", "broken")  # the kernel itself refuses it too
+        broken = kernel.count
+        out = kernel.execute("%%ddp_train --dry-run\nprint(x)", "train")
+        assert f"In [{broken}], line 3: SyntaxError" in out, out
+        kernel.execute("#| ddp\nimport torch\nx = [1]", "broken")  # fixed: the same cell id
+        out = kernel.execute("%%ddp_train --dry-run\nprint(x\nprint(2)", "train")
+        assert "the %%ddp_train cell, line 2: SyntaxError" in out, out
+    finally:
+        kernel.close()
 
 
 def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):

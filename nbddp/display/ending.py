@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nbddp.display.metric_plot import COUNTERS
-from nbddp.job.follow import format_metrics
+from nbddp.job.metrics import format_metrics, measures
 
 _VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
           "timeout": "timed out after"}
@@ -58,7 +57,7 @@ class Ending:
 
 
 def final_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in metrics.items() if k not in COUNTERS}
+    return measures(metrics)
 
 
 def first_line(text: str, limit: int = 160) -> str:

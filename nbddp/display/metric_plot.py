@@ -15,17 +15,11 @@ import html
 import math
 from typing import Any, Sequence
 
-#: Keys of an ``nbddp.log`` record that count rather than measure: never drawn as curves.
-COUNTERS = frozenset({"epoch", "epochs", "step", "steps", "time"})
+from nbddp.job.metrics import curves
+
 #: Matplotlib's default colour cycle: familiar to readers of training plots.
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 LOG_SPAN = 10.0
-
-
-def curves(record: dict[str, Any]) -> dict[str, float]:
-    """The values of a metrics record worth plotting: numbers that aren't counters."""
-    return {k: float(v) for k, v in record.items()
-            if k not in COUNTERS and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
 def series(metrics: Sequence[dict[str, Any]]) -> tuple[str, dict[str, list[tuple[float, float]]]]:

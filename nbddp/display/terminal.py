@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from nbddp.job.follow import Event, LogLine, MetricsEvent, format_metrics, rank_prefix
+from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
+from nbddp.job.metrics import format_metrics
 
 #: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
 NOTEBOOK_OUTPUT_LINES = 2000
@@ -66,25 +67,38 @@ class TerminalSink:
 
 
 class NotebookOutputSink:
-    """Collects rank output as the training cell's stream outputs, capped."""
+    """Rank output as the training cell's stdout: one stream output that grows as lines come, capped.
 
-    def __init__(self, run_dir: Path, limit: int = NOTEBOOK_OUTPUT_LINES) -> None:
-        self.lines: list[str] = []
+    ``on_lines(text)`` is told each line added (papermill logs them live and saves the notebook).
+    """
+
+    def __init__(self, run_dir: Path | None = None, limit: int = NOTEBOOK_OUTPUT_LINES) -> None:
+        from nbformat.v4 import new_output
+
+        self.output = new_output("stream", name="stdout", text="")
         self.limit = limit
+        self.count = 0
         self.dropped = 0
         self.run_dir = run_dir
+        self.on_lines: Callable[[str], Any] | None = None
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine) and not event.progress:
-            if len(self.lines) < self.limit:
-                self.lines.append(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
+            if self.count < self.limit:
+                line = f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n"
+                self.output.text += line
+                self.count += 1
+                if self.on_lines is not None:
+                    self.on_lines(line)
             else:
                 self.dropped += 1
 
     def outputs(self) -> list[dict]:
+        """The cell's output so far (the growing node itself), with a last line saying how many were left out."""
         from nbformat.v4 import new_output
 
-        text = "".join(self.lines)
-        if self.dropped:
-            text += f"[nbddp] {self.dropped} more lines not shown: full logs in {self.run_dir / 'logs'}\n"
-        return [new_output("stream", name="stdout", text=text)] if text else []
+        if not self.dropped:
+            return [self.output] if self.output.text else []
+        where = Path(self.run_dir) / "logs" if self.run_dir else "the run dir's logs"
+        trailer = f"[nbddp] {self.dropped} more lines not shown: full logs in {where}\n"
+        return [new_output("stream", name="stdout", text=self.output.text + trailer)]

@@ -8,13 +8,15 @@ level imports torch, so ``nbddp --help`` answers at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from nbddp import __version__
-from nbddp.errors import NbddpError, UsageError
+from nbddp.errors import NbddpError, SignalReceived, UsageError
+from nbddp.job.status import BatchState, Status
 from nbddp.options import (add_device_arguments, add_launch_arguments, add_script_arguments, add_topology_arguments,
                            launch_options, script_arguments)
 
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(args: argparse.Namespace) -> int:
     from nbddp.notebook.reader import read_notebook
+    from nbddp.job.rundir import SCRIPT_NAME
     from nbddp.notebook.script import ExportOptions, generate, write_script
 
     from nbddp.doors.export import export_launch
@@ -80,7 +83,7 @@ def _export(args: argparse.Namespace) -> int:
     if args.nnodes is not None and args.node_rank is None:
         args.node_rank = 0  # the header gives the command of every node
     engine, parameters, returns = script_arguments(args)
-    script_name = "train.py" if target is None else target.name
+    script_name = SCRIPT_NAME if target is None else target.name
     notebook = read_notebook(args.notebook)
     plan = export_launch(args, notebook, engine, script_name)
     if plan.sbatch is not None and to_stdout:
@@ -104,45 +107,28 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nbddp.doors.notebook_run import RunOptions, SignalReceived, run_notebook
+    from nbddp.doors.notebook_run import RunOptions, run_notebook
 
     options = RunOptions(args.notebook, launch_options(args), args.output, command=_command())
-
-    def stop(signum, frame):  # noqa: ANN001 - SIGINT already raises KeyboardInterrupt
-        raise SignalReceived(signum)
-
-    # Only the CLI installs handlers (never the kernel): the run stops every rank and exits 128+N.
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with _signals_interrupt():
         return run_notebook(options).exit_code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _batch(args: argparse.Namespace) -> int:
     from nbddp.doors.batch.schedule import BatchOptions, run_batch
-    from nbddp.doors.notebook_run import SignalReceived
 
     options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
                            args.out, args.resume, args.fresh)
-
-    def stop(signum, frame):  # noqa: ANN001
-        raise SignalReceived(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        rows, code = run_batch(options, progress=_BatchProgress())
+        with _signals_interrupt():
+            rows, code = run_batch(options, progress=_BatchProgress())
     except KeyboardInterrupt:
         print("\nnbddp: batch interrupted; every running run was stopped. Resume with --resume.", file=sys.stderr)
-        return 130
+        return Status.INTERRUPTED.exit_code
     except SignalReceived as exc:
         print(f"\nnbddp: batch stopped by {signal.Signals(exc.signum).name}. Resume with --resume.", file=sys.stderr)
-        return 128 + exc.signum
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    failed = sum(r["status"] != "succeeded" for r in rows)
+        return Status.INTERRUPTED.code(exc.signum)
+    failed = sum(r["status"] != Status.SUCCEEDED for r in rows)
     print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
           if rows else "nbddp: no runs", file=sys.stderr)
     return code
@@ -159,12 +145,12 @@ class _BatchProgress:
         from tqdm import tqdm
 
         states = batch.states
-        finished = [s for s in states if s.status not in ("pending", "running")]
-        failed = sum(s.status not in ("succeeded", "skipped") for s in finished)
+        finished = [s for s in states if s.status.finished]
+        failed = sum(not s.status.ok for s in finished)
         if self.bar is None:
             self.bar = tqdm(total=len(states), unit="run", file=sys.stderr, dynamic_ncols=True,
                             disable=not sys.stderr.isatty())
-        running = [s.run.name for s in states if s.status == "running"]
+        running = [s.run.name for s in states if s.status == BatchState.RUNNING]
         self.bar.set_postfix_str(f"{failed} failed; running {', '.join(running) or 'none'}", refresh=False)
         self.bar.update(len(finished) - self.bar.n)
         if self.bar.disable and len(finished) != self.done:
@@ -202,6 +188,23 @@ def _kill(args: argparse.Namespace) -> int:
             print(f"nbddp: error: {run.name} still has processes after SIGKILL", file=sys.stderr)
             code = 1
     return code
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP interrupt the run as Ctrl-C does (every rank stopped, exit 128+N).
+
+    Only the CLI installs handlers, and only for the command's duration (never in a kernel)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SignalReceived(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _command() -> str:

@@ -9,15 +9,18 @@ submits). Nothing here probes this machine's devices: the script runs elsewhere.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from dataclasses import dataclass
 
 from nbddp.notebook.cells import select_cells
-from nbddp.devices import Devices
+from nbddp.devices import CPU_PROCESSES, Devices
 from nbddp.engines import detect_engine
 from nbddp.errors import UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
+from nbddp.launchers.torchrun import by_hand, torchrun_options
+from nbddp.rank_side.env import RankEnv
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
 
 
@@ -41,12 +44,12 @@ def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | No
         if nodes is not None:
             raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint.")
         # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
-        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", 2), script_name, python=sys.executable,
+        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name, python=sys.executable,
                                rdzv_timeout=args.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
         return ExportPlan(engine, f"sbatch {script_name.rsplit('.', 1)[0]}.sbatch  (Slurm; see that file)", sbatch)
     if nodes is None:
         return ExportPlan(engine, None if devices is None else local_hint(engine, devices, script_name))
-    return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", 2), script_name, args.rdzv_timeout))
+    return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", CPU_PROCESSES), script_name, args.rdzv_timeout))
 
 
 def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | None:
@@ -63,14 +66,15 @@ def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | 
     if gpus is not None:
         return Devices("cuda", gpus)
     if args.cpu or args.nproc is not None:
-        return Devices("cpu", args.nproc or 2)
+        return Devices("cpu", args.nproc or CPU_PROCESSES)
     return None
 
 
 def local_hint(engine: str, devices: Devices, script: str) -> str:
+    """The command that runs the script on one machine."""
     if engine == "catalyst":
-        return f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind} python {script}"
-    return f"python -m torch.distributed.run --standalone --nproc-per-node {devices.nproc} {script}"
+        return f"{RankEnv.shell(nproc=devices.nproc, device=devices.kind)} python {shlex.quote(script)}"
+    return by_hand(torchrun_options(devices.nproc), script)
 
 
 def node_hint(engine: str, nodes: Nodes, devices: Devices, script: str,
@@ -80,8 +84,9 @@ def node_hint(engine: str, nodes: Nodes, devices: Devices, script: str,
     others = "1" if nodes.count == 2 else f"1 to {nodes.count - 1}"
     where = f"   (on every node: R=0 on {host}, R={others} on the others)"
     if engine == "catalyst":
-        return (f"NBDDP_NNODES={nodes.count} NBDDP_NODE_RANK=R NBDDP_MASTER={nodes.endpoint} "
-                f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind} python {script}" + where)
-    return (f"python -m torch.distributed.run --nnodes {nodes.count} --node-rank R --rdzv-backend static "
-            f"--rdzv-endpoint {nodes.endpoint} --rdzv-conf timeout={int(rdzv_timeout)} "
-            f"--nproc-per-node {devices.nproc} {script}" + where)
+        variables = RankEnv.shell(nnodes=nodes.count, node_rank="R", master=shlex.quote(nodes.endpoint),
+                                  nproc=devices.nproc, device=devices.kind)
+        return f"{variables} python {shlex.quote(script)}" + where
+    options = torchrun_options(devices.nproc, nnodes=nodes.count, node_rank="R", endpoint=nodes.endpoint,
+                               rdzv_timeout=rdzv_timeout)
+    return by_hand(options, script) + where

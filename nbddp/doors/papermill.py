@@ -1,69 +1,209 @@
 """``papermill --engine nbddp NOTEBOOK OUT -p NAME VALUE``: papermill runs the notebook the nbddp way.
 
 Registered through papermill's ``papermill.engine`` entry point, so anything that drives papermill
-(Airflow's PapermillOperator, Dagster, Ploomber) gets DDP with no change. Papermill parameterizes
-the notebook as usual (its ``injected-parameters`` cell reaches every rank); this engine then runs
-it exactly as ``nbddp run`` does — the ``ddp-train`` cells as a DDP job, every other cell in a
-kernel — and hands papermill the executed cells with papermill's own cell bookkeeping, so its
-output notebook, ``PapermillExecutionError`` and exit status are what papermill users expect.
+(Airflow's PapermillOperator, Dagster, Ploomber) gets DDP with no change. The engine behaves as
+papermill's own engine does, with one difference: the ``ddp-train`` cells run as a DDP job
+(:func:`nbddp.job.orchestrator.run`), every other cell in papermill's own client. So papermill's
+options mean what they mean (``-k``, ``--cwd``, ``--execution-timeout`` per cell, ``--log-output``,
+``--stdout-file``/``--stderr-file``, ``--request-save-on-cell-execute``, ``--report-mode``), its
+bookkeeping marks the cells, and a failed, timed-out or interrupted (``nbddp kill``) run is a
+``PapermillExecutionError`` at the training cell, the kernel having raised
+:class:`~nbddp.errors.RunFailed` (``RunTimeout``, ``RunInterrupted``) there. A notebook without a
+``ddp-train`` cell runs exactly as papermill runs it. Ctrl-C stops every rank and propagates, as
+it does with papermill's engine.
+
+Stricter than papermill: a ``-p`` name that the notebook's ``parameters`` cell doesn't define is
+refused before anything runs (papermill only warns, and the run would train with the default).
 
 Launch options come from ``NBDDP_OPTIONS`` (the flags of ``nbddp run``, e.g. ``--cpu --nproc 2``),
-since papermill's command line has no place for them. The kernel runs in papermill's working
-folder (``--cwd``), where the run dir goes too.
+since papermill's command line has no place for them. The run dir goes under papermill's
+working folder (``--cwd``).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from papermill.engines import Engine
+from papermill.clientwrap import PapermillNotebookClient
+from papermill.engines import Engine, NBClientEngine
+from papermill.exceptions import PapermillException
+
+from nbddp.display.terminal import NotebookOutputSink
+from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells, is_training_cell
+from nbddp.errors import NbddpError, UsageError
+from nbddp.job import orchestrator
+from nbddp.job.orchestrator import KernelResult
+from nbddp.job.status import Status
+from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
+from nbddp.notebook.reader import Notebook, from_nbformat
+from nbddp.notebook.script import ExportOptions, Script, generate
+from nbddp.notebook.freevars import check_defined
+from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 
 
+class NbddpOptionsError(PapermillException):
+    """``NBDDP_OPTIONS``, or the notebook, can't make a DDP run (nothing ran, nothing was written)."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What was checked before papermill starts anything: the script and the run's request."""
+
+    notebook: Notebook
+    launch: LaunchOptions
+    script: Script
+    request: orchestrator.RunRequest
+
+
 class NbddpEngine(Engine):
+    """papermill's engine, with the ``ddp-train`` cells run as a DDP job."""
+
     @classmethod
-    def execute_managed_notebook(cls, nb_man, kernel_name: str, **kwargs: Any) -> None:  # noqa: ANN001
-        from nbddp.notebook.reader import from_nbformat
-        from nbddp.options import ArgumentParser, add_launch_arguments, launch_options
-        from nbddp.doors.notebook_run import RunOptions, run_notebook
+    def execute_notebook(cls, nb, kernel_name, **kwargs: Any):  # noqa: ANN001, ANN206 - papermill's signature
+        """Check everything first (a refusal writes nothing), then let papermill run the notebook."""
+        try:
+            trains = any(is_training_cell(cell) for cell in nb.cells)
+        except NbddpError as exc:  # a directive nbddp doesn't know (#| ddp-trian)
+            raise NbddpOptionsError(str(exc)) from None
+        if not trains:
+            return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)  # nothing to train: papermill's own
+        plan = _plan(nb, kwargs.get("input_path"))
+        return super().execute_notebook(nb, kernel_name, nbddp_plan=plan, **kwargs)
 
-        parser = ArgumentParser(prog=f"${OPTIONS_VARIABLE}")
-        add_launch_arguments(parser)
-        launch = launch_options(parser.parse_args(shlex.split(os.environ.get(OPTIONS_VARIABLE, ""))))
-        name = Path(kwargs.get("input_path") or "notebook.ipynb").name
-        path = Path.cwd() / name
-        notebook = from_nbformat(nb_man.nb, path)
-        result = run_notebook(RunOptions(path, launch, command=f"papermill --engine nbddp {name}"),
-                              notebook=notebook, say=_say)
-        copy_outputs(nb_man, result.executed)
+    @classmethod
+    def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,  # noqa: ANN001, ANN206
+                                 stderr_file=None, start_timeout=60, execution_timeout=None,
+                                 nbddp_plan: _Plan | None = None, **kwargs: Any):
+        plan = nbddp_plan or _plan(nb_man.nb, kwargs.get("input_path"))
+        kwargs.pop("input_path", None)
+        timeout = execution_timeout or kwargs.pop("timeout", None)
+        kwargs.pop("startup_timeout", None)
+        collector = NotebookOutputSink()
+        kernel = PapermillKernel(nb_man, plan.notebook, collector, plan.launch.returns, timeout,
+                                 dict(kwargs, kernel_name=kernel_name, startup_timeout=start_timeout,
+                                      log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file))
+
+        def on_start(job) -> None:  # noqa: ANN001
+            collector.run_dir = job.run_dir
+            _say(orchestrator.describe(job))
+
+        result = orchestrator.run(plan.request, kernel, [collector], _say, on_start=on_start)
+        _say(result.ending().line())
+        if result.interrupted_by is not None:
+            raise KeyboardInterrupt  # as papermill's engine: Ctrl-C ends papermill, not only this cell
+        if kernel.timeout_error is not None:
+            raise kernel.timeout_error  # a kernel cell's --execution-timeout: nbclient's own error, as papermill
+        return nb_man.nb
 
 
-def copy_outputs(nb_man, executed) -> None:  # noqa: ANN001
-    """Give papermill the executed cells, with its per-cell start/complete/exception bookkeeping.
+class _Client(TrainingCells, PapermillNotebookClient):
+    """papermill's client (its cell loop, bookkeeping, logging, autosave), receiving the training cells."""
 
-    Cells after the first error never ran: papermill leaves them pending, as it does itself.
+    def on_rank_lines(self, text: str) -> None:
+        from nbformat.v4 import new_output
+
+        if self.log_output or self.stdout_file:
+            self.log_output_message(new_output("stream", name="stdout", text=text))
+        if threading.current_thread() is threading.main_thread():  # (not while the kernel runs a cell)
+            self.nb_man.autosave_cell()
+
+
+class PapermillKernel(NotebookKernel):
+    """The notebook's cells in papermill's client, beside the job."""
+
+    def __init__(self, nb_man, notebook: Notebook, collector: NotebookOutputSink, returns: tuple[str, ...],  # noqa: ANN001
+                 timeout: float | None, client_options: dict[str, Any]) -> None:
+        numbers = list(range(1, len(nb_man.nb.cells) + 1))  # papermill's notebook: its cells, as they are
+        super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], returns)
+        self.nb_man, self.timeout, self.client_options = nb_man, timeout, client_options
+        self.timeout_error: BaseException | None = None
+
+    def execute(self, deadline: float | None) -> KernelResult:
+        from nbclient.exceptions import CellTimeoutError
+
+        client = _Client(self.nb_man, timeout=self.timeout, log=_logger(), **self.client_options)
+        client.nbddp_kernel = self
+        try:
+            client.execute()  # papermill's loop: a failing cell is marked and ends it, without raising
+        except CellTimeoutError as exc:
+            self.timeout_error = exc
+            return KernelResult.failed(str(exc).strip().splitlines()[0], Status.TIMEOUT, error=exc)
+        for index, cell in enumerate(self.nb.cells):
+            if cell.get("metadata", {}).get("papermill", {}).get("status") == "failed":
+                error = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), {})
+                return self.failed_cell(index, error.get("ename", "CellExecutionError"), error.get("evalue", ""))
+        return KernelResult(loaded=list(self.loaded))
+
+    def training_deadline(self) -> float | None:
+        return time.monotonic() + self.timeout if self.timeout else None
+
+    def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
+        self.nb_man.save()
+
+
+def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
+    """The DDP run of papermill's parameterized notebook, checked: its options, names and script.
+
+    Raises:
+        NbddpOptionsError: ``NBDDP_OPTIONS`` can't be honoured, or the notebook can't become a run.
     """
-    for index, cell in enumerate(nb_man.nb.cells):
-        if cell.cell_type != "code":
-            continue
-        ran = executed.cells[index]
-        nb_man.cell_start(cell, index)
-        cell.outputs = ran.get("outputs", [])
-        cell.execution_count = ran.get("execution_count")
-        errors = [o for o in cell.outputs if o.get("output_type") == "error"]
-        if errors:
-            nb_man.cell_exception(cell, index)
-            nb_man.cell_complete(cell, index)
-            return
-        nb_man.cell_complete(cell, index)
+    name = Path(str(input_path or "notebook.ipynb")).name
+    path = Path.cwd() / name
+    text = os.environ.get(OPTIONS_VARIABLE, "")
+    try:
+        parser = ArgumentParser(prog=OPTIONS_VARIABLE)
+        add_launch_arguments(parser)
+        try:
+            launch = launch_options(parser.parse_args(shlex.split(text)))
+        except UsageError as exc:
+            raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
+                             "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
+        notebook = from_nbformat(nb, path)
+        injected = dict(nb.metadata.get("papermill", {}).get("parameters", {}) or {})
+        _check_injected(notebook, injected)
+        script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
+                                                  returns=launch.returns))
+        check_defined(script)
+    except NbddpError as exc:
+        raise NbddpOptionsError(str(exc)) from None
+    overrides = {**injected, **launch.parameters}
+    request = orchestrator.RunRequest(
+        script, launch, path, Path.cwd(), effective_parameters(declared_parameters(notebook), overrides), overrides,
+        f"papermill --engine nbddp {name}" + "".join(f" -p {k} {v!r}" for k, v in overrides.items()),
+        owner="kernel")
+    return _Plan(notebook, launch, script, request)
+
+
+def _check_injected(notebook: Notebook, injected: dict[str, Any]) -> None:
+    """papermill warns about a ``-p`` name the notebook doesn't define; nbddp refuses it (a typo would train
+    with the default)."""
+    if not injected:
+        return
+    try:
+        check_overrides(notebook, injected)
+    except NbddpError as exc:
+        raise type(exc)(f"{exc} (papermill only warns about an unknown -p name; nbddp refuses it, so that a typo "
+                        "can't train with the default.)") from None
+
+
+def _without_help_hint(message: str) -> str:
+    return message.replace(f" See {OPTIONS_VARIABLE} --help.", "").rstrip()
+
+
+def _logger():  # noqa: ANN202
+    from papermill.log import logger
+
+    return logger
 
 
 def _say(text: str) -> None:
-    from papermill.log import logger
-
     for line in text.splitlines():
-        logger.info(line)
+        _logger().info(f"nbddp: {line}")

@@ -10,7 +10,9 @@ which re-imports the script: hence the ``__main__`` guard.
 
 from __future__ import annotations
 
+from nbddp.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
+from nbddp.rank_side.env import RankEnv
 from nbddp.errors import NbddpError
 
 
@@ -31,8 +33,8 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         train_epilogue=(
             f"_nbddp.finish(globals(), returns={list(returns)!r})",
         ),
-        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU, or 2 CPU processes without "
-                    "one; NBDDP_NPROC=N chooses)",
+        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU, or {CPU_PROCESSES} CPU processes "
+                    f"without one; {RankEnv.shell(nproc='N')} chooses)",
         notes=("Catalyst's own logs and checkpoints go to the runner's logdir, relative to the folder it is "
                "launched from.",),
     )

@@ -8,7 +8,9 @@ plain ``python train.py``.
 
 from __future__ import annotations
 
+from nbddp.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
+from nbddp.launchers.torchrun import by_hand, torchrun_options
 
 
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
@@ -19,5 +21,5 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         ),
         train_prologue=(),
         train_epilogue=(f"_nbddp.finish(globals(), returns={list(returns)!r})  # rank 0 saves the returned state",),
-        launch_hint=f"python -m torch.distributed.run --standalone --nproc-per-node 2 {script_name}",
+        launch_hint=by_hand(torchrun_options(CPU_PROCESSES), script_name),
     )

@@ -121,8 +121,3 @@ def rank_prefix(rank: int | None, every_rank: bool = False) -> str:
     if every_rank:
         return "[all ranks] "
     return "[launcher] " if rank is None else f"[rank {rank}] "
-
-
-def format_metrics(values: dict) -> str:
-    shown = {k: v for k, v in values.items() if k != "time"}
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())

@@ -1,15 +1,14 @@
 """One DDP job: a plain spec; ``start()`` that fully starts it or leaves nothing behind; following it
 while it runs; and gathering the evidence that :func:`nbddp.job.outcome.judge` turns into the outcome.
 
-Used by ``nbddp run`` (with a kernel beside it), by the ``%%ddp_train`` magic (inside the kernel)
-and so by every run of ``nbddp batch``. How the processes are started is the launcher's business
-(:mod:`nbddp.launchers`); owning them is :class:`nbddp.launchers.local_process.Launch`'s.
+Every front door's job is one of these, started and followed by :mod:`nbddp.job.orchestrator`. How
+the processes are started is the launcher's business (:mod:`nbddp.launchers`), and the
+:class:`~nbddp.launchers.Launch` it returns owns them.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -23,14 +22,14 @@ from typing import Any, Callable, Sequence
 from nbddp.job import registry
 from nbddp.devices import Devices
 from nbddp.errors import NbddpError, UsageError
-from nbddp.launchers.local_process import Launch, LaunchSpec
-from nbddp.launchers import Launcher, launcher_for
-from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes, SlurmRequest
+from nbddp.launchers import Launch, Launcher, launcher_for
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest
 from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
 from nbddp.rank_side.env import RankEnv
-from nbddp.job.record import RunRecord, last_metrics, rank_errors
+from nbddp.job.metrics import last_metrics
+from nbddp.job.record import RunRecord, rank_errors
 from nbddp.job.rundir import RunDir, rank_of
 from nbddp.notebook.script import Script, write_script
 from nbddp.job.follow import RunFollower, Sink
@@ -82,7 +81,7 @@ class JobSpec:
     """The Slurm job the ranks run as (``None``: here)."""
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     pool: Any = None
-    """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to run on instead of starting a launcher."""
+    """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to hand the job to, instead of starting ranks."""
 
     @property
     def node_count(self) -> int:
@@ -91,20 +90,6 @@ class JobSpec:
     @property
     def world_size(self) -> int:
         return self.devices.nproc * self.node_count
-
-
-def job_spec(script: Script, launch: LaunchOptions, devices: Devices, notebook: Path, cwd: Path,
-             owner: str = "cli", pool: Any = None) -> JobSpec:
-    """The one way a front door turns its options into a job: its run dir created, its limits carried over."""
-    run_dir = create_run_dir(notebook, launch.run_dir)
-    return JobSpec(script, devices, run_dir, cwd, collective_timeout=launch.collective_timeout, owner=owner,
-                   max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
-                   rdzv_timeout=launch.rdzv_timeout, pool=pool)
-
-
-def deadline_of(launch: LaunchOptions) -> float | None:
-    """``--timeout`` as a monotonic deadline, counted from now."""
-    return time.monotonic() + launch.timeout if launch.timeout else None
 
 
 class Job:
@@ -116,7 +101,7 @@ class Job:
         self.run_dir = spec.run_dir
         self.paths = RunDir(spec.run_dir)
         self.checkpoint = self.paths.weights
-        self.script_path = spec.run_dir / spec.script.source_map.script
+        self.script_path = self.paths.script
         self.collective_timeout = spec.collective_timeout
         self.early_exit: int | None = None
         self.idle_for: float | None = None
@@ -127,39 +112,21 @@ class Job:
 
     @classmethod
     def start(cls, spec: JobSpec) -> "Job":
-        """Write the script, start the launcher, register the run: all of it, or nothing left running."""
-        if spec.pool is not None:
-            return cls._start_warm(spec)
-        launcher = launcher_for(spec.script.engine, spec.nodes, spec.slurm, spec.rdzv_timeout)
+        """Write the script, start the ranks through the launcher seam, register the run: all of it,
+        or nothing left running."""
+        launcher = launcher_for(spec)
         if spec.max_restarts and not launcher.supports_restarts:
-            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+            raise UsageError(f"--max-restarts needs torchrun to restart the ranks; this run's launcher "
+                             f"({launcher.name}) can't.")
         paths = RunDir(spec.run_dir)
-        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
+        script_path, _ = write_script(spec.script, paths.script)
         paths.logs.mkdir(exist_ok=True)
-        argv = launcher.command(script_path, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
-        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
-                      spec.collective_timeout).to_environ(os.environ) | launcher.environment()
-        launch = Launch(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, launcher.stop_grace))
+        rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
+                           spec.collective_timeout).variables()
+        launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
             return cls(spec, launcher, launch, live)
-        except BaseException:
-            launch.stop()
-            raise
-
-    @classmethod
-    def _start_warm(cls, spec: JobSpec) -> "Job":
-        """Hand the job to the warm ranks of ``spec.pool`` (see :mod:`nbddp.launchers.warm_pool`)."""
-        from nbddp.launchers.warm import WarmRanks
-
-        paths = RunDir(spec.run_dir)
-        script_path, _ = write_script(spec.script, spec.run_dir / spec.script.source_map.script)
-        paths.logs.mkdir(exist_ok=True)
-        env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights, spec.collective_timeout).to_environ({})
-        launch = spec.pool.submit(script_path, env, spec.cwd)
-        try:
-            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
-            return cls(spec, WarmRanks(spec.pool.folder), launch, live)
         except BaseException:
             launch.stop()
             raise

@@ -13,34 +13,17 @@ from __future__ import annotations
 import re
 import signal
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from nbddp.job.record import RankError, describe_exit
 from nbddp.job.rundir import RunDir
+from nbddp.job.status import Status, signal_exit_code
 
 #: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
 _COLLECTIVE_ERRORS = ("RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError")
 #: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
 PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
-
-
-class Status(str, Enum):
-    """How a run ended; its value is what ``result.json`` says, its exit code what shells see."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-    INTERRUPTED = "interrupted"
-
-    @property
-    def exit_code(self) -> int:
-        """The usual code (an interruption by a signal other than SIGINT exits ``128 + signal``)."""
-        return {"succeeded": 0, "failed": 1, "timeout": 124, "interrupted": 130}[self.value]
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
@@ -120,7 +103,8 @@ def judge(e: Evidence) -> JobOutcome:
                           message, e.final_metrics, rank)
 
     if e.interrupted_by is None and not e.timed_out and e.stop_requested:
-        return outcome(Status.INTERRUPTED, "stopped by `nbddp kill`; every rank was stopped.", 128 + signal.SIGTERM)
+        return outcome(Status.INTERRUPTED, "stopped by `nbddp kill`; every rank was stopped.",
+                       signal_exit_code(signal.SIGTERM))
     if e.scheduler_end and e.interrupted_by is None and not e.timed_out:
         return outcome(Status.FAILED, e.scheduler_end)
     if e.rendezvous_failure and not errors:
@@ -157,7 +141,7 @@ def judge(e: Evidence) -> JobOutcome:
     interrupted_by = e.interrupted_by or e.stopped_by  # (a timeout was judged above)
     if interrupted_by is not None:
         return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; every rank was "
-                       "stopped.", 128 + interrupted_by)
+                       "stopped.", signal_exit_code(interrupted_by))
     if e.launcher_exit == 0 and (e.checkpoint_exists or not e.checkpoint_expected) and not errors:
         codes = {r: 0 for r in range(e.first_rank, e.first_rank + e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nbddp.atomic import write_json
 from nbddp.notebook.sourcemap import SourceMap
 from nbddp.job.rundir import RunDir
 
@@ -103,7 +104,8 @@ class RunRecord:
     restarts: int = 0
     checkpoint: str | None = None
     error: str | None = None
-    script: str = "train.py"
+    script: str = ""
+    """The generated script's path."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """The parameters given on the command line (``-p``) or by the batch, which win over the defaults."""
     command: str = ""
@@ -116,9 +118,7 @@ class RunRecord:
     """nbddp, torch and Python, as installed where the run was launched."""
 
     def write(self, run_dir: Path) -> Path:
-        path = RunDir(run_dir).result
-        path.write_text(json.dumps(asdict(self), indent=1, default=repr), encoding="utf-8")
-        return path
+        return write_json(RunDir(run_dir).result, asdict(self), indent=1)
 
 
 def versions() -> dict[str, str]:
@@ -133,24 +133,3 @@ def versions() -> dict[str, str]:
     except metadata.PackageNotFoundError:
         torch_version = "not installed"
     return {"nbddp": __version__, "torch": torch_version, "python": platform.python_version()}
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every ``nbddp.log`` record of a run, in order; unreadable lines skipped."""
-    path = RunDir(run_dir).metrics
-    records: list[dict[str, Any]] = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                records.append(record)
-    return records
-
-
-def last_metrics(run_dir: Path) -> dict[str, Any]:
-    """The final ``nbddp.log`` record (without its timestamp)."""
-    records = read_metrics(run_dir)
-    return {k: v for k, v in records[-1].items() if k != "time"} if records else {}

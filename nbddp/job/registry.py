@@ -15,9 +15,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbddp.atomic import write_json
 from nbddp.errors import UsageError
 from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
 from nbddp.job.rundir import RunDir
+
+
+#: An entry that can't be read this long after it was written is damaged, and removed.
+DAMAGED_AFTER_SECONDS = 60.0
 
 
 def state_dir() -> Path:
@@ -47,7 +52,7 @@ class LiveRun:
 
 def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
     run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner)
-    run.entry.write_text(json.dumps(run.__dict__), encoding="utf-8")
+    write_json(run.entry, run.__dict__)
     return run
 
 
@@ -56,13 +61,19 @@ def unregister(run: LiveRun) -> None:
 
 
 def live_runs() -> list[LiveRun]:
-    """Registered runs with a live process; stale entries are removed."""
+    """Registered runs with a live process; entries of runs whose processes are all gone are removed.
+
+    Entries are written whole (:mod:`nbddp.atomic`), so one that can't be read is damaged, not
+    half-written: it is skipped, and removed once it is older than :data:`DAMAGED_AFTER_SECONDS`.
+    """
     runs = []
     for entry in sorted(state_dir().glob("*.json")):
         try:
             run = LiveRun(**json.loads(entry.read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            continue  # unregistered meanwhile
         except (OSError, ValueError, TypeError):
-            entry.unlink(missing_ok=True)
+            _remove_if_old(entry)
             continue
         if group_alive(run.pgid):
             runs.append(run)
@@ -71,10 +82,19 @@ def live_runs() -> list[LiveRun]:
     return runs
 
 
+def _remove_if_old(entry: Path) -> None:
+    try:
+        if time.time() - entry.stat().st_mtime > DAMAGED_AFTER_SECONDS:
+            entry.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
 def find(which: str) -> LiveRun:
-    """A live run by run-dir name, run-dir path or process group id."""
+    """A live run by its name, its run dir (as a path, relative or not: what a run prints) or its process group."""
+    path = Path(which).expanduser().resolve()
     for run in live_runs():
-        if which in (run.name, run.run_dir, str(run.pgid), str(Path(which).resolve())):
+        if which in (run.name, str(run.pgid)) or path == Path(run.run_dir).resolve():
             return run
     raise UsageError(f"no live run {which!r}. `nbddp ps` lists the runs alive now.")
 

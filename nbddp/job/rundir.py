@@ -32,6 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+#: The generated script's name in a run dir (and ``nbddp export``'s default name).
+SCRIPT_NAME = "train.py"
+
+
 @dataclass(frozen=True)
 class RunDir:
     path: Path
@@ -41,6 +45,10 @@ class RunDir:
 
     def __str__(self) -> str:
         return str(self.path)
+
+    @property
+    def script(self) -> Path:
+        return self.path / SCRIPT_NAME
 
     @property
     def logs(self) -> Path:
@@ -126,7 +134,7 @@ class RunDir:
         return self.path / "batch.log"
 
     def holds_a_run(self) -> bool:
-        return any(p.exists() for p in (self.result, self.path / "train.py", self.logs))
+        return any(p.exists() for p in (self.result, self.script, self.logs))
 
 
 def rank_of(path: Path) -> int:

@@ -1,36 +1,74 @@
 """The launcher seam: how a job's processes are started, and how to read what the launcher reports.
 
-A :class:`Launcher` turns a written script, the devices and the run dir into the command that
-starts every rank, and reads the launcher's own output back into per-rank exit codes. Everything
-else is shared: :class:`nbddp.launchers.local_process.Launch` owns the local process (one process group,
-parent-death signal, SIGTERM → grace → SIGKILL), :class:`nbddp.job.lifecycle.Job` follows and judges.
+A :class:`Launcher` starts every rank of a job (:meth:`Launcher.start`, returning a :class:`Launch`
+the job polls and stops) and reads the launcher's own report back into per-rank exit codes.
+Everything else is shared: :class:`nbddp.job.lifecycle.Job` follows and judges whatever was started.
 
-The implementations, chosen in one place (:func:`launcher_for`):
+The launchers, chosen in one place (:func:`launcher_for`) by name:
 
-* :class:`~nbddp.launchers.torchrun.Torchrun`: ``torch.distributed.run``, on one machine or as one
-  node of several (static rendezvous at node 0);
-* :class:`~nbddp.launchers.catalyst_spawn.CatalystSpawn`: the script itself, whose Catalyst engine
-  spawns the ranks with ``mp.spawn`` (one machine, or one node of several);
-* :class:`~nbddp.launchers.slurm.Slurm`: a Slurm job, one task per node running either of the above.
+* ``torchrun`` (:class:`~nbddp.launchers.torchrun.Torchrun`): ``torch.distributed.run``, on one
+  machine or as one node of several (static rendezvous at node 0);
+* ``catalyst-spawn`` (:class:`~nbddp.launchers.catalyst_spawn.CatalystSpawn`): the script itself,
+  whose Catalyst engine spawns the ranks with ``mp.spawn``;
+* ``slurm`` (:class:`~nbddp.launchers.slurm.Slurm`): a Slurm job, one task per node running either
+  of the above;
+* ``warm`` (:class:`~nbddp.launchers.warm.WarmRanks`): ranks already running (a warm pool), handed
+  the job's script.
 
-``nbddp run``, ``%%ddp_train`` and ``nbddp batch`` never look past this interface.
+Another package may register a launcher class under one of these names (or a new one) through
+the ``nbddp.launchers`` entry point group; it replaces the built-in one of that name. The tests
+use this to watch every front door's runs go through the seam.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from nbddp.devices import Devices, resolve
-from nbddp.options import DEFAULT_RDZV_TIMEOUT
 from nbddp.job.rundir import RunDir
 
 if TYPE_CHECKING:
-    from nbddp.options import LaunchOptions, Nodes, SlurmRequest
+    from nbddp.job.lifecycle import JobSpec
+    from nbddp.options import LaunchOptions
+
+ENTRY_POINTS = "nbddp.launchers"
+BUILTIN = {
+    "torchrun": "nbddp.launchers.torchrun:Torchrun",
+    "catalyst-spawn": "nbddp.launchers.catalyst_spawn:CatalystSpawn",
+    "slurm": "nbddp.launchers.slurm:Slurm",
+    "warm": "nbddp.launchers.warm:WarmRanks",
+}
+
+
+class Launch(Protocol):
+    """A started job's processes, whatever started them: what :class:`~nbddp.job.lifecycle.Job` needs.
+
+    Implemented by :class:`~nbddp.launchers.local_process.LocalProcess` (a launcher process in a
+    group of its own), :class:`~nbddp.launchers.local_process.AdoptedGroup` (a group another process
+    started) and :class:`~nbddp.launchers.warm_pool.WarmRun` (one job on warm ranks).
+    """
+
+    pid: int
+    pgid: int
+    stopped_by: int | None
+    """The signal nbddp stopped it with (``None``: it ended on its own)."""
+
+    def poll(self) -> int | None:
+        """The exit code once it ended, else ``None``."""
+
+    def alive(self) -> bool:
+        """True while any of its processes runs."""
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
+        """``sig``, then SIGKILL after ``grace`` seconds; ``reap``: only clear what an ended launcher left."""
 
 
 class Launcher:
-    """What every launcher answers; the defaults are those of a launcher running on this machine."""
+    """What every launcher answers; the defaults are those of a launcher process on this machine."""
 
     name = "launcher"
     supports_restarts = False
@@ -43,6 +81,11 @@ class Launcher:
     """Seconds a rank seen gone is given for the launcher to exit with a better report (a crash torchrun
     saw; a job Slurm itself cancelled) before nbddp blames the rank for leaving early."""
 
+    @classmethod
+    def for_job(cls, spec: "JobSpec") -> "Launcher":
+        """The launcher of ``spec``'s job (:func:`launcher_for` calls this on the chosen class)."""
+        return cls()
+
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
         """The argv that starts every rank of the job."""
@@ -52,9 +95,21 @@ class Launcher:
         """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones."""
         return {}
 
+    def start(self, script: Path, spec: "JobSpec", rank_env: dict[str, str]) -> Launch:
+        """Start every rank of the job: its launcher process in a group of its own, output to the run dir.
+
+        ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.rank_side.env.RankEnv`).
+        """
+        from nbddp.launchers.local_process import LaunchSpec, LocalProcess
+
+        paths = RunDir(spec.run_dir)
+        argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
+        env = {**os.environ, **rank_env, **self.environment()}
+        return LocalProcess(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, self.stop_grace))
+
     def report(self, run_dir: RunDir) -> str:
         """The launcher's own output, where its failure reports are."""
-        return _read(run_dir.launcher_log)
+        return read_report(run_dir.launcher_log)
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
         """Per-rank exit codes from the launcher's failure report (signals as ``-N``)."""
@@ -91,23 +146,37 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None) -> Devices:
     return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
 
 
-def launcher_for(engine: str, nodes: "Nodes | None" = None, slurm: "SlurmRequest | None" = None,
-                 rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT) -> Launcher:
-    """The launcher of an engine's scripts: here, as one node of several, or as a Slurm job."""
-    if slurm is not None:
-        from nbddp.launchers.slurm import Slurm
-
-        return Slurm(engine, slurm, rdzv_timeout)
-    if engine == "catalyst":
-        from nbddp.launchers.catalyst_spawn import CatalystSpawn
-
-        return CatalystSpawn(nodes, rdzv_timeout)
-    from nbddp.launchers.torchrun import Torchrun
-
-    return Torchrun(nodes, rdzv_timeout)
+def launcher_name(spec: "JobSpec") -> str:
+    """Which launcher runs ``spec``'s job: the one rule."""
+    if spec.slurm is not None:
+        return "slurm"
+    if spec.pool is not None:
+        return "warm"
+    return "catalyst-spawn" if spec.script.engine == "catalyst" else "torchrun"
 
 
-def _read(path: Path) -> str:
+def launcher_for(spec: "JobSpec") -> Launcher:
+    """The launcher of ``spec``'s job: here, as one node of several, as a Slurm job, or on warm ranks."""
+    return launcher_class(launcher_name(spec)).for_job(spec)
+
+
+_registered: dict[str, str] | None = None
+
+
+def launcher_class(name: str) -> type[Launcher]:
+    """The class registered under ``name``: an ``nbddp.launchers`` entry point, else the built-in one."""
+    global _registered
+    if _registered is None:  # read once, on the first launch (never at import)
+        from importlib.metadata import entry_points
+
+        _registered = {entry.name: entry.value for entry in entry_points(group=ENTRY_POINTS)}
+    target = _registered.get(name) or BUILTIN[name]
+    module, _, attribute = target.partition(":")
+    return getattr(import_module(module), attribute)
+
+
+def read_report(path: Path) -> str:
+    """A launcher's log (``""`` when it wrote none)."""
     try:
         return path.read_text(encoding="utf-8", errors="replace")
     except OSError:

@@ -1,7 +1,7 @@
 """The Catalyst engine's launcher: the script itself, whose DDP engine spawns the ranks (``mp.spawn``).
 
-The world size travels in ``NBDDP_NPROC`` and, across nodes, the topology in ``NBDDP_NNODES``,
-``NBDDP_NODE_RANK`` and ``NBDDP_MASTER`` (see :mod:`nbddp.rank_side.env`): Catalyst's
+The world size and, across nodes, the topology travel in the ranks' environment
+(:class:`nbddp.rank_side.env.RankEnv`): Catalyst's
 ``DistributedDataParallelEngine`` takes them as its ``world_size``, ``workers_dist_rank`` and
 ``address``/``port``. The ranks' exit codes come from the spawn's own error report.
 """
@@ -17,6 +17,7 @@ from nbddp.launchers import Launcher
 from nbddp.launchers.torchrun import rendezvous_failure
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.job.rundir import RunDir
+from nbddp.rank_side.env import RankEnv
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
@@ -30,6 +31,10 @@ class CatalystSpawn(Launcher):
         self.nodes, self.rdzv_timeout = nodes, rdzv_timeout
         self.first_rank = 0
 
+    @classmethod
+    def for_job(cls, spec) -> "CatalystSpawn":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+        return cls(spec.nodes, spec.rdzv_timeout)
+
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
         self.first_rank = self.nodes.rank * devices.nproc if self.nodes else 0
@@ -38,8 +43,8 @@ class CatalystSpawn(Launcher):
     def environment(self) -> dict[str, str]:
         if self.nodes is None:
             return {}
-        return {"NBDDP_NNODES": str(self.nodes.count), "NBDDP_NODE_RANK": str(self.nodes.rank),
-                "NBDDP_MASTER": self.nodes.endpoint, "NBDDP_RDZV_TIMEOUT": str(self.rdzv_timeout)}
+        return RankEnv(nnodes=self.nodes.count, node_rank=self.nodes.rank, master=self.nodes.endpoint,
+                       rdzv_timeout=self.rdzv_timeout).variables()
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
         """Spawn numbers its processes per node: on node R, process i is global rank ``R * nproc + i``."""

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.launchers.process_groups import group_alive, stop_groups
+from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class LaunchSpec:
     """Seconds between SIGTERM and SIGKILL when stopping (a Slurm watcher needs time to cancel its job)."""
 
 
-class Launch:
-    """A started job: poll it, wait for it, stop it. Use as a context manager to never leak it."""
+class LocalProcess:
+    """A launcher process started here, in a group of its own: poll it, wait for it, stop it
+    (a :class:`nbddp.launchers.Launch`). Use as a context manager to never leak it."""
 
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
@@ -78,9 +79,29 @@ class Launch:
         self.process.poll()
         return group_alive(self.pgid)
 
-    def __enter__(self) -> "Launch":
+    def __enter__(self) -> "LocalProcess":
         return self
 
     def __exit__(self, *exc) -> None:
         if self.poll() is None or self.alive():
             self.stop()
+
+
+class AdoptedGroup:
+    """A launcher process another process started (a batch's warm pool, adopted by one of its runs):
+    polled and stopped by its pid and process group (a :class:`nbddp.launchers.Launch`)."""
+
+    def __init__(self, pid: int, pgid: int) -> None:
+        self.pid, self.pgid = pid, pgid
+        self.stopped_by: int | None = None
+
+    def poll(self) -> int | None:
+        return None if process_alive(self.pid) else 1  # not our child: its exit code is the owner's to read
+
+    def alive(self) -> bool:
+        return group_alive(self.pgid)
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
+        if self.stopped_by is None and not reap:
+            self.stopped_by = sig
+        stop_groups([self.pgid], sig, 5.0 if grace is None else grace)

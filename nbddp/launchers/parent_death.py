@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 
+from nbddp.job.status import signal_exit_code
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the signal was armed
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(signal_exit_code(signal.SIGTERM))
     os.execvp(command[0], command)
 
 

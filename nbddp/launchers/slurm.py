@@ -23,11 +23,13 @@ import subprocess
 from pathlib import Path
 
 from nbddp import __version__
-from nbddp.devices import Devices
+from nbddp.devices import CPU_PROCESSES, Devices
 from nbddp.errors import UsageError
-from nbddp.launchers import Launcher, _read
+from nbddp.launchers import Launcher, read_report
+from nbddp.launchers.torchrun import MODULE, torchrun_options
 from nbddp.options import SlurmRequest
 from nbddp.job.rundir import RunDir
+from nbddp.rank_side.env import RankEnv
 
 #: Final states in which Slurm, not the training, ended the job; what each means for the user.
 SCHEDULER_ENDS = {
@@ -44,6 +46,8 @@ FINAL_STATES = {"COMPLETED", "FAILED", "UNKNOWN", *SCHEDULER_ENDS}
 #: How long the watcher may take to cancel its job (scancel, then Slurm's KillWait) and see it leave the queue.
 CANCEL_SECONDS = 120.0
 _NODE_HEADER = "==> node-{} <=="
+#: A job's task's node number, expanded by the task's own shell.
+NODE_RANK = '"$SLURM_NODEID"'
 
 
 class Slurm(Launcher):
@@ -55,6 +59,10 @@ class Slurm(Launcher):
     def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float) -> None:
         self.engine, self.request, self.rdzv_timeout = engine, request, rdzv_timeout
         self.nproc = 1
+
+    @classmethod
+    def for_job(cls, spec) -> "Slurm":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+        return cls(spec.script.engine, spec.slurm, spec.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
@@ -69,9 +77,9 @@ class Slurm(Launcher):
 
     def report(self, run_dir: RunDir) -> str:
         """Each node's launcher output, headed by its node number (a Catalyst node numbers its ranks from 0)."""
-        parts = [_read(run_dir.slurm_batch_log)]
+        parts = [read_report(run_dir.slurm_batch_log)]
         for node in range(self.request.nodes):
-            parts += [_NODE_HEADER.format(node), _read(run_dir.node_log(node))]
+            parts += [_NODE_HEADER.format(node), read_report(run_dir.node_log(node))]
         return "\n".join(parts)
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
@@ -163,17 +171,21 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
             '${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}']
     if devices.kind == "cuda":
         step.append(f"--gpus-per-node={devices.nproc}")
-    timeout = math.ceil(rdzv_timeout)
     if engine == "catalyst":
-        lines.append(f'export NBDDP_NNODES="$SLURM_NNODES" NBDDP_MASTER="$head:$port" NBDDP_RDZV_TIMEOUT={timeout} '
-                     f"NBDDP_NPROC={devices.nproc} NBDDP_DEVICE={devices.kind}")
-        step += ["bash", "-c", q('export NBDDP_NODE_RANK="$SLURM_NODEID"; exec "$@"'), "node", '"$PYTHON"', q(script)]
+        lines.append("export " + RankEnv.shell(nnodes='"$SLURM_NNODES"', master='"$head:$port"',
+                                               rdzv_timeout=math.ceil(rdzv_timeout), nproc=devices.nproc,
+                                               device=devices.kind))
+        inner = f'export {RankEnv.shell(node_rank=NODE_RANK)}; exec "$@"'
+        step += ["bash", "-c", q(inner), "node", '"$PYTHON"', q(script)]
     else:
-        torchrun_logs = f"--log-dir={q(logs + '/torchrun')}" if logs else ""
-        step += ["bash", "-c", q('exec "$0" -m torch.distributed.run --node-rank="$SLURM_NODEID" "$@"'), '"$PYTHON"',
-                 '--nnodes="$SLURM_NNODES"', "--rdzv-backend=static", '--rdzv-endpoint="$head:$port"',
-                 f"--rdzv-conf=timeout={timeout}", f"--nproc-per-node={devices.nproc}", "--max-restarts=0",
-                 "--monitor-interval=0.1", *([torchrun_logs] if torchrun_logs else []), q(script)]
+        # The node rank differs between the job's tasks: the task's own shell expands it (in -c's text).
+        options = torchrun_options(devices.nproc, nnodes='"$SLURM_NNODES"', node_rank=NODE_RANK,
+                                   endpoint='"$head:$port"', rdzv_timeout=rdzv_timeout, max_restarts=0, monitor=True,
+                                   log_dir=logs and f"{logs}/torchrun")
+        node_rank = [o for o in options if o.startswith("--node-rank=")]
+        inner = " ".join(['exec "$0"', *MODULE, *node_rank, '"$@"'])
+        step += ["bash", "-c", q(inner), '"$PYTHON"',
+                 *(o if '"$' in o else q(o) for o in options if o not in node_rank), q(script)]
     lines.append(" ".join(step))
     return "\n".join(lines) + "\n"
 
@@ -190,12 +202,12 @@ def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None, *, requir
     if request.gpus_per_node is not None:
         return Devices("cuda", request.gpus_per_node)
     if cpu or nproc is not None:
-        return Devices("cpu", nproc or 2)
+        return Devices("cpu", nproc or CPU_PROCESSES)
     gpus = partition_gpus(request.partition)
     if gpus:
         return Devices("cuda", gpus, note=f"the partition's nodes have {gpus} GPUs each: using all of them "
                                           "(--gpus-per-node G to choose, --cpu for CPU processes).")
-    return Devices("cpu", 2, note="the partition's nodes list no GPUs: 2 CPU processes (gloo) per node "
+    return Devices("cpu", CPU_PROCESSES, note=f"the partition's nodes list no GPUs: {CPU_PROCESSES} CPU processes (gloo) per node "
                                   "(--cpu --nproc P to choose).")
 
 

@@ -10,8 +10,6 @@ left the queue before exiting ``128 + signal``: nothing is left running on the c
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
 import socket
@@ -20,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from nbddp.atomic import write_json
 from nbddp.launchers.slurm import FINAL_STATES
 from nbddp.job.rundir import RunDir
 
@@ -108,11 +107,7 @@ class Watcher:
         return 128 + signum
 
     def record(self, **fields) -> None:  # noqa: ANN003
-        path = self.run_dir.slurm_job
-        data = {"job_id": self.job_id, **fields}
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(json.dumps(data, indent=1), encoding="utf-8")
-        os.replace(partial, path)
+        write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **fields}, indent=1)
 
 
 def _slurm(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess | None:

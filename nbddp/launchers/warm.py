@@ -1,29 +1,39 @@
-"""Warm ranks (:mod:`nbddp.launchers.warm_pool`) seen as a launcher: the job is handed to ranks already running.
+"""Warm ranks as a launcher: the job is handed to ranks already running (:mod:`nbddp.launchers.warm_pool`).
 
-There is no launcher process per job. The ranks' own error reports and done marks (written as by
-a fresh rank) are the evidence, which :func:`nbddp.job.outcome.judge` reads the same way; should a rank
-die, the pool's torchrun reports it in the pool's log, read here with torchrun's own parsers.
+There is no launcher process per job: :meth:`WarmRanks.start` writes the job for the pool's ranks
+and returns a :class:`~nbddp.launchers.warm_pool.WarmRun` the job follows like any launch. The
+ranks' own error reports and done marks (written as by a fresh rank) are the evidence, which
+:func:`nbddp.job.outcome.judge` reads the same way; should a rank die, the pool's torchrun reports
+it in the pool's log, read here with torchrun's own parsers.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from nbddp.launchers import _read
+from nbddp.launchers import Launch, read_report
 from nbddp.launchers.torchrun import Torchrun
+from nbddp.launchers.warm_pool import WarmPool
 from nbddp.job.rundir import RunDir
 
 
 class WarmRanks(Torchrun):
-    name = "warm ranks"
+    name = "warm"
     supports_restarts = False
     exit_settle = 5.0
     """A warm rank that died takes the pool's torchrun down with a report naming it; wait for that
     report rather than blame a rank torchrun itself stopped in response."""
 
-    def __init__(self, pool_folder: Path) -> None:
+    def __init__(self, pool: WarmPool) -> None:
         super().__init__()
-        self.pool_log = RunDir(pool_folder).launcher_log
+        self.pool = pool
+
+    @classmethod
+    def for_job(cls, spec) -> "WarmRanks":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+        return cls(spec.pool)
+
+    def start(self, script: Path, spec, rank_env: dict[str, str]) -> Launch:  # noqa: ANN001
+        return self.pool.submit(script, rank_env, spec.cwd)
 
     def report(self, run_dir: RunDir) -> str:
-        return _read(self.pool_log)
+        return read_report(self.pool.dir.launcher_log)

@@ -1,17 +1,20 @@
-"""Warm ranks for ``%%ddp_train``: the kernel's side. One pool of ranks per kernel, kept between runs.
+"""Warm ranks, the kernel's side: a pool of ranks kept between runs, and which runs they may serve.
 
-The first run starts torchrun with :mod:`nbddp.rank_side.warm_loop` as its script: N spawned rank processes
-(never forked, so CUDA in the kernel is no hazard) that import torch, join the process group and
-wait. Each run then hands its script to them (:meth:`WarmPool.submit`), which costs a file write
-instead of a process start. A run on warm ranks means what a fresh run means: the script runs in
-a fresh namespace with the run's own environment and run dir.
+A pool is torchrun started once with :mod:`nbddp.rank_side.warm_loop` as its module: N spawned rank
+processes (never forked, so CUDA in the kernel is no hazard) that import torch, join the process
+group and wait. Each run then hands its script to them (:meth:`WarmPool.submit`), which costs a
+file write instead of a process start. A run on warm ranks means what a fresh run means: the script
+runs in a fresh namespace with the run's own environment and run dir.
 
-The pool is torn down, and the next run starts fresh ranks, when what the ranks were started
-with no longer holds (:class:`PoolKey`: devices, world size, environment, the notebook's local
-modules) or when a run did not succeed. The kernel's death takes the ranks with it (torchrun
-runs under :mod:`nbddp.launchers.parent_death`); idle ranks exit after ``idle`` seconds.
+Two rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
+engine, several nodes, Slurm, ``--max-restarts``) and :func:`why_fresh` (can *this* pool serve it:
+what the ranks were started with, the notebook's local modules, the last run's ending, whether
+they are alive and idle). ``%%ddp_train`` keeps one pool per kernel (:class:`KernelPool`); ``nbddp
+batch`` one per device slot, which its runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
-Nothing here imports torch.
+The kernel's death takes the ranks with it (torchrun runs under
+:mod:`nbddp.launchers.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
+idle ranks exit after ``idle`` seconds. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -25,23 +28,36 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
+from nbddp.atomic import write_json
 from nbddp.devices import Devices
-from nbddp.launchers.local_process import Launch, LaunchSpec
-from nbddp.launchers.process_groups import group_alive, owned_temp_dir, process_alive, stop_groups
+from nbddp.launchers import Launch
+from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
+from nbddp.launchers.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.launchers.process_groups import owned_temp_dir, process_alive
+from nbddp.launchers.torchrun import torchrun_options
+from nbddp.options import DEFAULT_WARM_IDLE
 from nbddp.rank_side.env import RankEnv
-from nbddp.job.rundir import RunDir
-from nbddp.rank_side.warm_loop import write_json
 
-DEFAULT_IDLE_SECONDS = 600.0
-FOLDER_PREFIX = "nbddp-warm-"
-#: In a pool's folder: what it was started with, for a process that adopts it (:meth:`WarmPool.adopt`).
-POOL_FILE = "pool.json"
+if TYPE_CHECKING:
+    from nbddp.options import LaunchOptions
+
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
 #: Environment variables that differ between runs by design, or that nbddp sets per run.
 _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES")
+
+
+def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
+    """Why warm ranks can't serve a run of ``engine`` with ``launch`` (``""``: they can). The one rule."""
+    if engine != "torch":
+        return "warm ranks serve the torch engine only (Catalyst spawns its own ranks)"
+    if launch.nodes is not None or launch.slurm is not None:
+        return "warm ranks are for one machine"
+    if launch.max_restarts:
+        return "warm ranks can't be restarted by torchrun (--max-restarts)"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -82,60 +98,59 @@ def pool_key(devices: Devices, cwd: Path, collective_timeout: float | None,
 class WarmPool:
     """N warm ranks under one torchrun, and the jobs handed to them in turn."""
 
-    def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_IDLE_SECONDS,
+    def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_WARM_IDLE,
                  environ: Mapping[str, str] | None = None) -> None:
         """Start the ranks: torchrun under :mod:`nbddp.launchers.parent_death`, so they die with this process.
 
         ``environ``: what the ranks inherit (this process's environment by default; a batch passes
         each device slot's own ``CUDA_VISIBLE_DEVICES``).
         """
-        from nbddp.launchers.torchrun import Torchrun
-
         self.key, self.devices, self.idle = key, devices, idle
-        self.folder = Path(owned_temp_dir(FOLDER_PREFIX))
+        self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.runs = 0
         self.stopped = False
-        self.started_at = time.monotonic()
-        self.last_used = self.started_at
+        self.last_used = time.monotonic()
         self.local_modules: dict[str, float] = {}
-        paths = RunDir(self.folder)
-        entry = self.folder / "warm_rank.py"
-        entry.write_text("import sys\nfrom pathlib import Path\nfrom nbddp.rank_side.warm_loop import main\n\n"
-                         "if __name__ == '__main__':\n    sys.exit(main(Path(sys.argv[1])))\n")
-        argv = Torchrun().command(entry, devices, paths, python=key.python) + [str(self.folder)]
-        env = RankEnv(None, devices.kind, devices.nproc, None, key.collective_timeout).to_environ(
-            os.environ if environ is None else environ)
-        env |= {"NBDDP_WARM": "1", "NBDDP_WARM_IDLE": str(idle)}
-        self.launch: Launch | _Adopted = Launch(LaunchSpec(tuple(argv), env, Path(key.cwd), paths.launcher_log))
+        options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs))
+        argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir), *options,
+                "-m", "nbddp.rank_side.warm_loop", str(self.dir)]
+        env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
+                      warm_idle=idle, pool_owner=os.getpid()).to_environ(os.environ if environ is None else environ)
+        self.launch: Launch = LocalProcess(LaunchSpec(tuple(argv), env, Path(key.cwd), self.dir.launcher_log))
         try:
-            write_json(self.folder / POOL_FILE, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
-                                                 "pgid": self.launch.pgid})
+            write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
+                                              "pgid": self.launch.pgid})
         except BaseException:
             self.stop()
             raise
 
+    @property
+    def folder(self) -> Path:
+        return self.dir.path
+
     @classmethod
     def adopt(cls, folder: Path, devices: Devices) -> "WarmPool":
-        """The pool another process started in ``folder`` (an ``nbddp run`` of a batch, which owns it).
+        """The pool another process started in ``folder`` (a batch, which owns it).
 
         This process hands it jobs and may stop it (a failed run), but never starts or removes it.
 
         Raises:
             ValueError: ``folder`` holds no pool's description.
         """
+        directory = PoolDir(folder)
         try:
-            data = json.loads((Path(folder) / POOL_FILE).read_text(encoding="utf-8"))
+            data = json.loads(directory.description.read_text(encoding="utf-8"))
             key = PoolKey(**data["key"])
             pid, pgid, idle = int(data["pid"]), int(data["pgid"]), float(data["idle"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{folder}: not a warm pool ({exc})") from None
         pool = cls.__new__(cls)
-        pool.key, pool.devices, pool.idle, pool.folder = key, devices, idle, Path(folder)
-        pool.runs = len(list((pool.folder / "jobs").glob("*.json")))
+        pool.key, pool.devices, pool.idle, pool.dir = key, devices, idle, directory
+        pool.runs = len(list(directory.jobs.glob("*.json")))
         pool.stopped = False
-        pool.started_at = pool.last_used = time.monotonic()
+        pool.last_used = time.monotonic()
         pool.local_modules = {}
-        pool.launch = _Adopted(pid, pgid)
+        pool.launch = AdoptedGroup(pid, pgid)
         return pool
 
     def alive(self) -> bool:
@@ -146,39 +161,45 @@ class WarmPool:
 
     def _rank_pids(self) -> list[int]:
         pids = []
-        for path in (self.folder / "ready").glob("rank-*"):
+        for path in self.dir.ready_dir.glob("rank-*"):
             try:
                 pids.append(int(path.read_text()))
-            except (OSError, ValueError):  # being written
+            except (OSError, ValueError):
                 continue
         return pids
 
     def ready(self) -> bool:
-        return len(list((self.folder / "ready").glob("rank-*"))) == self.devices.nproc \
-            if (self.folder / "ready").is_dir() else False
+        return self.dir.ready_dir.is_dir() and len(list(self.dir.ready_dir.glob("rank-*"))) == self.devices.nproc
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last_used
 
-    def submit(self, script: Path, env: Mapping[str, str], cwd: Path) -> "WarmRun":
+    def submit(self, script: Path, rank_env: Mapping[str, str], cwd: Path) -> "WarmRun":
         """Hand the ranks their next job; the returned handle stands in for a launcher process."""
         number = self.runs
         self.runs += 1
         self.last_used = time.monotonic()
-        write_json(self.folder / "jobs" / f"{number}.json", {
-            "script": str(script), "cwd": str(cwd), "env": {k: v for k, v in env.items() if k.startswith("NBDDP_")}})
+        write_json(self.dir.job(number), {"script": str(script), "cwd": str(cwd), "env": dict(rank_env)})
         return WarmRun(self, number)
+
+    def endings(self, number: int) -> list[dict | None]:
+        """Each rank's report of how it ended job ``number`` (``None``: not yet)."""
+        found: list[dict | None] = []
+        for rank in range(self.devices.nproc):
+            try:
+                found.append(json.loads(self.dir.ended(number, rank).read_text()))
+            except (OSError, ValueError):
+                found.append(None)
+        return found
 
     def busy(self) -> bool:
         """A job handed out that not every rank has ended: the ranks can't take another."""
-        last = self.runs - 1
-        return last >= 0 and not all((self.folder / "ended" / f"{last}-{rank}.json").exists()
-                                     for rank in range(self.devices.nproc))
+        return self.runs > 0 and None in self.endings(self.runs - 1)
 
     def note_modules(self) -> None:
         """Learn the local modules the ranks imported, from every job's end report (a batch reads
         them after each run, since its runs hand out the jobs)."""
-        for path in (self.folder / "ended").glob("*.json"):
+        for path in self.dir.ended_dir.glob("*.json"):
             try:
                 self.local_modules.update(json.loads(path.read_text()).get("modules", {}))
             except (OSError, ValueError, AttributeError):
@@ -207,24 +228,8 @@ class WarmPool:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-class _Adopted:
-    """The launcher process of a pool another process started: polled and stopped by pid and group."""
-
-    def __init__(self, pid: int, pgid: int) -> None:
-        self.pid, self.pgid = pid, pgid
-
-    def poll(self) -> int | None:
-        return None if process_alive(self.pid) else 1  # not our child: its exit code is the owner's to read
-
-    def alive(self) -> bool:
-        return group_alive(self.pgid)
-
-    def stop(self, sig: int = signal.SIGTERM, grace: float = 5.0, reap: bool = False) -> None:
-        stop_groups([self.pgid], sig, grace)
-
-
 class WarmRun:
-    """One job on a warm pool, with the interface :class:`nbddp.job.lifecycle.Job` uses for a launcher process.
+    """One job on a warm pool: a :class:`nbddp.launchers.Launch` with no process of its own.
 
     ``poll()`` is ``None`` while the ranks run the job, ``0`` once every rank ended it normally,
     ``1`` when one failed (its error report is in the run dir) and the pool's exit code if it died.
@@ -232,22 +237,18 @@ class WarmRun:
 
     def __init__(self, pool: WarmPool, number: int) -> None:
         self.pool, self.number = pool, number
-        self.pgid = pool.launch.pgid
+        self.pid, self.pgid = pool.launch.pid, pool.launch.pgid
         self.stopped_by: int | None = None
         self._code: int | None = None
 
     def poll(self) -> int | None:
         if self._code is not None:
             return self._code
-        ended = [self.pool.folder / "ended" / f"{self.number}-{rank}.json" for rank in range(self.pool.devices.nproc)]
-        statuses = []
-        for path in ended:
-            try:
-                report = json.loads(path.read_text())
-                statuses.append(report["status"])
-                self.pool.local_modules.update(report.get("modules", {}))
-            except (OSError, ValueError, KeyError):
-                statuses.append(None)
+        endings = self.pool.endings(self.number)
+        for ending in endings:
+            if ending is not None:
+                self.pool.local_modules.update(ending.get("modules", {}))
+        statuses = [ending and ending.get("status") for ending in endings]
         if "failed" in statuses:
             self._code = 1  # the others may wait in a collective for it: the pool is torn down
         elif all(s == "ok" for s in statuses):
@@ -260,46 +261,13 @@ class WarmRun:
     def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        self.pool.terminate(sig)  # the folder stays until the run is judged (warm_pool.retire)
+        self.pool.terminate(sig)  # the folder stays until the run is judged (retire)
         if self._code is None:
             self._code = -sig
 
     def alive(self) -> bool:
         """True while the ranks work on this job (idle warm ranks don't count: they are the pool's)."""
         return self.poll() is None
-
-
-# ---------------------------------------------------------------- the kernel's one pool
-
-_current: WarmPool | None = None
-_fresh_because = ""
-"""Why the next run can't use the current ranks although nothing else changed (the last run failed)."""
-
-
-def acquire(devices: Devices, engine: str, cwd: Path, collective_timeout: float | None, *, multi_node: bool = False,
-            restarts: int = 0, idle: float = DEFAULT_IDLE_SECONDS) -> tuple[WarmPool | None, str]:
-    """The warm ranks for this run, and a line to say when they had to be (re)started or can't serve it.
-
-    ``(None, note)``: this run starts fresh ranks the usual way.
-    """
-    global _current, _fresh_because
-    if engine != "torch":
-        return None, "warm ranks serve the torch engine only (Catalyst spawns its own ranks): starting fresh ones"
-    if multi_node:
-        return None, "warm ranks are for one machine: starting fresh ones on every node"
-    if restarts:
-        return None, "warm ranks can't be restarted by torchrun (--max-restarts): starting fresh ones"
-    key = pool_key(devices, cwd, collective_timeout)
-    why = _fresh_because
-    if _current is not None:
-        why = why_fresh(_current, key, idle, _fresh_because)
-        if not why:
-            return _current, ""
-        _current.stop()
-    _fresh_because = ""
-    _current = WarmPool(key, devices, idle)
-    _stop_at_exit()
-    return _current, f"starting fresh warm ranks: {why}" if why else ""
 
 
 def why_fresh(pool: WarmPool, key: PoolKey, idle: float, last_run: str = "") -> str:
@@ -315,45 +283,88 @@ def why_fresh(pool: WarmPool, key: PoolKey, idle: float, last_run: str = "") -> 
             or ("their idle limit changed" if pool.idle != idle else ""))
 
 
-def _stop_at_exit() -> None:
-    """The kernel exiting normally stops its ranks and removes their folder (were it killed, the
-    ranks die with it anyway, and the next pool removes the folder)."""
-    import atexit
-
-    if not getattr(_stop_at_exit, "registered", False):
-        atexit.register(stop_current)
-        _stop_at_exit.registered = True  # type: ignore[attr-defined]
+def ending_note(status: str) -> str:
+    """Why a pool can't serve the next run after one that ended with ``status`` (``""``: it can)."""
+    return "" if status == "succeeded" else "the last run timed out" if status == "timeout" else f"the last run {status}"
 
 
-def retire(reason: str) -> None:
-    """The last run on the current ranks did not succeed: the next run starts fresh ones."""
-    global _current, _fresh_because
-    if _current is not None:
-        _current.stop()
-        _current = None
-        _fresh_because = reason
+def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | None,
+                     environ: Mapping[str, str] | None = None) -> tuple[WarmPool | None, str]:
+    """The pool ``nbddp batch`` keeps for this run's device slot (:data:`POOL_ENV`), and a line when
+    it can't be used; ``(None, "")`` outside a batch."""
+    folder = (os.environ if environ is None else environ).get(POOL_ENV)
+    if not folder:
+        return None, ""
+    try:
+        pool = WarmPool.adopt(Path(folder), devices)
+    except ValueError:
+        why = "they are gone"
+    else:
+        why = why_fresh(pool, pool_key(devices, cwd, collective_timeout, environ), pool.idle)
+    if why:
+        return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
+    return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
 
 
-def current() -> WarmPool | None:
-    return _current
+# ---------------------------------------------------------------- the kernel's one pool
 
 
-def describe() -> str:
-    """What ``%ddp_ranks`` says about the warm ranks."""
-    pool = _current
-    if pool is None or not pool.alive():
-        return ("no warm ranks: the next %%ddp_train starts them" +
-                (f" ({_fresh_because})" if _fresh_because else ""))
-    state = "ready" if pool.ready() else "starting"
-    return (f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
-            f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}")
+class KernelPool:
+    """``%%ddp_train``'s warm ranks: one pool per kernel, replaced when it can't serve the next run
+    (a :class:`nbddp.job.orchestrator.WarmSource`)."""
+
+    def __init__(self) -> None:
+        self.pool: WarmPool | None = None
+        self.idle = DEFAULT_WARM_IDLE
+        """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
+        self.fresh_because = ""
+        """Why the next run can't use the current ranks although nothing else changed (the last run failed)."""
+        self._at_exit = False
+
+    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
+        """The warm ranks for this run, and a line to say when they had to be (re)started."""
+        key = pool_key(devices, cwd, collective_timeout)
+        why = self.fresh_because
+        if self.pool is not None:
+            why = why_fresh(self.pool, key, self.idle, self.fresh_because)
+            if not why:
+                return self.pool, ""
+            self.pool.stop()
+        self.fresh_because = ""
+        self.pool = WarmPool(key, devices, self.idle)
+        if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
+            import atexit
+
+            atexit.register(self.stop)
+            self._at_exit = True
+        return self.pool, f"starting fresh warm ranks: {why}" if why else ""
+
+    def ended(self, pool: WarmPool, status: str) -> None:
+        """The run on ``pool`` ended with ``status``: ranks whose last run did not succeed are replaced."""
+        note = ending_note(status)
+        if note and pool is self.pool:
+            self.pool.stop()
+            self.pool = None
+            self.fresh_because = note
+
+    def describe(self) -> str:
+        """What ``%ddp_ranks`` says about the warm ranks."""
+        pool = self.pool
+        if pool is None or not pool.alive():
+            return ("no warm ranks: the next %%ddp_train starts them" +
+                    (f" ({self.fresh_because})" if self.fresh_because else ""))
+        state = "ready" if pool.ready() else "starting"
+        return (f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
+                f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}")
+
+    def stop(self) -> bool:
+        """Stop the warm ranks (``%ddp_ranks stop``, the kernel exiting); ``False`` if there were none."""
+        if self.pool is None:
+            return False
+        self.pool.stop()
+        self.pool = None
+        return True
 
 
-def stop_current() -> bool:
-    """Stop the warm ranks (``%ddp_ranks stop``, the kernel exiting); ``False`` if there were none."""
-    global _current
-    if _current is None:
-        return False
-    _current.stop()
-    _current = None
-    return True
+#: This process's pool for ``%%ddp_train`` (a kernel has one).
+kernel_pool = KernelPool()

@@ -223,7 +223,7 @@ def _check_syntax(code: str, cell: Cell, first_line: int, notebook_path: Path | 
         raise _cell_error(notebook_path, cell, number, text, f"SyntaxError: {exc.msg}") from None
 
 
-def _cell_error(notebook_path, cell: Cell, line: int, text: str, what: str) -> CellError:
-    return CellError(
-        f"{notebook_path}: cell {cell.number}, line {line}: {what}.\n    {text.strip()}"
-    )
+def _cell_error(notebook_path, cell: Cell, line: int, text: str, what: str) -> CellError:  # noqa: ANN001
+    """Names the cell as the user sees it: ``nb.ipynb: cell 3`` in a notebook, ``In [2]`` (its label) in a kernel."""
+    where = cell.label or f"{notebook_path}: cell {cell.number}"
+    return CellError(f"{where}, line {line}: {what}.\n    {text.strip()}")

@@ -15,7 +15,7 @@ _ALWAYS_DEFINED = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__"
                    "__package__", "__annotations__"}
 
 
-def free_names(code: str, filename: str = "train.py") -> list[str]:
+def free_names(code: str, filename: str = "<script>") -> list[str]:
     """Global names read somewhere in ``code`` but bound nowhere at module level, in order seen.
 
     Returns ``[]`` when the code star-imports (its names can't be known statically).

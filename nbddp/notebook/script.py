@@ -23,6 +23,7 @@ from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides
 from nbddp.notebook.literals import assignments, check_name
 from nbddp.notebook.sourcemap import Segment, SourceMap
+from nbddp.job.rundir import SCRIPT_NAME
 
 INDENT = "    "
 
@@ -36,7 +37,7 @@ class ExportOptions:
     parameters: dict[str, Any] = field(default_factory=dict)
     returns: tuple[str, ...] = ("model",)
     keep_markdown: bool = False
-    script_name: str = "train.py"
+    script_name: str = SCRIPT_NAME
     parameters_source: str = "the command line (nbddp -p)"
     """Said in the comment above the injected parameters."""
     launch_hint: str | None = None
@@ -72,6 +73,11 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
     check_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
     return render(select_cells(notebook), notebook.path, options, markdown)
+
+
+def engine_of(notebook: Notebook, engine: str | None = None) -> str:
+    """The engine the notebook's script runs on: ``engine`` if given, else the one its training cells call for."""
+    return engine or detect_engine(select_cells(notebook))
 
 
 def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOptions,

@@ -1,19 +1,36 @@
-"""The environment nbddp gives every rank, written and read in one place.
+"""The environment nbddp gives every rank: every ``NBDDP_*`` variable a rank reads, named here only.
 
-The launcher side builds a :class:`RankEnv` and turns it into the ``env`` of the launcher's
-``Popen`` (this process's own ``os.environ`` is never changed); the rank side reads it back with
-:meth:`RankEnv.from_environ`. Without a launcher (``python train.py``, a kernel) every field is
-empty and the runtime degrades to a plain single process. Nothing here imports torch.
+The launcher side builds a :class:`RankEnv` and turns it into the ``env`` of the launcher's ``Popen``
+(this process's own ``os.environ`` is never changed), or into ``NAME=value`` shell words for a
+batch script or a script's header (:meth:`RankEnv.shell`); the rank side reads it back with
+:meth:`RankEnv.from_environ`. Without a launcher (``python train.py``, a kernel) every field is empty
+and the runtime degrades to a plain single process. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from nbddp.job.rundir import RunDir
+
+#: Field → variable. The only place these names are spelled.
+VARIABLES = {
+    "run_dir": "NBDDP_RUN_DIR",
+    "device": "NBDDP_DEVICE",
+    "nproc": "NBDDP_NPROC",
+    "checkpoint": "NBDDP_CHECKPOINT",
+    "collective_timeout": "NBDDP_COLLECTIVE_TIMEOUT",
+    "nnodes": "NBDDP_NNODES",
+    "node_rank": "NBDDP_NODE_RANK",
+    "master": "NBDDP_MASTER",
+    "rdzv_timeout": "NBDDP_RDZV_TIMEOUT",
+    "warm": "NBDDP_WARM",
+    "warm_idle": "NBDDP_WARM_IDLE",
+    "pool_owner": "NBDDP_POOL_OWNER",
+}
 
 
 @dataclass(frozen=True)
@@ -36,38 +53,53 @@ class RankEnv:
     """``NBDDP_MASTER``: ``HOST:PORT`` of node 0's rendezvous (Catalyst's rank 0 listens there)."""
     rdzv_timeout: float | None = None
     """``NBDDP_RDZV_TIMEOUT``: how long a multi-node rank waits for the others to join."""
+    warm: bool = False
+    """``NBDDP_WARM``: the rank is a warm rank, running job after job in one process group."""
+    warm_idle: float | None = None
+    """``NBDDP_WARM_IDLE``: seconds a warm rank waits for its next job before exiting."""
+    pool_owner: int | None = None
+    """``NBDDP_POOL_OWNER``: the pid of the process that started a warm pool (its kernel, or a batch)."""
+
+    def variables(self) -> dict[str, str]:
+        """The variables this environment sets (empty fields left out)."""
+        found = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None or value == "" or value is False:
+                continue
+            found[VARIABLES[field.name]] = "1" if value is True else str(value)
+        return found
 
     def to_environ(self, base: Mapping[str, str]) -> dict[str, str]:
-        """``base`` plus every variable of this environment, for ``Popen(env=...)``."""
-        env = dict(base)
-        for name, value in (("NBDDP_RUN_DIR", self.run_dir), ("NBDDP_DEVICE", self.device),
-                            ("NBDDP_NPROC", self.nproc), ("NBDDP_CHECKPOINT", self.checkpoint),
-                            ("NBDDP_COLLECTIVE_TIMEOUT", self.collective_timeout), ("NBDDP_NNODES", self.nnodes),
-                            ("NBDDP_NODE_RANK", self.node_rank), ("NBDDP_MASTER", self.master),
-                            ("NBDDP_RDZV_TIMEOUT", self.rdzv_timeout)):
-            if value is None or value == "":
-                env.pop(name, None)
-            else:
-                env[name] = str(value)
+        """``base`` without any ``NBDDP_*`` variable of its own, plus this environment's, for ``Popen(env=...)``."""
+        env = {k: v for k, v in base.items() if k not in VARIABLES.values()}
+        env |= self.variables()
         env["PYTHONUNBUFFERED"] = "1"
         if "OMP_NUM_THREADS" not in env and self.nproc:  # torchrun would set 1 and warn about it
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
         return env
 
+    @staticmethod
+    def shell(**values: Any) -> str:
+        """``NBDDP_X=value …`` words for a shell (values given as they must appear, placeholders included)."""
+        return " ".join(f"{VARIABLES[name]}={value}" for name, value in values.items())
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> "RankEnv":
         environ = os.environ if environ is None else environ
-        run_dir, checkpoint = environ.get("NBDDP_RUN_DIR"), environ.get("NBDDP_CHECKPOINT")
-        nproc, timeout = environ.get("NBDDP_NPROC"), environ.get("NBDDP_COLLECTIVE_TIMEOUT")
-        nnodes, node_rank, rdzv = environ.get("NBDDP_NNODES"), environ.get("NBDDP_NODE_RANK"), environ.get("NBDDP_RDZV_TIMEOUT")
+        get = {name: environ.get(variable, "") for name, variable in VARIABLES.items()}
         return cls(
-            run_dir=RunDir(Path(run_dir)) if run_dir else None,
-            device=environ.get("NBDDP_DEVICE", ""),
-            nproc=int(nproc) if nproc else None,
-            checkpoint=Path(checkpoint) if checkpoint else None,
-            collective_timeout=float(timeout) if timeout and float(timeout) > 0 else None,
-            nnodes=int(nnodes) if nnodes else None,
-            node_rank=int(node_rank) if node_rank else None,
-            master=environ.get("NBDDP_MASTER", ""),
-            rdzv_timeout=float(rdzv) if rdzv else None,
+            run_dir=RunDir(Path(get["run_dir"])) if get["run_dir"] else None,
+            device=get["device"],
+            nproc=int(get["nproc"]) if get["nproc"] else None,
+            checkpoint=Path(get["checkpoint"]) if get["checkpoint"] else None,
+            collective_timeout=float(get["collective_timeout"]) if get["collective_timeout"]
+            and float(get["collective_timeout"]) > 0 else None,
+            nnodes=int(get["nnodes"]) if get["nnodes"] else None,
+            node_rank=int(get["node_rank"]) if get["node_rank"] else None,
+            master=get["master"],
+            rdzv_timeout=float(get["rdzv_timeout"]) if get["rdzv_timeout"] else None,
+            warm=get["warm"] == "1",
+            warm_idle=float(get["warm_idle"]) if get["warm_idle"] else None,
+            pool_owner=int(get["pool_owner"]) if get["pool_owner"] else None,
         )

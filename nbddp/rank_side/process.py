@@ -22,8 +22,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from nbddp.atomic import write_json
 from nbddp.rank_side.env import RankEnv
-from nbddp.job.rundir import RunDir
+from nbddp.job.rundir import SCRIPT_NAME, RunDir
 
 
 def use_notebook_folder() -> None:
@@ -77,8 +78,8 @@ def announce(global_rank: int, size: int, note: str = "") -> None:
     """``ranks/rank-N.json`` (pid, host, world size, attempt) and the "started" line: the rank is running."""
     directory = run_dir()
     directory.ranks.mkdir(exist_ok=True)
-    directory.rank_info(global_rank).write_text(json.dumps(
-        {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()}))
+    write_json(directory.rank_info(global_rank),
+               {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()})
     print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()}){note}", flush=True)
 
 
@@ -109,7 +110,7 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
         "frames": frames,
         "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
     }
-    directory.rank_error(global_rank).write_text(json.dumps(report), encoding="utf-8")
+    write_json(directory.rank_error(global_rank), report)
 
 
 def _die_with_parent() -> None:
@@ -147,9 +148,7 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
     roster = [json.loads(store.get(f"nbddp/node/{n}")) for n in range(nnodes)]
     directory = run_dir()
     if first and directory is not None:
-        partial = directory.nodes.with_name(f".{directory.nodes.name}.{node_rank}.partial")
-        partial.write_text(json.dumps(roster, indent=1))
-        os.replace(partial, directory.nodes)
+        write_json(directory.nodes, roster, indent=1)
     mine = roster[node_rank]
     for other in roster:
         from nbddp.errors import NbddpError
@@ -272,7 +271,7 @@ def checkpoint_path() -> Path:
         return env.checkpoint
     if env.run_dir is not None:
         return env.run_dir.weights
-    main = getattr(sys.modules.get("__main__"), "__file__", None) or "train.py"
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or SCRIPT_NAME
     return Path(main).with_suffix(".weights.pt")
 
 

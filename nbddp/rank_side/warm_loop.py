@@ -4,13 +4,16 @@ What a fresh rank pays on every run (interpreter start, ``import torch``, device
 initialisation, the rendezvous) is paid here once; each job still runs its script exactly as a
 fresh rank would: ``runpy`` executes it as ``__main__`` in a **fresh namespace**, with the run's
 own ``NBDDP_*`` environment, its output in the run's ``logs/rank-N.log``, its exception in
-``errors/rank-N.json``. Modules the job imported from the notebook's folder are forgotten after
-it, so the next job imports them anew, and the CUDA caching allocator is emptied between jobs.
+``errors/rank-N.json`` (its traceback starting at the script, as a fresh rank's does). Modules the
+job imported from the notebook's folder are forgotten after it, so the next job imports them anew,
+and the CUDA caching allocator is emptied between jobs.
 
-The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs as files: ``jobs/N.json`` in the pool's
-folder; each rank answers ``ended/N-RANK.json``. A rank with no job for ``NBDDP_WARM_IDLE``
-seconds leaves the group and exits; so does every rank when the kernel dies (parent-death signal,
-through torchrun).
+The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
+(:class:`~nbddp.launchers.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
+A rank with no job for its idle limit leaves the group and exits; so does every rank when the
+kernel dies (parent-death signal, through torchrun).
+
+``python -m torch.distributed.run … -m nbddp.rank_side.warm_loop POOL`` starts one.
 """
 
 from __future__ import annotations
@@ -23,42 +26,47 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import TracebackType
+
+from nbddp.atomic import write_json
+from nbddp.launchers.pool_dir import PoolDir
+from nbddp.options import DEFAULT_WARM_IDLE
+from nbddp.rank_side.env import RankEnv
 
 POLL_SECONDS = 0.005
-DEFAULT_IDLE_SECONDS = 600.0
 
 
-def main(pool: Path) -> int:
+def main(folder: Path) -> int:
     from nbddp.rank_side import process as rank_process
     from nbddp.rank_side import torch_engine as runtime
 
-    os.environ.pop("NBDDP_RUN_DIR", None)
+    pool = PoolDir(folder)
     runtime.start()  # joins the group; no run dir yet: output goes to the pool's log
     rank, size = runtime.rank(), runtime.world_size()
-    idle = float(os.environ.get("NBDDP_WARM_IDLE", DEFAULT_IDLE_SECONDS))
-    (pool / "ready").mkdir(exist_ok=True)
-    (pool / "ready" / f"rank-{rank}").write_text(str(os.getpid()))
+    idle = RankEnv.from_environ().warm_idle or DEFAULT_WARM_IDLE
+    pool.ready_dir.mkdir(exist_ok=True)
+    write_json(pool.ready(rank), os.getpid())
     number = 0
     pool_stdout, pool_stderr = os.dup(1), os.dup(2)
     while True:
         job = _next_job(pool, number, idle)
         if job is None:
             break
-        status, modules = _run(job, rank, size)
+        status, modules = _run(job, rank, size, number)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        write_json(pool / "ended" / f"{number}-{rank}.json", {"status": status, "modules": modules})
+        write_json(pool.ended(number, rank), {"status": status, "modules": modules})
         number += 1
     rank_process.leave_group()
     return 0
 
 
-def _next_job(pool: Path, number: int, idle: float) -> dict | None:
+def _next_job(pool: PoolDir, number: int, idle: float) -> dict | None:
     """The next job's description, or ``None`` once idle for ``idle`` seconds (the kernel stops a pool
     by stopping its processes)."""
-    path, deadline = pool / "jobs" / f"{number}.json", time.monotonic() + idle
+    path, deadline = pool.job(number), time.monotonic() + idle
     while time.monotonic() < deadline:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
@@ -67,7 +75,7 @@ def _next_job(pool: Path, number: int, idle: float) -> dict | None:
     return None
 
 
-def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
+def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, float]]:
     """Run one job's script as a fresh rank would: ``ok`` or ``failed``, and the local modules it imported."""
     from nbddp.rank_side import process as rank_process
 
@@ -79,14 +87,15 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
     status = "ok"
     try:
         rank_process.log_to_run_dir(rank)
-        rank_process.announce(rank, size, note=" on a warm rank")
+        rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
         try:
             runpy.run_path(job["script"], run_name="__main__")
         except SystemExit as exc:
             status = "ok" if exc.code in (None, 0) else "failed"
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
-            rank_process.record_exception(rank, type(exc), exc, exc.__traceback__)
-            traceback.print_exc()
+            tb = from_script(exc.__traceback__, job["script"])
+            rank_process.record_exception(rank, type(exc), exc, tb)
+            traceback.print_exception(type(exc), exc, tb)
             status = "failed"
     finally:
         os.environ.clear()
@@ -98,6 +107,15 @@ def _run(job: dict, rank: int, size: int) -> tuple[str, dict[str, float]]:
         gc.collect()
         _release_device_memory()
     return status, modules
+
+
+def from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
+    """The traceback from the script's first frame on: this loop's and runpy's frames are how a warm rank
+    runs the script, not part of what it did (a fresh rank's traceback starts at the script too)."""
+    first = tb
+    while first is not None and os.path.abspath(first.tb_frame.f_code.co_filename) != os.path.abspath(script):
+        first = first.tb_next
+    return first or tb
 
 
 def _torch_settings() -> dict:
@@ -157,13 +175,6 @@ def _release_device_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
-
-def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` whole or not at all: the other side polls for the file."""
-    path.parent.mkdir(exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data))
-    os.replace(partial, path)
 
 
 if __name__ == "__main__":

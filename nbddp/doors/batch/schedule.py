@@ -28,13 +28,13 @@ from nbddp.launchers import devices_for
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.options import LaunchOptions
-from nbddp.job.outcome import Status
+from nbddp.job.status import BatchState, Status
 from nbddp.notebook.parameters import check_overrides, declared_parameters
 from nbddp.notebook.literals import check_name, is_plain_data
 from nbddp.launchers.process_groups import stop_groups
 from nbddp.job.rundir import RunDir
-from nbddp.notebook.script import ExportOptions, generate
-from nbddp.launchers.warm_pool import POOL_ENV
+from nbddp.notebook.script import engine_of
+from nbddp.launchers.warm_pool import POOL_ENV, ending_note, why_not_warm
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -165,7 +165,7 @@ class RunState:
     slot: int = -1
     """The index of the device slot it runs in (CPU slots have no GPU ids, so only the index tells them apart)."""
     started: float = 0.0
-    status: str = "pending"
+    status: BatchState = BatchState.PENDING
 
 
 class Batch:
@@ -180,8 +180,7 @@ class Batch:
         self.nproc, self.device_kind = nproc, device_kind
         self.progress = progress or (lambda batch: None)
         self.states = [RunState(r, out / r.name) for r in runs]
-        launch = options.launch
-        self.warm = not (options.fresh or device_kind == "slurm" or engine != "torch" or launch.max_restarts)
+        self.warm = not options.fresh and not why_not_warm(engine, options.launch)
         self.cwd = Path(options.notebook).resolve().parent
         self.pools: dict[int, Any] = {}
         """Each device slot's warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`), kept between its runs."""
@@ -223,7 +222,7 @@ class Batch:
                 continue
             overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
             if data.get("status") == Status.SUCCEEDED and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
-                state.run_dir, state.status = result.parent, "skipped"
+                state.run_dir, state.status = result.parent, BatchState.SKIPPED
                 return True
         return False
 
@@ -255,7 +254,7 @@ class Batch:
                                              env=env, start_new_session=True)
         finally:
             log.close()
-        state.slot, state.started, state.status = index, time.monotonic(), "running"
+        state.slot, state.started, state.status = index, time.monotonic(), BatchState.RUNNING
 
     def _warm_pool(self, slot: int, launch: LaunchOptions, env: dict[str, str], log: Any) -> Any:
         """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and
@@ -293,10 +292,9 @@ class Batch:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.run_dir, code)
-        if state.status != Status.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
+        if state.status != BatchState.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
             self._drop_pool(state.slot)
-            self.last_run[state.slot] = ("the last run timed out" if state.status == Status.TIMEOUT
-                                         else f"the last run {state.status}")
+            self.last_run[state.slot] = ending_note(state.status)
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
@@ -309,14 +307,15 @@ class Batch:
             except subprocess.TimeoutExpired:  # out of its group (it can't be: SIGKILL it by pid)
                 state.process.kill()
                 state.process.wait()
-            state.status = _status_of(state.run_dir, state.process.returncode, default=Status.INTERRUPTED)
+            state.status = _status_of(state.run_dir, state.process.returncode, default=BatchState.INTERRUPTED)
 
 
-def _status_of(run_dir: Path, code: int | None, default: str = Status.FAILED) -> str:
+def _status_of(run_dir: Path, code: int | None, default: BatchState = BatchState.FAILED) -> BatchState:
+    """How a run ended, from its ``result.json`` (its exit code when it wrote none)."""
     try:
-        return json.loads(RunDir(run_dir).result.read_text(encoding="utf-8"))["status"]
+        return BatchState(json.loads(RunDir(run_dir).result.read_text(encoding="utf-8"))["status"])
     except (OSError, ValueError, KeyError):
-        return Status.SUCCEEDED if code == 0 else default
+        return BatchState.SUCCEEDED if code == 0 else default
 
 
 def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[list[tuple[str, ...]], int, str]:
@@ -370,30 +369,11 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
-    engine = generate(notebook, ExportOptions(engine=options.launch.engine, returns=options.launch.returns)).engine
+    engine = engine_of(notebook, options.launch.engine)
     batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)
     try:
         states = batch.run()
     finally:
         rows = summarize(out, [(s.run, s.run_dir, s.status) for s in batch.states])
-    failed = [s for s in states if s.status not in (Status.SUCCEEDED, "skipped")]
-    return rows, 1 if failed else 0
-
-
-def batch(notebook: str | Path, grid: Any, *, parameters: dict[str, Any] | None = None, gpus_per_run: int | None = None,
-          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, fresh: bool = False,
-          **launch: Any):
-    """Run a parameter grid from Python; returns the summary (a pandas DataFrame if pandas is installed).
-
-    ``launch``: any :class:`nbddp.options.LaunchOptions` field (``cpu``, ``nproc``, ``engine``, ``timeout``,
-    ``collective_timeout``, ``idle_timeout``, ``max_restarts``, ``returns``), as on the command line.
-    ``fresh``: start every run's ranks anew instead of sharing a device slot's warm ranks.
-    """
-    options = BatchOptions(Path(notebook), grid, LaunchOptions(parameters=dict(parameters or {}), **launch),
-                           gpus_per_run, parallel, Path(out) if out else None, resume, fresh)
-    rows, _ = run_batch(options)
-    try:
-        import pandas
-    except ImportError:
-        return rows
-    return pandas.DataFrame(rows)
+    failed = [s for s in states if not s.status.ok]
+    return rows, Status.FAILED.exit_code if failed else Status.SUCCEEDED.exit_code

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from nbddp.job.record import read_metrics
+from nbddp.job.metrics import COUNTERS, read_metrics
+from nbddp.job.status import BatchState
 from nbddp.job.rundir import RunDir
 
-_COUNTERS = {"epoch", "epochs", "step", "time"}
 
 
 def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str, Any]]:
@@ -23,14 +23,16 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
     rows, curves, metric_names = [], {}, []
     for run, run_dir, status in runs:
         result = _read_json(RunDir(run_dir).result)
-        row: dict[str, Any] = {"run": run.name, **run.parameters, "status": status if status != "skipped" else "succeeded"}
+        state = BatchState(status)
+        row: dict[str, Any] = {"run": run.name, **run.parameters,
+                               "status": str(BatchState.SUCCEEDED if state.ok else state)}
         row["wall_time_s"] = result.get("wall_time_s")
         for key, value in (result.get("final_metrics") or {}).items():
-            if key not in _COUNTERS:
+            if key not in COUNTERS:
                 row[key] = value
                 if key not in metric_names:
                     metric_names.append(key)
-        error = result.get("error") or ("" if status in ("succeeded", "skipped") else _last_line(RunDir(run_dir).batch_log, status))
+        error = result.get("error") or ("" if state.ok else _last_line(RunDir(run_dir).batch_log, state))
         row["error"] = error.splitlines()[0] if error else ""
         row["run_dir"] = str(run_dir)
         rows.append(row)
@@ -99,13 +101,14 @@ def _write_plot(path: Path, rows, curves: dict[str, list[dict]], metric: str | N
 
         matplotlib.use("Agg", force=False)
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return
     figure = Figure(figsize=(11, 4), dpi=90)
     left, right = figure.subplots(1, 2)
     names = [r["run"] for r in rows]
     values = [r.get(metric) if isinstance(r.get(metric), (int, float)) else 0.0 for r in rows]
-    colors = ["tab:blue" if r["status"] == "succeeded" else "tab:red" for r in rows]
+    colors = ["tab:blue" if r["status"] == BatchState.SUCCEEDED else "tab:red" for r in rows]
     left.barh(range(len(rows)), values, color=colors)
     left.set_yticks(range(len(rows)), names, fontsize=7)
     left.invert_yaxis()
@@ -116,6 +119,7 @@ def _write_plot(path: Path, rows, curves: dict[str, list[dict]], metric: str | N
             right.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=name)
     right.set_title(f"{metric or 'metric'} during training", fontsize=9)
     right.set_xlabel("epoch")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers: no tick at 1.2
     if right.get_legend_handles_labels()[0]:
         right.legend(fontsize=6)
     right.grid(alpha=0.3)

@@ -1,24 +1,26 @@
 """``%load_ext nbddp`` → ``%%ddp_train``: argument parsing and display only.
 
-The work is in :mod:`nbddp.doors.jupyter.kernel_cells`; this module records which ``#| ddp``
-cells the kernel executed (IPython's ``pre_run_cell`` event carries the cell
-id the front end sent) and turns the magic's line into options.
+The run is :func:`nbddp.job.orchestrator.run`'s, with this kernel's namespace receiving the weights;
+this module records which ``#| ddp`` cells the kernel executed (IPython's ``pre_run_cell`` event
+carries the cell id the front end sent), turns the magic's line into options and shows the run.
 """
 
 from __future__ import annotations
 
-
 import time
 from pathlib import Path
 
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script, run_cell_job
-from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+
 from nbddp.display.ending import NO_WEIGHTS, Ending, first_line
-from nbddp.errors import RunError
-from nbddp.options import ArgumentParser, add_launch_arguments, launch_options, parse_line
-from nbddp.job.outcome import Status
-from nbddp.job.record import last_metrics
+from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
+from nbddp.errors import UsageError
+from nbddp.job import orchestrator
+from nbddp.job.metrics import last_metrics
+from nbddp.job.status import Status
+from nbddp.launchers.warm_pool import kernel_pool
+from nbddp.options import DEFAULT_WARM_IDLE, ArgumentParser, add_launch_arguments, launch_options, parse_line
+from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
 
 def _parser() -> ArgumentParser:
@@ -37,7 +39,7 @@ def _ranks_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show, stop or restart them.")
     parser.add_argument("action", nargs="?", choices=("show", "stop", "restart"), default="show")
     parser.add_argument("--idle", type=float, metavar="SECONDS",
-                        help="idle ranks exit after this long without a run (default 600)")
+                        help=f"idle ranks exit after this long without a run (default {DEFAULT_WARM_IDLE:g})")
     return parser
 
 
@@ -49,7 +51,6 @@ class DdpMagics(Magics):
     def __init__(self, shell) -> None:  # noqa: ANN001
         super().__init__(shell)
         self.history = CellHistory()
-        self.warm_idle = 600.0
         shell.events.register("pre_run_cell", self._record)
 
     def _record(self, info) -> None:  # noqa: ANN001 - IPython's ExecutionInfo
@@ -65,51 +66,60 @@ class DdpMagics(Magics):
     @line_magic
     def ddp_ranks(self, line: str):
         """Show (``%ddp_ranks``), ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets
-        how long idle ranks wait for the next ``%%ddp_train`` before exiting (default 600)."""
-        from nbddp.launchers import warm_pool
-
+        how long idle ranks wait for the next ``%%ddp_train`` before exiting."""
         args = parse_line(_RANKS_PARSER, line)
         if args is None:
             return None
         if args.idle is not None:
-            self.warm_idle = args.idle
+            kernel_pool.idle = args.idle
         if args.action in ("stop", "restart"):
-            stopped = warm_pool.stop_current()
+            stopped = kernel_pool.stop()
             print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
                   + ("; the next %%ddp_train starts fresh ones" if args.action == "restart" else ""))
             return None
-        print(f"[nbddp] {warm_pool.describe()}")
+        print(f"[nbddp] {kernel_pool.describe()}")
         return None
 
-    @cell_magic
-    def ddp_train(self, line: str, cell: str):
+    @line_cell_magic
+    def ddp_train(self, line: str, cell: str | None = None):
         """Train this cell across the GPUs (or CPU processes) with DDP; weights come back here.
 
-        Options are those of ``nbddp run`` (``%%ddp_train --help`` lists them), plus ``--dry-run``.
+        Options are those of ``nbddp run`` (``%%ddp_train --help`` lists them), plus ``--dry-run``
+        and ``--fresh``.
         """
         args = parse_line(_PARSER, line)
         if args is None:  # --help
             return None
+        if not (cell or "").strip():
+            raise UsageError("%%ddp_train: the cell has no training code: put it under the %%ddp_train line.")
         options = launch_options(args)
         script, parameters = build_script(self.history, cell, self.shell.user_ns, options,
                                           self.shell.execution_count)
         if args.dry_run:
             print(script.text)
             return None
-        return self._train(script, parameters, options, f"%%ddp_train {line}".strip(), warm=not args.fresh)
+        cwd = Path.cwd()
+        request = orchestrator.RunRequest(
+            script, options, orchestrator.session_notebook(cwd), cwd, parameters,
+            {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
+            source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
+        return self._train(request)
 
-    def _train(self, script, parameters, options, command: str, warm: bool) -> None:  # noqa: ANN001
+    def _train(self, request: orchestrator.RunRequest) -> None:
         """Run the job with its live view; end with one line, or an error without nbddp's frames."""
         from nbddp.doors.jupyter.view import make_view
 
         started = time.monotonic()
         view = None
         run_dir: Path | None = None
+        nodes = request.launch.nodes
+        kernel = orchestrator.NoKernel("node 0 holds the weights") if nodes and nodes.rank != 0 \
+            else orchestrator.InProcess(self.shell.user_ns)
 
-        def on_start(directory: Path, ranks: range) -> None:
+        def on_start(job) -> None:  # noqa: ANN001
             nonlocal view, run_dir
-            run_dir = directory
-            view = make_view(ranks, directory)
+            run_dir = job.run_dir
+            view = make_view(job.local_ranks(), job.run_dir)
 
         def sink(event) -> None:  # noqa: ANN001
             if view is not None:
@@ -132,19 +142,19 @@ class DdpMagics(Magics):
                 print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
 
         try:
-            result = run_cell_job(script, parameters, options, self.shell.user_ns, [sink], command=command,
-                                  on_start=on_start, heartbeat=heartbeat, warm=warm, warm_idle=self.warm_idle)
-        except KeyboardInterrupt:
+            result = orchestrator.run(request, kernel, [sink], lambda text: print(f"[nbddp] {text}"),
+                                      on_start=on_start, heartbeat=heartbeat)
+        except BaseException as exc:  # nbddp itself broke: say so, then raise
+            end(Status.FAILED, first_line(f"{type(exc).__name__}: {exc}"))
+            raise
+        if result.interrupted_by is not None:
             shutting_down = getattr(self.shell, "exit_now", False)
             end(Status.INTERRUPTED, "the kernel is restarting or shutting down" if shutting_down
                 else "every rank stopped")
             raise _short_interrupt(time.monotonic() - started, run_dir) from None
-        except RunError as exc:
-            end(exc.status, first_line(str(exc)))
-            raise
-        except BaseException as exc:  # the checkpoint couldn't load, or nbddp itself broke: say so, then raise
-            end(Status.FAILED, first_line(f"{type(exc).__name__}: {exc}"))
-            raise
+        if not result.succeeded:
+            end(result.status, first_line(result.message))
+            result.raise_for_status()
         end(Status.SUCCEEDED, weights=result.weights(), metrics=result.record.final_metrics)
         return None
 
@@ -160,3 +170,18 @@ def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
     apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process)
     ipython.register_magics(DdpMagics(ipython))
+    cleanup = ipython.input_transformer_manager.cleanup_transforms
+    if _bodiless_cell_magic not in cleanup:
+        cleanup.append(_bodiless_cell_magic)
+
+
+def _bodiless_cell_magic(lines: list[str]) -> list[str]:
+    """``%%ddp_train --help`` alone in a cell runs as the line magic ``%ddp_train --help``.
+
+    IPython refuses a cell magic without a body before the magic is called ("the cell body is
+    empty"); as a line magic the same line reaches :meth:`DdpMagics.ddp_train`, which prints the help
+    (or says the cell has no training code)."""
+    code = [line for line in lines if line.strip()]
+    if len(code) == 1 and code[0].lstrip().startswith("%%ddp_train"):
+        return [code[0].replace("%%ddp_train", "%ddp_train", 1)]
+    return lines

@@ -26,8 +26,9 @@ from typing import Any, Sequence
 
 from nbddp.display.ending import Ending, shown_path
 from nbddp.doors.jupyter.snapshot import snapshot_html, snapshot_text
-from nbddp.display.metric_plot import curves, svg_plot
-from nbddp.job.follow import Event, LogLine, MetricsEvent, format_metrics, rank_prefix
+from nbddp.display.metric_plot import svg_plot
+from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
+from nbddp.job.metrics import curves, format_metrics
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 REFRESH_SECONDS = 0.25

@@ -1,0 +1,292 @@
+"""A notebook's own cells in a Jupyter kernel beside the DDP job: the kernel of ``nbddp run`` and of
+``papermill --engine nbddp``.
+
+The kernel runs every cell but the training cells, in order, while the ranks train: the cells
+before the training (parameters, imports, data) while the ranks start, streaming their output
+meanwhile; at the training cell it waits for the job (the orchestrator's ``train()``), then
+*receives* it: the cell's outputs are every rank's lines, and the kernel runs, at that cell's
+place, either a cell that loads the trained weights on the CPU or one that raises the run's
+judged error (:class:`~nbddp.errors.RunFailed`, :class:`~nbddp.errors.RunTimeout`, …). So a failed
+run fails the notebook exactly where a failing cell would, with the kernel's own error and
+execution count, and nbclient's (or papermill's) own bookkeeping applies. The cells after it
+evaluate the trained model.
+
+:class:`TrainingCells` is the mixin that teaches an nbclient ``NotebookClient`` (or papermill's
+subclass of it) to do that; :class:`NotebookKernel` drives it for ``nbddp run``, and the papermill
+door subclasses it to let papermill drive its own loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from nbddp.display.terminal import NotebookOutputSink
+from nbddp.errors import RunError
+from nbddp.job.follow import Sink
+from nbddp.job.lifecycle import Job
+from nbddp.job.orchestrator import KernelResult, Train
+from nbddp.job.outcome import JobOutcome, run_error
+from nbddp.job.status import Status
+from nbddp.launchers.process_groups import owned_temp_dir
+from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, cell_role
+from nbddp.notebook.literals import assignments
+from nbddp.notebook.reader import Cell, Notebook
+
+SOCKETS_PREFIX = "nbddp-kernel-"
+PUMP_SECONDS = 0.05
+
+
+def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]):  # noqa: ANN201 - nbformat's node
+    """A copy of the notebook for the kernel, ``-p`` parameters injected the papermill way.
+
+    The injected cell is written with the same literal writer as the script, so the kernel and the
+    ranks see exactly the same values. Returns the notebook and, per cell, its number in the user's
+    notebook (``None`` for the injected cell).
+    """
+    from nbformat.v4 import new_code_cell
+
+    nb = copy.deepcopy(notebook.nb)
+    numbers: list[int | None] = []
+    insert_at = 0
+    for number, cell in enumerate(nb.cells, start=1):
+        numbers.append(number)
+        if cell_role(notebook.cells[number - 1], notebook.path) in (PARAMETERS, INJECTED):
+            insert_at = number
+    if parameters:
+        injected = new_code_cell("# Parameters (nbddp -p)\n" + "\n".join(assignments(parameters)),
+                                 metadata={"tags": ["injected-parameters"]})
+        nb.cells.insert(insert_at, injected)
+        numbers.insert(insert_at, None)
+    return nb, numbers
+
+
+def is_training_cell(cell) -> bool:  # noqa: ANN001 - an nbformat cell
+    """A ``ddp-train`` cell (tag, directive or ``%%ddp_train``): received from the job, never run in the kernel.
+
+    (Its directives were checked when the script was generated.)"""
+    if cell.get("cell_type") != "code":
+        return False
+    tags = tuple(cell.get("metadata", {}).get("tags", ()) or ())
+    return cell_role(Cell(0, "code", cell.get("source", ""), tags)) == TRAIN
+
+
+class TrainingCells:
+    """Mixin for nbclient's ``NotebookClient``: a training cell is received from the DDP job, not run.
+
+    ``nbddp_kernel`` (set before executing) does the receiving; every other cell runs as usual.
+    """
+
+    nbddp_kernel: "NotebookKernel"
+
+    def execute_cell(self, cell, cell_index: int, execution_count: int | None = None,  # noqa: ANN001, ANN201
+                     store_history: bool = True):
+        if is_training_cell(cell):
+            return self.nbddp_kernel.receive(self, cell, cell_index)
+        return super().execute_cell(cell, cell_index, execution_count, store_history)
+
+    def run_in_kernel(self, cell, cell_index: int):  # noqa: ANN001, ANN201
+        """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell)."""
+        return super().execute_cell(cell, cell_index)
+
+    def on_rank_lines(self, text: str) -> None:
+        """Rank output added to the training cell while it trains (papermill's client logs it, saves)."""
+
+
+class NotebookKernel:
+    """The notebook's cells in a kernel beside the job (:class:`nbddp.job.orchestrator.Kernel`)."""
+
+    def __init__(self, nb, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,  # noqa: ANN001
+                 collector: NotebookOutputSink, sinks: Sequence[Sink], returns: Sequence[str],
+                 save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None) -> None:
+        """``nb``/``numbers``: from :func:`kernel_notebook`; ``collector``: the training cell's output
+        (also one of ``sinks``); ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's
+        text output (the terminal)."""
+        self.nb, self.numbers, self.notebook, self.cwd = nb, list(numbers), notebook, cwd
+        self.collector, self.sinks, self.returns = collector, list(sinks), tuple(returns)
+        self.save, self.echo = save, echo
+        self.job: Job | None = None
+        self.train: Train | None = None
+        self.outcome: JobOutcome | None = None
+        self.loaded: list[str] = []
+        self._pump: _Pump | None = None
+        self.collector.on_lines = self._on_lines
+        self._client: Any = None
+        self._cleanup: list[Callable[[], Any]] = []
+
+    # ------------------------------------------------------------ the orchestrator's Kernel
+
+    def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
+        self.job, self.train = job, train
+        self._pump = _Pump(job, self.sinks)
+        self._pump.start()  # stream the ranks while the kernel starts and runs the setup cells
+        try:
+            return self.execute(deadline)
+        finally:
+            self._pump.stop()
+            for cleanup in self._cleanup:
+                cleanup()
+
+    def execute(self, deadline: float | None) -> KernelResult:
+        """Run every cell, each given what is left of ``--timeout``; the ``nbddp run`` loop."""
+        from nbclient.exceptions import CellExecutionError, CellTimeoutError
+
+        client = self._client = self.client()
+        index = 0
+        try:
+            with client.setup_kernel(cleanup_kc=True, preexec_fn=_lower_priority):
+                for index, cell in enumerate(self.nb.cells):
+                    if cell.cell_type != "code":
+                        continue
+                    client.timeout = _seconds_left(deadline)
+                    client.execute_cell(cell, index)
+                    self._echo(index, self.nb.cells[index])
+                    self._save()
+        except CellTimeoutError:
+            return KernelResult.failed("the run exceeded --timeout.", Status.TIMEOUT)
+        except CellExecutionError as exc:
+            return self.failed_cell(index, getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc)))
+        return KernelResult(loaded=list(self.loaded))
+
+    def client(self):  # noqa: ANN201 - an nbclient NotebookClient with TrainingCells
+        """``nbddp run``'s client: a kernel with private IPC sockets, at a lower CPU priority."""
+        from jupyter_client import KernelManager
+        from nbclient import NotebookClient
+
+        class Client(TrainingCells, NotebookClient):
+            pass
+
+        kernel_name = self.notebook.kernel_name or "python3"
+        # IPC sockets: local only, no "running over TCP without encryption" warning. Their files
+        # default to the working directory, where two runs would collide: use a private temp dir.
+        sockets = owned_temp_dir(SOCKETS_PREFIX)
+        manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
+        client = Client(self.nb, km=manager, kernel_name=kernel_name, shutdown_kernel="immediate",
+                        resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
+        client.nbddp_kernel = self
+        self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
+        return client
+
+    def failed_cell(self, index: int, ename: str, evalue: str) -> KernelResult:
+        """A kernel cell (not the job) failed: the run failed there."""
+        if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and is_training_cell(self.nb.cells[index]):
+            return KernelResult.failed(self.outcome.message, self.outcome.status)  # the job's own failure
+        number = self.numbers[index]
+        where = f"cell {number}" if number else "the injected parameters cell"
+        return KernelResult.failed(f"{self.notebook.path}: {where} raised in the kernel:\n{ename}: {evalue}")
+
+    # ------------------------------------------------------------ the training cell
+
+    def receive(self, client, cell, index: int):  # noqa: ANN001, ANN201
+        """In place of the training cell: wait for the job, then load its weights or raise its error."""
+        if self.outcome is not None:  # a second training cell: one job trained them all
+            cell.outputs = [_note("ran as part of the DDP job above")]
+            return cell
+        self._pump.stop()  # this thread follows the job now
+        self._client = client
+        cell.outputs = self.collector.outputs()
+        self.on_training_start(cell, index)
+        self.outcome = self.train(self.training_deadline())
+        receipt = receipt_cell(self.job, self.outcome)
+        try:
+            client.run_in_kernel(receipt, index)
+            if self.outcome.status == Status.SUCCEEDED:
+                self.loaded = list(self.returns)
+        finally:
+            cell.outputs = [*self.collector.outputs(), *receipt.outputs]
+            cell.execution_count = receipt.execution_count
+            client.nb.cells[index] = cell  # nbclient put the receipt there: the user's cell stays
+        return cell
+
+    def training_deadline(self) -> float | None:
+        """A deadline of the training cell's own (papermill's ``--execution-timeout``); ``None``: the run's."""
+        return None
+
+    def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
+        self._save()
+
+    def _on_lines(self, text: str) -> None:
+        if self._client is not None:
+            self._client.on_rank_lines(text)
+
+    # ------------------------------------------------------------ nbddp run's terminal and file
+
+    def _save(self) -> None:
+        if self.save is not None:
+            self.save(self.nb)
+
+    def _echo(self, index: int, cell) -> None:  # noqa: ANN001
+        """Show a kernel cell's text output in the terminal too (e.g. the evaluation's accuracy)."""
+        if self.echo is None:
+            return
+        number = self.numbers[index]
+        label = f"[cell {number}] " if number else "[parameters] "
+        for output in cell.outputs:
+            text = output.get("text") if output.output_type == "stream" else output.get("data", {}).get("text/plain")
+            if text:
+                self.echo("".join(label + line + "\n" for line in str(text).rstrip("\n").split("\n")))
+
+
+def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's node
+    """What the kernel runs in the training cell's place: load the weights, or raise the run's error."""
+    from nbformat.v4 import new_code_cell
+
+    if outcome.status == Status.SUCCEEDED:
+        checkpoint = job.checkpoint
+        return new_code_cell(
+            "from nbddp.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into\n"
+            f"_nbddp_states, _nbddp_note = _nbddp_load({str(checkpoint)!r})\n"
+            "print('[nbddp] loaded the trained', ', '.join(_nbddp_into(globals(), _nbddp_states)),"
+            f" 'on the CPU from {checkpoint.name}' + (f' ({{_nbddp_note}})' if _nbddp_note else ''))\n"
+            "del _nbddp_load, _nbddp_into, _nbddp_states, _nbddp_note")
+    return new_code_cell(raise_code(run_error(outcome, job.paths)))
+
+
+def raise_code(error: RunError) -> str:
+    """Code that raises ``error`` again in a kernel (its class, message and fields: all plain values)."""
+    fields = ", ".join(f"{name}={getattr(error, name)!r}"
+                       for name in ("exit_code", "rank", "exc_type", "cell", "line", "run_dir"))
+    name = type(error).__name__
+    return (f"from nbddp.errors import {name}\n"
+            f"raise {name}({str(error)!r}, {fields})")
+
+
+class _Pump(threading.Thread):
+    """Streams the job's output from a background thread while the main thread runs kernel cells."""
+
+    def __init__(self, job: Job, sinks: Sequence[Sink]) -> None:
+        super().__init__(daemon=True, name="nbddp-pump")
+        self.job, self.sinks = job, sinks
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(PUMP_SECONDS):
+            self.job.pump(self.sinks)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
+
+
+def _seconds_left(deadline: float | None) -> int | None:
+    """Seconds left for a kernel cell (nbclient takes whole seconds)."""
+    return None if deadline is None else max(1, math.ceil(deadline - time.monotonic()))
+
+
+def _lower_priority() -> None:
+    """The kernel's start-up overlaps the ranks'; at a lower CPU priority it never slows them where
+    cores are scarce (it has slack until training ends)."""
+    os.nice(5)
+
+
+def _note(text: str):  # noqa: ANN202
+    from nbformat.v4 import new_output
+
+    return new_output("stream", name="stdout", text=f"[nbddp] {text}\n")

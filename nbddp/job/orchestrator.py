@@ -1,0 +1,321 @@
+"""One run, whichever front door asked for it: the only place the run's path is written.
+
+    devices → warm ranks? → job spec (run dir) → start (launcher seam) → [the kernel's cells]
+        → follow → judge → load the weights → [the kernel's remaining cells] → record → result
+
+Every front door builds a :class:`RunRequest` (the script and the options) and calls :func:`run`
+with the *kernel* that runs beside the job, which is the only part that differs between doors:
+
+* ``nbddp run`` and the papermill engine: the notebook's other cells in a Jupyter kernel, which
+  receives the weights in its training cell (:mod:`nbddp.doors.notebook_kernel`);
+* ``%%ddp_train``: the kernel the magic runs in, whose namespace receives them (:class:`InProcess`);
+* nodes 1 and up of a multi-node run: nothing (:class:`NoKernel`; node 0 receives the weights).
+
+The kernel calls back into the run at its training cell (``train()``: follow and judge the job),
+so the job starts before the kernel does and the two overlap. :func:`run` never raises for a run
+that didn't succeed: it returns a :class:`RunResult` carrying the judged outcome, which the door
+shows, turns into an exit code, or raises (:meth:`RunResult.raise_for_status`). A Ctrl-C (or the
+CLI's SIGTERM/SIGHUP) anywhere stops every rank and is recorded as an interruption.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+from nbddp.devices import Devices
+from nbddp.display.ending import NO_WEIGHTS, Ending
+from nbddp.errors import CheckpointError, RunFailed, SignalReceived
+from nbddp.job.follow import Sink
+from nbddp.job.lifecycle import Job, JobSpec, create_run_dir
+from nbddp.job.outcome import JobOutcome, run_error
+from nbddp.job.record import RunRecord
+from nbddp.job.status import Status
+from nbddp.launchers import devices_for
+from nbddp.notebook.script import Script
+from nbddp.options import LaunchOptions
+
+Say = Callable[[str], None]
+
+
+class WarmSource(Protocol):
+    """Where a door's warm ranks come from: the kernel's own pool, or the pool a batch keeps for its slot."""
+
+    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[Any, str]:
+        """``(pool or None, a line to say)``: warm ranks that can take this run, or why it starts fresh ones."""
+
+    def ended(self, pool: Any, status: Status) -> None:
+        """The run on ``pool`` ended with ``status`` (ranks whose run did not succeed can't be trusted)."""
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """One run, as a front door asks for it."""
+
+    script: Script
+    launch: LaunchOptions
+    notebook: Path
+    """The notebook the run is named after: its run dir is ``runs/<stem>-<time>`` beside it."""
+    cwd: Path
+    """The ranks' working folder (the notebook's: its local modules import as in the kernel)."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Every parameter value the run uses (defaults with the overrides applied), for ``result.json``."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+    """How the run was started, for ``result.json``."""
+    source: str | None = None
+    """How ``result.json`` names where the code came from (default: the notebook's path)."""
+    owner: str = "cli"
+    """``cli``: a process that stops its own job when ``nbddp kill`` signals it; ``kernel``: a process
+    that must never be signalled (a Jupyter kernel, papermill), whose job ``nbddp kill`` stops itself."""
+    warm: WarmSource | None = None
+    """Where warm ranks come from, when this door uses them."""
+
+
+@dataclass
+class KernelResult:
+    """How the kernel beside the job fared: what it loaded, or how it failed."""
+
+    loaded: list[str] = field(default_factory=list)
+    """The names the trained weights were loaded into."""
+    note: str = ""
+    """More about the weights (the checkpoint Catalyst kept; ``node 0 holds the weights``)."""
+    status: Status = Status.SUCCEEDED
+    exit_code: int = 0
+    message: str = ""
+    """Why a kernel cell failed (naming the notebook, the cell and the error)."""
+    error: BaseException | None = None
+    """What to raise for it (a :class:`~nbddp.errors.CheckpointError`, a :class:`~nbddp.errors.RunFailed`)."""
+
+    @classmethod
+    def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None) -> "KernelResult":
+        return cls(status=status, exit_code=status.exit_code, message=message,
+                   error=error or (RunFailed(message) if status is Status.FAILED else None))
+
+
+Train = Callable[..., JobOutcome]
+"""``train(deadline=None)``: follow the job until it ends and judge it (the kernel calls it at its training
+cell); ``deadline``, a monotonic time, may only shorten the run's own ``--timeout``."""
+
+
+class Kernel(Protocol):
+    """What runs beside the job and receives its weights."""
+
+    def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
+        """Run until done, calling ``train()`` once where the training belongs; ``deadline``: ``--timeout``."""
+
+
+class InProcess:
+    """This process's own namespace receives the weights (``%%ddp_train``: the kernel it runs in)."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.namespace = namespace
+
+    def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
+        from nbddp.checkpoint import load_into, load_returns
+
+        if train().status != Status.SUCCEEDED:
+            return KernelResult()
+        try:
+            states, note = load_returns(job.checkpoint)
+            return KernelResult(loaded=load_into(self.namespace, states), note=note)
+        except CheckpointError as exc:
+            return KernelResult.failed(f"the trained weights could not be loaded: {exc}", error=exc)
+
+
+class NoKernel:
+    """No kernel: nodes 1 and up of a multi-node run (node 0's kernel receives the weights)."""
+
+    def __init__(self, note: str = "") -> None:
+        self.note = note
+
+    def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
+        train()
+        return KernelResult(note=self.note)
+
+
+@dataclass
+class RunResult:
+    """How a run ended, whichever door started it: the judged outcome and what came back."""
+
+    status: Status
+    exit_code: int
+    run_dir: Path
+    message: str = ""
+    """Why it didn't succeed (``""`` when it did)."""
+    record: RunRecord | None = None
+    outcome: JobOutcome | None = None
+    """The job's judged outcome (``None`` if the job never got to be judged)."""
+    kernel: KernelResult = field(default_factory=KernelResult)
+    interrupted_by: int | None = None
+    """The signal that interrupted the run (Ctrl-C: SIGINT), if one did."""
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """What the door adds (``nbddp run``: ``output``, the executed notebook's path, and ``executed``)."""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == Status.SUCCEEDED
+
+    @property
+    def loaded(self) -> list[str]:
+        return self.kernel.loaded
+
+    def weights(self) -> str:
+        """Where the weights went, for the ending line."""
+        if self.kernel.loaded:
+            note = f" ({self.kernel.note})" if self.kernel.note else ""
+            return f"{', '.join(self.kernel.loaded)} loaded on the CPU{note}"
+        return self.kernel.note or NO_WEIGHTS
+
+    def ending(self, reason: str = "") -> Ending:
+        """The one line this run ends with (:mod:`nbddp.display.ending`)."""
+        metrics = self.record.final_metrics if self.record else {}
+        return Ending(self.status, self.seconds, self.run_dir, self.weights(), reason, metrics)
+
+    def error(self) -> BaseException | None:
+        """The exception that says why the run didn't succeed (``None`` when it did)."""
+        if self.succeeded:
+            return None
+        if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and self.interrupted_by is None:
+            return run_error(self.outcome, self.run_dir)
+        if self.kernel.error is not None and self.interrupted_by is None:
+            return self.kernel.error
+        from nbddp.errors import RunInterrupted, RunTimeout
+
+        cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(self.status, RunFailed)
+        return cls(self.message, exit_code=self.exit_code, run_dir=str(self.run_dir))
+
+    def raise_for_status(self) -> None:
+        """Raise why the run didn't succeed: the judged :class:`~nbddp.errors.RunError` (it carries the
+        status, rank, exception type, cell and line), or what failed in the kernel."""
+        error = self.error()
+        if error is not None:
+            raise error
+
+
+def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
+        on_start: Callable[[Job], Any] | None = None, heartbeat: Callable[[], Any] | None = None) -> RunResult:
+    """Run ``request``'s job with ``kernel`` beside it, streaming every rank to ``sinks``.
+
+    ``say``: one line for the user (the door adds its prefix); ``on_start(job)``: once the ranks are
+    starting (a view appears); ``heartbeat()``: on every poll while the job runs (whatever it raises
+    stops the job; a ``KeyboardInterrupt`` is an interruption).
+
+    Raises:
+        UsageError, DeviceError: before anything starts (bad options, devices that aren't there).
+    """
+    launch = request.launch
+    started = time.monotonic()
+    devices = devices_for(launch)
+    for note in ([devices.note] if devices.note else []) + topology_notes(launch):
+        say(note)
+    pool = _warm_pool(request, devices, say)
+    spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
+                   collective_timeout=launch.collective_timeout, owner=request.owner,
+                   max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
+                   rdzv_timeout=launch.rdzv_timeout, pool=pool)
+    deadline = time.monotonic() + launch.timeout if launch.timeout else None
+    judged: list[JobOutcome] = []
+    result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir)
+    job: Job | None = None
+
+    def train(own_deadline: float | None = None) -> JobOutcome:
+        limits = [d for d in (deadline, own_deadline) if d is not None]
+        judged.append(job.wait(sinks, min(limits) if limits else None, launch.idle_timeout, heartbeat))
+        return judged[-1]  # (every rank was stopped first, however it ended)
+
+    try:
+        with Job.start(spec) as job:
+            if on_start is not None:
+                on_start(job)
+            try:
+                result.kernel = kernel.run(job, train, deadline)
+            except (KeyboardInterrupt, SignalReceived) as exc:
+                result.interrupted_by = getattr(exc, "signum", signal.SIGINT)
+            trained = bool(judged)
+            if not trained:  # interrupted, or the kernel stopped before the training
+                job.stop()
+                judged.append(job.outcome(timed_out=result.kernel.status == Status.TIMEOUT,
+                                          interrupted_by=result.interrupted_by))
+            result.outcome = judged[-1]
+            _conclude(result, trained)
+            result.seconds = time.monotonic() - started
+            result.record = job.record(result.status, result.exit_code, result.message, result.outcome,
+                                       request.parameters, request.source or str(request.notebook),
+                                       overrides=request.overrides, command=request.command)
+    except Exception as exc:  # nbddp itself broke: record it, then let it be seen
+        if job is not None and result.record is None:
+            job.record(Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None, request.parameters,
+                       request.source or str(request.notebook), request.overrides, request.command)
+        _warm_ended(request, pool, Status.FAILED)
+        raise
+    _warm_ended(request, pool, result.status)
+    return result
+
+
+def _conclude(result: RunResult, trained: bool) -> None:
+    """The run's status, exit code and message, from what ended it first: an interruption; a kernel cell
+    that failed before the training (the job was stopped for it); the job; a kernel cell after it."""
+    outcome, kernel = result.outcome, result.kernel
+    if result.interrupted_by is not None:
+        name = signal.Signals(result.interrupted_by).name
+        result.status, result.message = Status.INTERRUPTED, f"interrupted ({name}); every rank was stopped."
+        result.exit_code = Status.INTERRUPTED.code(result.interrupted_by)
+    elif kernel.status != Status.SUCCEEDED and not trained or outcome.status == Status.SUCCEEDED:
+        result.status, result.exit_code, result.message = kernel.status, kernel.exit_code, kernel.message
+    else:
+        result.status, result.exit_code, result.message = outcome.status, outcome.exit_code, outcome.message
+
+
+def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
+    """The warm ranks this run goes to, if its door has them and they can take it (the one rule)."""
+    if request.warm is None:
+        return None
+    from nbddp.launchers.warm_pool import why_not_warm
+
+    why = why_not_warm(request.script.engine, request.launch)
+    if why:
+        say(f"{why}: starting fresh ones")
+        return None
+    pool, note = request.warm.pool_for(devices, request.cwd, request.launch.collective_timeout)
+    if note:
+        say(note)
+    return pool
+
+
+def _warm_ended(request: RunRequest, pool: Any, status: Status) -> None:
+    if pool is not None and request.warm is not None:
+        request.warm.ended(pool, status)
+
+
+def topology_notes(launch: LaunchOptions) -> list[str]:
+    """What a user must know before a multi-node run starts (said once, on every node)."""
+    if launch.nodes is None and (launch.slurm is None or launch.slurm.nodes == 1):
+        return []
+    where = f"port {launch.nodes.host_port()[1]} of node 0" if launch.nodes else "a port of the job's first node"
+    return [f"note: the rendezvous store listens on {where} on every network interface (torch's TCPStore): "
+            "anyone who can reach it can join or disrupt the run. Run multi-node jobs on a trusted network."]
+
+
+def describe(job: Job) -> str:
+    """``torch engine, 2 CPU processes (gloo); run dir …``: what is starting, in one line."""
+    spec = job.spec
+    if spec.slurm is not None:
+        where = f"a Slurm job of {spec.slurm.nodes} node{'s' * (spec.slurm.nodes != 1)} × {spec.devices.describe()}"
+    elif spec.nodes is not None:
+        where = f"{spec.devices.describe()} on each of {spec.nodes.count} nodes (world size {spec.world_size})"
+    else:
+        where = spec.devices.describe()
+    return f"{spec.script.engine} engine, {where}; run dir {spec.run_dir}"
+
+
+def session_notebook(cwd: Path) -> Path:
+    """What a kernel's run is named after: the notebook jupyter-server says the kernel belongs to
+    (``JPY_SESSION_NAME``; never read), else ``ddp_train.ipynb``, in the kernel's folder."""
+    return Path(cwd) / f"{Path(os.environ.get('JPY_SESSION_NAME') or 'ddp_train').stem}.ipynb"
+

@@ -1,0 +1,75 @@
+"""The warm-pool folder contract: every file and folder of a pool of warm ranks, named in one place.
+
+The kernel side (:mod:`nbddp.launchers.warm_pool`) and the ranks (:mod:`nbddp.rank_side.warm_loop`)
+both address a pool's files through :class:`PoolDir`, as run dirs are addressed through
+:class:`nbddp.job.rundir.RunDir`. Nothing here imports torch.
+
+::
+
+    POOL/                           a private temp folder, nbddp-warm-<owner pid>-XXXX
+      pool.json                     what the pool was started with (its key, idle limit, launcher pid/group)
+      ready/rank-R                  rank R joined the group and waits (its pid)
+      jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
+      ended/N-R.json                rank R ended job N: ok or failed, and the local modules it imported
+      logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
+      logs/torchrun/                torchrun's own folder
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbddp.job.rundir import RunDir
+
+#: The pool folders' prefix in the system temp folder (the owner's pid follows).
+FOLDER_PREFIX = "nbddp-warm-"
+
+
+@dataclass(frozen=True)
+class PoolDir:
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    @property
+    def description(self) -> Path:
+        return self.path / "pool.json"
+
+    @property
+    def ready_dir(self) -> Path:
+        return self.path / "ready"
+
+    def ready(self, rank: int) -> Path:
+        return self.ready_dir / f"rank-{rank}"
+
+    @property
+    def jobs(self) -> Path:
+        return self.path / "jobs"
+
+    def job(self, number: int) -> Path:
+        return self.jobs / f"{number}.json"
+
+    @property
+    def ended_dir(self) -> Path:
+        return self.path / "ended"
+
+    def ended(self, number: int, rank: int) -> Path:
+        return self.ended_dir / f"{number}-{rank}.json"
+
+    @property
+    def launcher_log(self) -> Path:
+        return RunDir(self.path).launcher_log
+
+    @property
+    def torchrun_logs(self) -> Path:
+        return RunDir(self.path).torchrun_logs
+
+    def owner(self) -> int | None:
+        """The pid of the process that started the pool, from the folder's name."""
+        pid = self.path.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        return int(pid) if self.path.name.startswith(FOLDER_PREFIX) and pid.isdigit() else None

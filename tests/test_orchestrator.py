@@ -1,0 +1,132 @@
+"""One path for every run: every front door's job goes through the orchestrator and the launcher seam.
+
+A spy launcher is registered at the seam the way another package would register one: an
+``nbddp.launchers`` entry point in a distribution on ``sys.path`` (a fake dist-info the test writes,
+reaching every process through ``PYTHONPATH``). It replaces the built-in ``torchrun`` and ``warm``
+launchers by subclasses that record each job they start, and whether the orchestrator asked for
+it, then launch as usual. Real doors, real kernels, real ranks (2 gloo processes): this is the fast
+tier's real-process test of ``nbddp run``, ``nbddp.run()``, ``%%ddp_train``, ``nbddp batch`` and
+``papermill --engine nbddp``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import code, write_notebook
+from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
+
+SPY = '''
+import json, os, traceback
+from nbddp.launchers.torchrun import Torchrun
+from nbddp.launchers.warm import WarmRanks
+
+
+def _seen(spec, launcher):
+    stack = [frame.filename.replace(os.sep, "/") for frame in traceback.extract_stack()]
+    with open(os.environ["NBDDP_SPY_LOG"], "a") as log:
+        log.write(json.dumps({"launcher": launcher, "run_dir": str(spec.run_dir), "pid": os.getpid(),
+                              "orchestrated": any(f.endswith("nbddp/job/orchestrator.py") for f in stack)}) + "\\n")
+
+
+class SpyTorchrun(Torchrun):
+    @classmethod
+    def for_job(cls, spec):
+        _seen(spec, "torchrun")
+        return super().for_job(spec)
+
+
+class SpyWarm(WarmRanks):
+    @classmethod
+    def for_job(cls, spec):
+        _seen(spec, "warm")
+        return super().for_job(spec)
+'''
+
+
+@pytest.fixture
+def spy(tmp_path):
+    """``(env, seen)``: the environment every door runs with, and what the spy recorded so far."""
+    site = tmp_path / "site"
+    info = site / "nbddp_spy-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nbddp-spy\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[nbddp.launchers]\ntorchrun = nbddp_spy:SpyTorchrun\nwarm = nbddp_spy:SpyWarm\n")
+    (site / "nbddp_spy.py").write_text(SPY)
+    log = tmp_path / "spy.jsonl"
+    path = os.pathsep.join(filter(None, [str(site), str(Path(__file__).resolve().parent.parent),
+                                         os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NBDDP_SPY_LOG": str(log), "PYTHONUNBUFFERED": "1"}
+
+    def seen() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    return env, seen
+
+
+def _run(argv: list[str], cwd: Path, env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_every_front_door_runs_through_the_orchestrator_and_the_launcher_seam(tmp_path, spy):
+    env, seen = spy
+    write_notebook(tmp_path / "fit.ipynb", [code("batch = 8", "parameters"), code(SETUP),
+                                             code(train_cell(8)), code(EVALUATE)])
+    doors = {}
+
+    _run([sys.executable, "-m", "nbddp", "run", "fit.ipynb", "--cpu", "--nproc", "2"], tmp_path, env)
+    doors["nbddp run"] = seen()[-1]
+    assert_matches(Path(doors["nbddp run"]["run_dir"]) / "weights.pt", batch=16)
+
+    api = ("import nbddp\nresult = nbddp.run('fit.ipynb', cpu=True, nproc=2, quiet=True)\n"
+           "result.raise_for_status(); print('API', result.status, result.run_dir)")
+    assert "API succeeded" in _run([sys.executable, "-c", api], tmp_path, env).stdout
+    doors["nbddp.run()"] = seen()[-1]
+
+    (tmp_path / "grid.yaml").write_text("batch: [8]\n")
+    _run([sys.executable, "-m", "nbddp", "batch", "fit.ipynb", "--grid", "grid.yaml", "--cpu", "--nproc", "2",
+          "--out", "sweep"], tmp_path, env)
+    doors["nbddp batch"] = seen()[-1]
+
+    _run([sys.executable, "-m", "papermill", "--engine", "nbddp", "fit.ipynb", "out.ipynb", "-p", "batch", "8"],
+         tmp_path, {**env, "NBDDP_OPTIONS": "--cpu --nproc 2"})
+    doors["papermill --engine nbddp"] = seen()[-1]
+
+    magic = tmp_path / "magic.ipynb"
+    write_notebook(magic, [code("%load_ext nbddp"), code(SETUP),
+                           code("%%ddp_train --cpu --nproc 2\n" + train_cell(8).split("\n", 1)[1]), code(EVALUATE)])
+    _run([sys.executable, "-m", "jupyter", "execute", "--inplace", str(magic)], tmp_path, env)
+    doors["%%ddp_train"] = seen()[-1]
+
+    assert len({door["run_dir"] for door in doors.values()}) == len(doors)  # one job each, each seen
+    for name, door in doors.items():
+        assert door["orchestrated"], f"{name}: the launcher was not asked by the orchestrator"
+        result = json.loads((Path(door["run_dir"]) / "result.json").read_text())
+        assert result["status"] == "succeeded", (name, result)
+    assert doors["%%ddp_train"]["launcher"] == "warm" and doors["nbddp batch"]["launcher"] == "warm"
+    assert doors["nbddp run"]["launcher"] == doors["papermill --engine nbddp"]["launcher"] == "torchrun"
+
+
+def test_nbddp_run_takes_every_launch_option_as_a_typed_keyword():
+    """``nbddp.run`` and ``nbddp.batch`` name each option (no ``**kwargs``); none of LaunchOptions is missing."""
+    from dataclasses import fields
+
+    import nbddp
+    from nbddp.options import LaunchOptions
+
+    options = {f.name for f in fields(LaunchOptions)}
+    for function, not_there in ((nbddp.run, set()), (nbddp.batch, {"run_dir", "nodes", "rdzv_timeout"})):
+        signature = inspect.signature(function)
+        assert not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        assert options - not_there <= set(signature.parameters), options - set(signature.parameters)
+        assert all(p.annotation is not p.empty for p in signature.parameters.values())
