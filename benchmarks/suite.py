@@ -102,7 +102,7 @@ def steps_per_s(text: str) -> float | None:
 TEARDOWN_CRASHES: list[str] = []
 
 
-def run_process(argv: list[str], cwd: Path) -> tuple[float, float | None, str]:
+def run_process(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[float, float | None, str]:
     """(seconds to end, seconds to the first step, output) of a command.
 
     A hand-written run that crashes in the gloo teardown race after training is counted and run
@@ -110,7 +110,7 @@ def run_process(argv: list[str], cwd: Path) -> tuple[float, float | None, str]:
     """
     for _ in range(3):
         start = time.time()
-        done = subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True)
+        done = subprocess.run(argv, cwd=cwd, env=env or ENV, capture_output=True, text=True)
         end = time.time()
         out = done.stdout + done.stderr
         if done.returncode and "terminate called without an active exception" in out and "nbddp" not in argv[2]:
@@ -166,11 +166,14 @@ class Kernel:
         self.km.shutdown_kernel(now=False)
 
 
-def startup(work: Path, rounds: int, steps: int) -> dict[str, dict[str, list[float]]]:
+def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None = None) -> dict[str, dict[str, list[float]]]:
+    """``before``: ``(ref, checkout)`` of an earlier nbddp, whose ``nbddp run`` is timed in the same rounds."""
     loop = LOOP.replace("__STEPS__", str(steps))
     (work / "hand.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
     notebook(work / "bench.ipynb", [(SETUP, []), ("#| ddp-train\n" + loop, [])])
     cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run"]
+    if before is not None:
+        cases.insert(2, f"nbddp run before ({before[0]})")
     times: dict[str, dict[str, list[float]]] = {c: {"end": [], "first": []} for c in cases}
 
     def add(case: str, end: float, first: float | None) -> None:
@@ -182,6 +185,12 @@ def startup(work: Path, rounds: int, steps: int) -> dict[str, dict[str, list[flo
         add("torchrun by hand", *run_process(
             [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "hand.py"], work)[:2])
         add("nbddp run", *run_process([PYTHON, "-m", "nbddp", "run", "bench.ipynb", "--cpu", "--nproc", "2"], work)[:2])
+        if before is not None:
+            ref, checkout = before
+            module = "nbddp" if (checkout / "nbddp" / "__main__.py").exists() else "nbddp.cli"
+            add(f"nbddp run before ({ref})", *run_process(
+                [PYTHON, "-m", module, "run", "bench.ipynb", "--cpu", "--nproc", "2"], work,
+                env={**ENV, "PYTHONPATH": str(checkout)})[:2])
         kernel = Kernel(work)
         try:
             kernel.execute("%load_ext nbddp")
@@ -487,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each case once, small and short: checks the harness")
     parser.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
+    parser.add_argument("--before", metavar="GIT_REF", default=None,
+                        help="also time `nbddp run` of this earlier commit (a temporary checkout) in section 1")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.rounds = 1 if args.quick else 3
@@ -497,10 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     args.batch_rounds, args.batch_runs = (1, 2) if args.quick else (2, 4)
     work = Path(tempfile.mkdtemp(prefix="nbddp-bench-"))
     ENV["TMPDIR"] = str(work)  # torchrun by hand leaves its torchelastic_* folder there, not in /tmp
+    before = None
+    if args.before:
+        checkout = work / "before"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(checkout), args.before],
+                       check=True, capture_output=True)
+        before = (args.before, checkout)
     try:
         figures = {
             "light": light_paths(work, args.rounds),
-            "startup": startup(work, args.startup_rounds, args.steps),
+            "startup": startup(work, args.startup_rounds, args.steps, before),
             "throughput": throughput(work, 1 if args.quick else 2, args.long_steps),
             "streaming": streaming(work, args.paced, args.burst),
             "cell streaming": streaming_notebook(work, args.paced, args.burst),
@@ -508,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
             "return": model_return(work, args.rounds if args.quick else 3, [1_000_000] if args.quick else [10_000_000, 100_000_000]),
         }
     finally:
+        if before is not None:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before[1])], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     args.out.write_text(report(args, figures))
     print(f"wrote {args.out}")

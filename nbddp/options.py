@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from nbddp.devices import requested_gpus
+from nbddp.devices import CPU_PROCESSES, requested_gpus
 from nbddp.engines import ENGINES
 from nbddp.errors import UsageError
+from nbddp.job.status import Status
 
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
@@ -234,7 +235,7 @@ def add_device_arguments(parser: argparse.ArgumentParser) -> None:
     devices = parser.add_argument_group("devices")
     devices.add_argument("--gpus", default=None, metavar="N|all", help="GPUs to use (default: all visible)")
     devices.add_argument("--cpu", action="store_true", help="run CPU processes with gloo, even with GPUs")
-    devices.add_argument("--nproc", type=int, default=None, help="CPU processes (default 2)")
+    devices.add_argument("--nproc", type=int, default=None, help=f"CPU processes (default {CPU_PROCESSES})")
 
 
 def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
@@ -246,12 +247,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = Tru
         limits.add_argument("--run-dir", type=Path, default=None,
                             help="where the script, logs and weights go (default: runs/STEM-TIME beside the notebook)")
     limits.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                        help="stop the run after this long (exit 124)")
+                        help=f"stop the run after this long (exit {Status.TIMEOUT.exit_code})")
     limits.add_argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT, metavar="SECONDS",
-                        help="a rank waiting longer than this in a collective fails the run, exit 124 "
-                             "(default 300; 0: torch's own)")
+                        help=f"a rank waiting longer than this in a collective fails the run, exit "
+                             f"{Status.TIMEOUT.exit_code} (default {DEFAULT_COLLECTIVE_TIMEOUT:g}; 0: torch's own)")
     limits.add_argument("--idle-timeout", type=float, default=None, metavar="SECONDS",
-                        help="stop the run (exit 124) when no rank prints or logs anything for this long")
+                        help=f"stop the run (exit {Status.TIMEOUT.exit_code}) when no rank prints or logs anything "
+                             "for this long")
     limits.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart failed ranks up to N times (torch engine); pair with nbddp.save_checkpoint/restore")
     add_topology_arguments(parser)
@@ -266,7 +268,7 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="node 0's address and a free port there (its rendezvous store listens on it)")
     nodes.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
-                       help="how long nodes wait for each other at the start (default 300)")
+                       help=f"how long nodes wait for each other at the start (default {DEFAULT_RDZV_TIMEOUT:g})")
     slurm = parser.add_argument_group("slurm (the ranks run as a Slurm job; the kernel runs here)")
     slurm.add_argument("--slurm", action="store_true", help="submit the training as a Slurm job")
     slurm.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes to ask for (default 1)")

@@ -182,9 +182,10 @@ def test_a_slots_runs_share_warm_ranks_until_one_fails_and_match_fresh_runs(swee
 def test_python_api_returns_the_summary(sweep, tmp_path):
     import nbddp
 
-    summary = nbddp.batch(sweep, {"lr": [0.1]}, parameters={"epochs": 1}, cpu=True, out=tmp_path / "api")
-    records = summary.to_dict("records") if hasattr(summary, "to_dict") else summary
-    assert [(r["lr"], r["status"]) for r in records] == [(0.1, "succeeded")]
+    result = nbddp.batch(sweep, {"lr": [0.1]}, parameters={"epochs": 1}, cpu=True, out=tmp_path / "api", quiet=True)
+    assert isinstance(result, nbddp.BatchResult)  # one type, whatever is installed (pandas or not)
+    assert [(r["lr"], r["status"]) for r in result.rows] == [(0.1, "succeeded")]
+    assert result.succeeded and result.exit_code == 0 and result.out == tmp_path / "api"
 
 
 def test_gpu_slots_pin_disjoint_devices(monkeypatch):

@@ -5,6 +5,7 @@ Every test asserts the exit code, the message, and that no process of the run is
 
 import json
 import os
+import re
 import signal
 import tempfile
 import time
@@ -148,7 +149,10 @@ def test_ps_lists_a_live_run_and_kill_ends_it(tmp_path, cli_run):
     (run_dir,) = (tmp_path / "runs").iterdir()
     ps = cli_run(["ps"], tmp_path)
     assert ps.wait() == 0 and run_dir.name in ps.output and "torch" in ps.output
-    kill = cli_run(["kill", run_dir.name], tmp_path)
+    # The run dir as the run prints it (relative to where nbddp was started), from that folder
+    printed = re.search(r"run dir (\S+)", run.output).group(1)
+    kill = cli_run(["kill", f"runs/{run_dir.name}"], tmp_path)
+    assert printed.endswith(f"runs/{run_dir.name}")
     assert kill.wait(timeout=30) == 0 and f"stopped {run_dir.name}" in kill.output
     assert run.wait(timeout=30) == 143
     assert not run.leftovers(grace=1)

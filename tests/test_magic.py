@@ -117,7 +117,8 @@ def test_rank_failure_raises_in_the_cell_and_papermill_marks_it(tmp_path):
     assert info.value.ename == "RunFailed"
     assert "rank 1 raised RuntimeError: rank one broke" in info.value.evalue
     traceback = "\n".join(info.value.traceback)
-    assert "the %%ddp_train cell, line 4" in traceback and "raise RuntimeError('rank one broke')" in traceback
+    # Line 5 of the cell as the notebook shows it (its %%ddp_train line is line 1, as for nbddp run)
+    assert "the %%ddp_train cell, line 5" in traceback and "raise RuntimeError('rank one broke')" in traceback
     assert "cell_job.py" not in traceback  # the message, not nbddp's own stack
     out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert out.cells[-1].outputs == []  # the evaluation after the failed cell never ran

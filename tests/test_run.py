@@ -143,7 +143,10 @@ def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_ru
     assert result["status"] == "failed" and result["rank_exit_codes"]["1"] == 1
     nb = nbformat.read(run_dir / "output.ipynb", as_version=4)
     errors = [o for o in nb.cells[2].outputs if o.output_type == "error"]
-    assert errors and errors[0].ename == "ValueError" and "cell 3, line 5" in "\n".join(errors[0].traceback)
+    # The kernel raises the run's judged error in the training cell's place: RunFailed (as %%ddp_train raises,
+    # and as papermill reports it), naming the rank's exception, cell and line.
+    assert errors and errors[0].ename == "RunFailed" and "rank 1 raised ValueError" in errors[0].evalue
+    assert "cell 3, line 5" in "\n".join(errors[0].traceback)
     assert nb.cells[3].outputs == []
     assert not run.leftovers()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
-from nbddp.job.metrics import format_metrics
+from nbddp.job.metrics import format_metrics, measures
 
 #: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
 NOTEBOOK_OUTPUT_LINES = 2000
@@ -56,8 +56,7 @@ class TerminalSink:
 
         if self.bar is None:
             self.bar = tqdm(total=values["epochs"], unit="epoch", file=sys.stdout, dynamic_ncols=True)
-        shown = {k: v for k, v in values.items() if k not in ("epoch", "epochs", "time")}
-        self.bar.set_postfix_str(format_metrics(shown), refresh=False)
+        self.bar.set_postfix_str(format_metrics(measures(values)), refresh=False)
         self.bar.update(values["epoch"] - self.bar.n)
 
     def close(self) -> None:

@@ -146,7 +146,8 @@ class NotebookKernel:
                         continue
                     client.timeout = _seconds_left(deadline)
                     client.execute_cell(cell, index)
-                    self._echo(index, self.nb.cells[index])
+                    if not is_training_cell(cell):
+                        self._echo(index, self.nb.cells[index].outputs)
                     self._save()
         except CellTimeoutError:
             return KernelResult.failed("the run exceeded --timeout.", Status.TIMEOUT)
@@ -190,7 +191,7 @@ class NotebookKernel:
             return cell
         self._pump.stop()  # this thread follows the job now
         self._client = client
-        cell.outputs = self.collector.outputs()
+        cell.outputs = [_note("training as a DDP job; every rank's log is in the run dir"), self.collector.output]
         self.on_training_start(cell, index)
         self.outcome = self.train(self.training_deadline())
         receipt = receipt_cell(self.job, self.outcome)
@@ -202,6 +203,7 @@ class NotebookKernel:
             cell.outputs = [*self.collector.outputs(), *receipt.outputs]
             cell.execution_count = receipt.execution_count
             client.nb.cells[index] = cell  # nbclient put the receipt there: the user's cell stays
+            self._echo(index, receipt.outputs)  # (the ranks' lines were shown as they came)
         return cell
 
     def training_deadline(self) -> float | None:
@@ -221,13 +223,13 @@ class NotebookKernel:
         if self.save is not None:
             self.save(self.nb)
 
-    def _echo(self, index: int, cell) -> None:  # noqa: ANN001
+    def _echo(self, index: int, outputs: Sequence[Any]) -> None:
         """Show a kernel cell's text output in the terminal too (e.g. the evaluation's accuracy)."""
         if self.echo is None:
             return
         number = self.numbers[index]
         label = f"[cell {number}] " if number else "[parameters] "
-        for output in cell.outputs:
+        for output in outputs:
             text = output.get("text") if output.output_type == "stream" else output.get("data", {}).get("text/plain")
             if text:
                 self.echo("".join(label + line + "\n" for line in str(text).rstrip("\n").split("\n")))

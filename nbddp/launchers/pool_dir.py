@@ -11,6 +11,7 @@ both address a pool's files through :class:`PoolDir`, as run dirs are addressed 
       ready/rank-R                  rank R joined the group and waits (its pid)
       jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
       ended/N-R.json                rank R ended job N: ok or failed, and the local modules it imported
+      stop                          its owner is stopping it for good: the folder can go
       logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
       logs/torchrun/                torchrun's own folder
 """
@@ -60,6 +61,10 @@ class PoolDir:
 
     def ended(self, number: int, rank: int) -> Path:
         return self.ended_dir / f"{number}-{rank}.json"
+
+    @property
+    def stop_mark(self) -> Path:
+        return self.path / "stop"
 
     @property
     def launcher_log(self) -> Path:

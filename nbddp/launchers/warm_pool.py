@@ -223,7 +223,12 @@ class WarmPool:
             self.launch.stop(sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every rank and torchrun, and remove the pool's folder."""
+        """Stop every rank and torchrun, and remove the pool's folder (its torchrun removes it too, should
+        this process be killed while waiting for it: see :mod:`nbddp.launchers.warm_agent`)."""
+        try:
+            self.dir.stop_mark.touch()
+        except OSError:
+            pass
         self.terminate(sig)
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -285,7 +290,8 @@ def why_fresh(pool: WarmPool, key: PoolKey, idle: float, last_run: str = "") -> 
 
 def ending_note(status: str) -> str:
     """Why a pool can't serve the next run after one that ended with ``status`` (``""``: it can)."""
-    return "" if status == "succeeded" else "the last run timed out" if status == "timeout" else f"the last run {status}"
+    return {"succeeded": "", "timeout": "the last run timed out", "interrupted": "the last run was interrupted"}.get(
+        str(status), f"the last run {status}")
 
 
 def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | None,

@@ -27,6 +27,7 @@ from catalyst.core.callback import Callback, CallbackOrder
 from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
 from nbddp.options import DEFAULT_RDZV_TIMEOUT
+from nbddp.job.status import Status
 from nbddp.rank_side.env import RankEnv
 
 _state = {"trained": False, "patched": False}
@@ -216,7 +217,7 @@ def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> Non
         fn(local_rank, world_size)
         rank_process.mark_done(global_rank)
     except KeyboardInterrupt:
-        sys.exit(130)  # torch's spawn wrapper would turn this into a silent exit 0
+        sys.exit(Status.INTERRUPTED.exit_code)  # torch's spawn wrapper would turn this into a silent exit 0
     except BaseException:
         rank_process.record_exception(global_rank, *sys.exc_info())
         raise

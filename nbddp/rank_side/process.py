@@ -219,7 +219,7 @@ def leave_group() -> None:
 
 def warm() -> bool:
     """True in a warm rank, which runs job after job in one process group."""
-    return os.environ.get("NBDDP_WARM") == "1"
+    return RankEnv.from_environ().warm
 
 
 #: torch's own ``destroy_process_group``, before :func:`guard_destroy` wraps it.

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, Hashable, Sequence
 
 from nbddp.errors import CellError, ParameterError
-from nbddp.notebook.cells import SETUP, TRAIN, cell_role, export_cell
+from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, cell_role, export_cell
 from nbddp.notebook.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
 from nbddp.notebook.reader import Cell
@@ -69,7 +69,8 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
     """
     origin = "the kernel"
     exported = [export_cell(cell, SETUP, origin) for cell in history.cells()]
-    train = Cell(execution_count or 0, "code", body, (), None, label=TRAIN_LABEL)
+    # With its magic line, as the notebook shows the cell: its lines are counted as the editor counts them.
+    train = Cell(execution_count or 0, "code", f"%%{TRAIN_MAGIC}\n{body}", (), None, label=TRAIN_LABEL)
     exported.append(export_cell(train, TRAIN, origin))
     export = ExportOptions(engine=options.engine, returns=options.returns, parameters_source="values in the kernel")
     first = render(exported, origin, export)
