@@ -1,18 +1,55 @@
-"""``papermill --engine nbddp``: papermill's parameters, output notebook, errors and exit status,
-with the ``ddp-train`` cells run as a real DDP job (2 CPU ranks)."""
+"""``papermill --engine nbddp``: papermill's own behaviour for every notebook, with the ``ddp-train`` cells
+run as a real DDP job (2 CPU ranks). papermill runs as its users run it (its CLI, its Python API).
 
+The comparison with papermill's own engine on papermill's own test notebooks is
+tests/test_papermill_parity.py; here are the DDP-specific cases.
+"""
+
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import nbformat
 import papermill
 import pytest
 
-from tests.conftest import code, write_notebook
+from tests.conftest import code, descendants, alive, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 
 pytestmark = pytest.mark.slow
 OPTIONS = {"NBDDP_OPTIONS": "--cpu --nproc 2"}
+
+
+def papermill_cli(args, cwd, env=None, interrupt_after=None, timeout=240):
+    """``python -m papermill ARGS`` in a session of its own: ``(exit code, stdout, stderr, pids it had)``."""
+    proc = subprocess.Popen([sys.executable, "-m", "papermill", *map(str, args)], cwd=cwd,
+                            env={**os.environ, **OPTIONS, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen, started = set(), time.monotonic()
+    while proc.poll() is None and time.monotonic() - started < timeout:
+        seen |= descendants(proc.pid)
+        if interrupt_after is not None and time.monotonic() - started > interrupt_after:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
+            interrupt_after = None
+        time.sleep(0.1)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out, err, seen
+
+
+def gone(pids, seconds=10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def statuses(path):
+    nb = nbformat.read(path, as_version=4)
+    return [c.metadata.get("papermill", {}).get("status") for c in nb.cells if c.cell_type == "code"]
 
 
 def test_the_engine_is_registered_through_papermills_entry_point():
@@ -32,22 +69,127 @@ def test_papermill_runs_the_training_as_ddp_with_its_parameters(tmp_path, monkey
     texts = ["".join(o.get("text", "") for o in c.get("outputs", [])) for c in nb.cells]
     assert "injected-parameters" in nb.cells[1].metadata.tags
     assert "[rank 1]" in texts[3] and "loaded the trained model" in texts[3]
+    assert nb.cells[3].execution_count == 4  # the kernel received the training cell: In [4]
     assert "lr in the kernel 0.05" in texts[4]
     assert [c.metadata.papermill.status for c in nb.cells] == ["completed"] * 5
-    assert_matches(next((tmp_path / "runs").iterdir()) / "weights.pt", batch=16)  # lr=0.05 reached the ranks
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert_matches(run_dir / "weights.pt", batch=16)  # lr=0.05 reached the ranks
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["overrides"] == {"lr": 0.05} and result["parameters"]["lr"] == 0.05
+    assert "-p lr 0.05" in result["command"]
     assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[4].outputs  # papermill wrote it
+
+
+def test_a_notebook_without_a_training_cell_runs_as_papermills_own_engine_runs_it(tmp_path):
+    write_notebook(tmp_path / "plain.ipynb", [code("x = 1", "parameters"), code("print('x is', x)"),
+                                              code("import sys; print('to stderr', file=sys.stderr)")])
+    ours = papermill.execute_notebook(str(tmp_path / "plain.ipynb"), str(tmp_path / "ours.ipynb"), parameters={"x": 2},
+                                      engine_name="nbddp", progress_bar=False, cwd=str(tmp_path))
+    theirs = papermill.execute_notebook(str(tmp_path / "plain.ipynb"), str(tmp_path / "theirs.ipynb"),
+                                        parameters={"x": 2}, progress_bar=False, cwd=str(tmp_path))
+    outputs = [[(o.output_type, o.get("name"), o.get("text")) for o in c.get("outputs", [])] for c in ours.cells]
+    assert outputs == [[(o.output_type, o.get("name"), o.get("text")) for o in c.get("outputs", [])]
+                       for c in theirs.cells]
+    assert "x is 2" in outputs[2][0][2] and statuses(tmp_path / "ours.ipynb") == ["completed"] * 4
+    assert not (tmp_path / "runs").exists()  # nothing to train: no DDP job
 
 
 def test_a_failing_rank_is_a_papermill_execution_error_and_exit_1(tmp_path):
     write_notebook(tmp_path / "boom.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(
         "#| ddp-train\nif nbddp.rank() == 1:\n    raise ValueError(f'bad lr {lr}')\ntorch.distributed.barrier()"),
         code("print('EVALUATION RAN')")])
-    done = subprocess.run([sys.executable, "-m", "papermill", "--engine", "nbddp", "boom.ipynb", "out.ipynb",
-                           "-p", "lr", "0.3"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, **OPTIONS})
-    assert done.returncode == 1, done.stderr
-    assert "PapermillExecutionError" in done.stderr and "rank 1 raised ValueError: bad lr 0.3" in done.stderr
-    nb = nbformat.read(tmp_path / "out.ipynb", as_version=4)
-    statuses = [c.metadata.get("papermill", {}).get("status") for c in nb.cells if c.cell_type == "code"]
-    assert statuses == ["completed", "completed", "completed", "failed", "pending"]
-    assert "EVALUATION RAN" not in done.stdout + done.stderr
+    code_, out, err, _ = papermill_cli(["--engine", "nbddp", "boom.ipynb", "out.ipynb", "-p", "lr", "0.3"], tmp_path)
+    assert code_ == 1, err
+    assert "PapermillExecutionError" in err and "rank 1 raised ValueError: bad lr 0.3" in err
+    assert 'Exception encountered at "In [4]"' in err  # the kernel's count for the training cell, not In [None]
+    assert statuses(tmp_path / "out.ipynb") == ["completed", "completed", "completed", "failed", "pending"]
+    assert "EVALUATION RAN" not in out + err
+
+
+SLEEPY_TRAINING = "#| ddp-train\nfor step in range(600):\n    print('step', step, flush=True)\n    time.sleep(0.1)"
+
+
+def test_time_limits_and_ctrl_c_end_the_run_non_zero_with_no_rank_left(tmp_path):
+    """--execution-timeout on the training cell stops the job (a PapermillExecutionError, as a timed-out
+    cell of papermill's is an error); on a kernel cell it is papermill's own CellTimeoutError; Ctrl-C exits
+    as papermill does (click's "Aborted!", 1). Every rank stopped each time, the run recorded."""
+    write_notebook(tmp_path / "long.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(SLEEPY_TRAINING),
+                                             code("print('EVALUATION RAN')")])
+    code_, out, err, pids = papermill_cli(["--engine", "nbddp", "long.ipynb", "a.ipynb", "--execution-timeout", "8"],
+                                          tmp_path)
+    assert code_ == 1 and "RunTimeout: the run exceeded papermill's --execution-timeout (8s)" in err, err
+    assert statuses(tmp_path / "a.ipynb")[2] == "failed" and gone(pids)
+
+    code_, out, err, pids = papermill_cli(["--engine", "nbddp", "long.ipynb", "b.ipynb"], tmp_path, interrupt_after=9)
+    assert code_ != 0 and "Aborted!" in err and "EVALUATION RAN" not in out + err, err
+    assert gone(pids)
+
+    write_notebook(tmp_path / "slowcell.ipynb", [code("lr = 0.05", "parameters"), code(SETUP),
+                                                 code("import time; time.sleep(60)"), code(SLEEPY_TRAINING)])
+    code_, out, err, pids = papermill_cli(["--engine", "nbddp", "slowcell.ipynb", "c.ipynb", "--execution-timeout",
+                                           "5"], tmp_path)
+    assert code_ == 1 and "CellTimeoutError" in err and "A cell timed out while it was being executed" in err, err
+    assert gone(pids)
+    ended = sorted(json.loads(r.read_text())["status"] for r in (tmp_path / "runs").glob("*/result.json"))
+    assert ended == ["interrupted", "timeout", "timeout"]
+
+
+def test_refusals_run_nothing_write_nothing_and_say_why(tmp_path):
+    write_notebook(tmp_path / "fit.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(train_cell(8))])
+    code_, _, err, _ = papermill_cli(["--engine", "nbddp", "fit.ipynb", "a.ipynb"], tmp_path,
+                                     env={"NBDDP_OPTIONS": "--nproc 0"})
+    assert code_ == 1 and "NbddpEngineError: NBDDP_OPTIONS='--nproc 0': --nproc 0: need at least 1 process." in err
+    assert "nbddp run --help" in err and "See NBDDP_OPTIONS --help" not in err
+    code_, _, err, _ = papermill_cli(["--engine", "nbddp", "fit.ipynb", "b.ipynb", "-p", "learning_rate", "0.1"],
+                                     tmp_path)
+    assert code_ == 1 and "unknown parameter learning_rate; the parameters cell defines lr" in err
+    assert "papermill only warns" in err
+    write_notebook(tmp_path / "typo.ipynb", [code("#| ddp-trian\nprint(1)")])
+    code_, _, err, _ = papermill_cli(["--engine", "nbddp", "typo.ipynb", "c.ipynb"], tmp_path)
+    assert code_ == 1 and "unknown directive '#| ddp-trian'" in err
+    assert not any((tmp_path / name).exists() for name in ("a.ipynb", "b.ipynb", "c.ipynb"))
+    assert not (tmp_path / "runs").exists()
+
+
+def test_papermills_options_mean_what_they_mean_for_a_ddp_notebook(tmp_path):
+    """-k (a kernelspec of the test's own), --cwd, --log-output (rank lines as they come), --stdout-file,
+    --report-mode, autosave while the training runs; and ``-`` as the output: the notebook alone on stdout."""
+    spec = tmp_path / "jupyter" / "kernels" / "marked"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], "display_name": "marked",
+        "language": "python", "env": {"KERNEL_MARK": "the -k kernel"}}))
+    work = tmp_path / "work"
+    work.mkdir()
+    write_notebook(tmp_path / "fit.ipynb", [code("lr = 0.05", "parameters"), code(SETUP),
+                                            code("import os; print('kernel:', os.environ.get('KERNEL_MARK'))"),
+                                            code(SLEEPY_TRAINING.replace("600", "40")), code(EVALUATE)])
+    env = {"JUPYTER_PATH": str(tmp_path / "jupyter")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "papermill", "--engine", "nbddp", str(tmp_path / "fit.ipynb"), str(tmp_path / "out.ipynb"),
+         "-k", "marked", "--cwd", str(work), "--log-output", "--stdout-file", str(tmp_path / "stdout.txt"),
+         "--report-mode", "--autosave-cell-every", "1"],
+        env={**os.environ, **OPTIONS, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    saved_mid_run = ""
+    while proc.poll() is None:
+        time.sleep(0.5)
+        text = (tmp_path / "out.ipynb").read_text() if (tmp_path / "out.ipynb").exists() else ""
+        if not saved_mid_run and "[rank 1] step 20" in text:
+            saved_mid_run = text
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    assert saved_mid_run and "[rank 1] step 39" not in saved_mid_run  # autosaved while training
+    assert err.index("[rank 1] step 5") < err.index("Ending Cell 5")  # logged as they came, in the cell
+    stdout_file = (tmp_path / "stdout.txt").read_text()
+    assert "kernel: the -k kernel" in stdout_file and "[rank 0] step 39" in stdout_file
+    assert "kernel sees weight sum" in stdout_file
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert all(c.metadata.get("jupyter", {}).get("source_hidden") for c in out.cells if c.cell_type == "code")
+    assert list((work / "runs").iterdir())  # the run dir in --cwd
+
+    done = subprocess.run([sys.executable, "-m", "papermill", "--engine", "nbddp", str(tmp_path / "fit.ipynb"), "-",
+                           "--cwd", str(work)], env={**os.environ, **OPTIONS}, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr
+    printed = nbformat.reads(done.stdout, as_version=4)  # nothing but the notebook on stdout
+    assert "[rank 0] step 39" in "".join(o.get("text", "") for o in printed.cells[3].outputs)

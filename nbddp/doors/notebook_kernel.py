@@ -193,7 +193,7 @@ class NotebookKernel:
         self._client = client
         cell.outputs = [_note("training as a DDP job; every rank's log is in the run dir"), self.collector.output]
         self.on_training_start(cell, index)
-        self.outcome = self.train(self.training_deadline())
+        self.outcome = self.train(*self.training_deadline())
         receipt = receipt_cell(self.job, self.outcome)
         try:
             client.run_in_kernel(receipt, index)
@@ -206,9 +206,10 @@ class NotebookKernel:
             self._echo(index, receipt.outputs)  # (the ranks' lines were shown as they came)
         return cell
 
-    def training_deadline(self) -> float | None:
-        """A deadline of the training cell's own (papermill's ``--execution-timeout``); ``None``: the run's."""
-        return None
+    def training_deadline(self) -> tuple[float | None, str | None]:
+        """A deadline of the training cell's own and its name (papermill's ``--execution-timeout``);
+        ``(None, None)``: the run's."""
+        return None, None
 
     def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
         self._save()

@@ -49,7 +49,7 @@ from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, l
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 
 
-class NbddpOptionsError(PapermillException):
+class NbddpEngineError(PapermillException):
     """``NBDDP_OPTIONS``, or the notebook, can't make a DDP run (nothing ran, nothing was written)."""
 
 
@@ -72,7 +72,7 @@ class NbddpEngine(Engine):
         try:
             trains = any(is_training_cell(cell) for cell in nb.cells)
         except NbddpError as exc:  # a directive nbddp doesn't know (#| ddp-trian)
-            raise NbddpOptionsError(str(exc)) from None
+            raise NbddpEngineError(str(exc)) from None
         if not trains:
             return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)  # nothing to train: papermill's own
         plan = _plan(nb, kwargs.get("input_path"))
@@ -142,8 +142,10 @@ class PapermillKernel(NotebookKernel):
                 return self.failed_cell(index, error.get("ename", "CellExecutionError"), error.get("evalue", ""))
         return KernelResult(loaded=list(self.loaded))
 
-    def training_deadline(self) -> float | None:
-        return time.monotonic() + self.timeout if self.timeout else None
+    def training_deadline(self) -> tuple[float | None, str | None]:
+        if not self.timeout:
+            return None, None
+        return time.monotonic() + self.timeout, f"papermill's --execution-timeout ({self.timeout:g}s)"
 
     def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
         self.nb_man.save()
@@ -153,10 +155,10 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
     """The DDP run of papermill's parameterized notebook, checked: its options, names and script.
 
     Raises:
-        NbddpOptionsError: ``NBDDP_OPTIONS`` can't be honoured, or the notebook can't become a run.
+        NbddpEngineError: ``NBDDP_OPTIONS`` can't be honoured, or the notebook can't become a run.
     """
     name = Path(str(input_path or "notebook.ipynb")).name
-    path = Path.cwd() / name
+    path = Path(name)  # in papermill's working folder (--cwd): the run dir goes beside it, messages name it
     text = os.environ.get(OPTIONS_VARIABLE, "")
     try:
         parser = ArgumentParser(prog=OPTIONS_VARIABLE)
@@ -173,7 +175,7 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
                                                   returns=launch.returns))
         check_defined(script)
     except NbddpError as exc:
-        raise NbddpOptionsError(str(exc)) from None
+        raise NbddpEngineError(str(exc)) from None
     overrides = {**injected, **launch.parameters}
     request = orchestrator.RunRequest(
         script, launch, path, Path.cwd(), effective_parameters(declared_parameters(notebook), overrides), overrides,
@@ -188,7 +190,7 @@ def _check_injected(notebook: Notebook, injected: dict[str, Any]) -> None:
     if not injected:
         return
     try:
-        check_overrides(notebook, injected)
+        check_overrides(notebook, injected, injected=False)  # (the injected cell itself declares nothing)
     except NbddpError as exc:
         raise type(exc)(f"{exc} (papermill only warns about an unknown -p name; nbddp refuses it, so that a typo "
                         "can't train with the default.)") from None

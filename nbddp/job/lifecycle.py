@@ -104,6 +104,7 @@ class Job:
         self.script_path = self.paths.script
         self.collective_timeout = spec.collective_timeout
         self.early_exit: int | None = None
+        self.deadline_name = "--timeout"
         self.idle_for: float | None = None
         self.rendezvous_expired = False
         self.started_at = time.time()
@@ -144,11 +145,12 @@ class Job:
         return bool(events)
 
     def wait(self, sinks: Sequence[Sink], deadline: float | None = None,
-             idle_timeout: float | None = None, heartbeat: Callable[[], Any] | None = None) -> JobOutcome:
+             idle_timeout: float | None = None, heartbeat: Callable[[], Any] | None = None,
+             deadline_name: str = "--timeout") -> JobOutcome:
         """Stream until the job ends, then judge it; ``heartbeat`` is called on every poll (a view
         refreshing its clock; a kernel noticing it is being shut down). Stops every rank first when:
 
-        * the monotonic ``deadline`` passes (``--timeout``),
+        * the monotonic ``deadline`` passes (``--timeout``, or the limit ``deadline_name`` names),
         * no rank printed or logged anything for ``idle_timeout`` seconds (``--idle-timeout``),
         * a rank ended without finishing while the others still run (it would leave them
           waiting in a collective: a hang, not a failure, under NCCL),
@@ -156,6 +158,7 @@ class Job:
         """
         last_activity = last_check = time.monotonic()
         timed_out = False
+        self.deadline_name = deadline_name
         try:
             while self.launch.poll() is None:
                 now = time.monotonic()
@@ -256,6 +259,7 @@ class Job:
             launcher_tail="\n".join(log.splitlines()[-15:]),
             stop_requested=self.paths.stop_mark.exists(),
             timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
+            deadline_name=self.deadline_name,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
             checkpoint_expected=self.spec.nodes is None or self.spec.nodes.rank == 0,

@@ -98,8 +98,8 @@ class KernelResult:
 
 
 Train = Callable[..., JobOutcome]
-"""``train(deadline=None)``: follow the job until it ends and judge it (the kernel calls it at its training
-cell); ``deadline``, a monotonic time, may only shorten the run's own ``--timeout``."""
+"""``train(deadline=None, name=None)``: follow the job until it ends and judge it (the kernel calls it at its
+training cell); ``deadline``, a monotonic time that ``name`` names, may only shorten the run's ``--timeout``."""
 
 
 class Kernel(Protocol):
@@ -224,9 +224,11 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir)
     job: Job | None = None
 
-    def train(own_deadline: float | None = None) -> JobOutcome:
-        limits = [d for d in (deadline, own_deadline) if d is not None]
-        judged.append(job.wait(sinks, min(limits) if limits else None, launch.idle_timeout, heartbeat))
+    def train(own_deadline: float | None = None, name: str | None = None) -> JobOutcome:
+        limit, limit_name = deadline, "--timeout"
+        if own_deadline is not None and (limit is None or own_deadline < limit):
+            limit, limit_name = own_deadline, name or limit_name
+        judged.append(job.wait(sinks, limit, launch.idle_timeout, heartbeat, deadline_name=limit_name))
         return judged[-1]  # (every rank was stopped first, however it ended)
 
     try:

@@ -59,6 +59,8 @@ class Evidence:
     """``nbddp kill`` asked this run to stop."""
     timed_out: bool = False
     idle_for: float | None = None
+    deadline_name: str = "--timeout"
+    """The time limit that ran out, when one did (papermill's ``--execution-timeout`` for its cell)."""
     """Set when the timeout was ``--idle-timeout`` (its seconds)."""
     interrupted_by: int | None = None
     """The signal that interrupted nbddp itself (a Ctrl-C, a SIGTERM to ``nbddp run``, the stop button)."""
@@ -132,7 +134,7 @@ def judge(e: Evidence) -> JobOutcome:
     if e.timed_out:
         return outcome(Status.TIMEOUT, (
             f"no rank printed or logged anything for {e.idle_for:g}s (--idle-timeout): stopped. A stuck data loader "
-            "or a deadlock outside collectives?") if e.idle_for else "the run exceeded --timeout; every rank was stopped.")
+            "or a deadlock outside collectives?") if e.idle_for else f"the run exceeded {e.deadline_name}; every rank was stopped.")
     if errors and _COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in _COLLECTIVE_ERRORS:
         limit = f" (--collective-timeout {e.collective_timeout:g}s)" if e.collective_timeout else ""
         return outcome(Status.TIMEOUT, (
