@@ -41,6 +41,17 @@ class CellError(NbddpError):
     exit_code = 2
 
 
+class CellSyntaxError(CellError):
+    """An exported cell isn't valid Python: the kernel would refuse it too. ``cell``: its number."""
+
+    def __init__(self, message: str, cell: int | None = None) -> None:
+        super().__init__(message)
+        self.cell = cell
+
+    def __reduce__(self):
+        return (self.__class__, (*self.args, self.cell))
+
+
 class ParameterError(NbddpError):
     """A ``-p NAME VALUE`` pair (or a parameter grid entry) is unusable."""
 

@@ -36,10 +36,11 @@ from papermill.exceptions import PapermillException
 
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells, is_training_cell
-from nbddp.errors import NbddpError, UsageError
+from nbddp.errors import CellSyntaxError, NbddpError, UsageError
 from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
 from nbddp.job.status import Status
+from nbddp.notebook.cells import INJECTED, PARAMETERS
 from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import ExportOptions, Script, generate
@@ -75,7 +76,14 @@ class NbddpEngine(Engine):
             raise NbddpEngineError(str(exc)) from None
         if not trains:
             return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)  # nothing to train: papermill's own
-        plan = _plan(nb, kwargs.get("input_path"))
+        try:
+            plan = _plan(nb, kwargs.get("input_path"))
+        except CellSyntaxError as exc:
+            if exc.cell is None or exc.cell > _first_training_cell(nb):
+                raise NbddpEngineError(str(exc)) from None
+            # The kernel stops at that cell as it would with papermill's engine, before any training:
+            # papermill runs it, and reports the SyntaxError where it is.
+            return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)
         return super().execute_notebook(nb, kernel_name, nbddp_plan=plan, **kwargs)
 
     @classmethod
@@ -169,11 +177,13 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
             raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
                              "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
         notebook = from_nbformat(nb, path)
-        injected = dict(nb.metadata.get("papermill", {}).get("parameters", {}) or {})
-        _check_injected(notebook, injected)
         script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
                                                   returns=launch.returns))
+        injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell
+        _check_injected(notebook, injected)
         check_defined(script)
+    except CellSyntaxError:
+        raise
     except NbddpError as exc:
         raise NbddpEngineError(str(exc)) from None
     overrides = {**injected, **launch.parameters}
@@ -190,10 +200,15 @@ def _check_injected(notebook: Notebook, injected: dict[str, Any]) -> None:
     if not injected:
         return
     try:
-        check_overrides(notebook, injected, injected=False)  # (the injected cell itself declares nothing)
+        check_overrides(notebook, injected, roles=(PARAMETERS,))
     except NbddpError as exc:
         raise type(exc)(f"{exc} (papermill only warns about an unknown -p name; nbddp refuses it, so that a typo "
                         "can't train with the default.)") from None
+
+
+def _first_training_cell(nb) -> int:  # noqa: ANN001
+    """The number (from 1, as cells are counted) of the notebook's first training cell."""
+    return next(number for number, cell in enumerate(nb.cells, start=1) if is_training_cell(cell))
 
 
 def _without_help_hint(message: str) -> str:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.errors import CellError, NotebookError
+from nbddp.errors import CellError, CellSyntaxError, NotebookError
 from nbddp.notebook.reader import Cell, Notebook
 
 PARAMETERS = "parameters"
@@ -220,7 +220,8 @@ def _check_syntax(code: str, cell: Cell, first_line: int, notebook_path: Path | 
     except SyntaxError as exc:
         number = (exc.lineno or 1) + first_line - 1
         text = (exc.text or "").rstrip("\n")
-        raise _cell_error(notebook_path, cell, number, text, f"SyntaxError: {exc.msg}") from None
+        error = _cell_error(notebook_path, cell, number, text, f"SyntaxError: {exc.msg}")
+        raise CellSyntaxError(str(error), cell.number) from None
 
 
 def _cell_error(notebook_path, cell: Cell, line: int, text: str, what: str) -> CellError:  # noqa: ANN001

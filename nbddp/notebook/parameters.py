@@ -17,16 +17,16 @@ from nbddp.errors import ParameterError
 from nbddp.notebook.reader import Notebook
 
 
-def declared_parameters(notebook: Notebook, injected: bool = True) -> dict[str, Any]:
-    """Name → default for every name assigned in the ``parameters`` cell(s), in order (``injected``:
-    papermill's ``injected-parameters`` cells count too).
+def declared_parameters(notebook: Notebook, roles: tuple[str, ...] = (PARAMETERS, INJECTED)) -> dict[str, Any]:
+    """Name → default for every name assigned in the cells of ``roles``, in order: the ``parameters``
+    cell(s) and papermill's ``injected-parameters`` cell (its values win, as in the kernel).
 
     A default that is a literal is its value; any other expression is kept as its source text in
     ``{"expression": "..."}`` (so ``result.json`` can say what it was without running it).
     """
     declared: dict[str, Any] = {}
     for cell in notebook.code_cells:
-        if cell_role(cell, notebook.path) not in ((PARAMETERS, INJECTED) if injected else (PARAMETERS,)):
+        if cell_role(cell, notebook.path) not in roles:
             continue
         try:
             tree = ast.parse(cell.source)
@@ -65,15 +65,14 @@ def _default(value: ast.expr, source: str) -> Any:
 
 
 def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, Any],
-                    injected: bool = True) -> dict[str, Any]:
-    """Refuse names the parameters cell doesn't declare; returns the declared defaults (``injected``:
-    names papermill's ``injected-parameters`` cells assign count as declared).
+                    roles: tuple[str, ...] = (PARAMETERS, INJECTED)) -> dict[str, Any]:
+    """Refuse names the cells of ``roles`` don't declare; returns the declared defaults.
 
     Raises:
         ParameterError: a name not declared (the message lists the declared ones), or any name
             at all when the notebook has no parameters cell.
     """
-    declared = declared_parameters(notebook, injected)
+    declared = declared_parameters(notebook, roles)
     unknown = sorted(set(names) - set(declared))
     if not unknown:
         return declared

@@ -70,9 +70,10 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
         NotebookError, CellError: bad input. ParameterError: an override the parameters cell
             doesn't declare.
     """
+    cells = select_cells(notebook)  # a cell that isn't valid Python is the error to report, before its names
     check_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
-    return render(select_cells(notebook), notebook.path, options, markdown)
+    return render(cells, notebook.path, options, markdown)
 
 
 def engine_of(notebook: Notebook, engine: str | None = None) -> str:

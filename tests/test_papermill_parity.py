@@ -1,0 +1,29 @@
+"""``papermill --engine nbddp`` behaves as papermill's own engine on papermill's own test notebooks.
+
+Each case runs both engines through papermill's command line (tests/papermill_parity.py). The full
+matrix (every notebook, as published and with DDP cells) is docs/papermill.md, written by
+``python -m tests.papermill_parity --markdown docs/papermill.md``; here, a case of each kind: the
+notebook as published (which runs on papermill's own engine: it has no training cell) and, for
+each behaviour papermill's suite tests, the notebook with a DDP training cell appended.
+"""
+
+import pytest
+
+from tests.papermill_parity import CASES, compare, run_case
+
+pytestmark = pytest.mark.slow
+BY_ID = {case.id: case for case in CASES}
+WITH_DDP_CELLS = ("simple", "broken1", "sysexit0", "sysexit1", "line-magic-error", "report-mode", "logging",
+                  "stdout-output", "prepare-only", "kernel-cell-timeout", "ctrl-c-in-a-kernel-cell")
+
+
+@pytest.mark.parametrize("case_id, variant", [("simple", "published"), ("broken", "published"),
+                                              *((case, "ddp") for case in WITH_DDP_CELLS)])
+def test_the_nbddp_engine_behaves_as_papermills_own(case_id, variant, tmp_path):
+    case = BY_ID[case_id]
+    reference = run_case(case, variant, "papermill", tmp_path / "papermill")
+    ours = run_case(case, variant, "nbddp", tmp_path / "nbddp")
+    assert compare(reference, ours) == [], (reference["stderr_tail"], ours["stderr_tail"])
+    if variant == "ddp" and any(c["ddp"] and "trained" in c["text"] for c in ours.get("cells", [])):
+        assert list((tmp_path / "nbddp").rglob("runs/*/weights.pt")), "the training cell didn't run as a DDP job"
+        assert "[rank 1]" in next(c["text"] for c in ours["cells"] if c["ddp"] and "trained" in c["text"])
