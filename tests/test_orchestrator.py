@@ -130,3 +130,41 @@ def test_nbddp_run_takes_every_launch_option_as_a_typed_keyword():
         assert not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
         assert options - not_there <= set(signature.parameters), options - set(signature.parameters)
         assert all(p.annotation is not p.empty for p in signature.parameters.values())
+
+
+# ---------------------------------------------------------------- how a run's ending is concluded (no processes)
+
+from nbddp.errors import CheckpointError, RunFailed, RunInterrupted, RunTimeout  # noqa: E402
+from nbddp.job.orchestrator import KernelResult, RunResult, _conclude  # noqa: E402
+from nbddp.job.outcome import JobOutcome  # noqa: E402
+from nbddp.job.status import Status  # noqa: E402
+
+
+def _result(job: Status, kernel: KernelResult, interrupted_by=None) -> RunResult:
+    outcome = JobOutcome(job, job.exit_code, 0 if job is Status.SUCCEEDED else 1,
+                         message="" if job is Status.SUCCEEDED else f"the job {job}", rank=1)
+    return RunResult(Status.FAILED, 1, Path("/r"), outcome=outcome, kernel=kernel, interrupted_by=interrupted_by)
+
+
+@pytest.mark.parametrize("job, kernel, trained, interrupted_by, status, code, error", [
+    (Status.SUCCEEDED, KernelResult(loaded=["model"]), True, None, Status.SUCCEEDED, 0, None),
+    (Status.FAILED, KernelResult(), True, None, Status.FAILED, 1, RunFailed),  # a rank raised
+    (Status.TIMEOUT, KernelResult(), True, None, Status.TIMEOUT, 124, RunTimeout),  # --timeout in training
+    # a kernel cell failed before the training: the job was stopped for it (its own outcome: interrupted)
+    (Status.INTERRUPTED, KernelResult.failed("cell 2 raised"), False, None, Status.FAILED, 1, RunFailed),
+    (Status.INTERRUPTED, KernelResult.failed("--timeout", Status.TIMEOUT), False, None, Status.TIMEOUT, 124, RunTimeout),
+    # the weights couldn't be loaded, or a cell after the training failed
+    (Status.SUCCEEDED, KernelResult.failed("no fit", error=CheckpointError("no fit")), True, None, Status.FAILED, 1,
+     CheckpointError),
+    (Status.INTERRUPTED, KernelResult(), False, 2, Status.INTERRUPTED, 130, RunInterrupted),  # Ctrl-C
+    (Status.INTERRUPTED, KernelResult(), False, 15, Status.INTERRUPTED, 143, RunInterrupted),  # SIGTERM to nbddp run
+    (Status.SUCCEEDED, KernelResult(), True, 2, Status.INTERRUPTED, 130, RunInterrupted),  # Ctrl-C in evaluation
+])
+def test_the_runs_ending_comes_from_what_ended_it_first(job, kernel, trained, interrupted_by, status, code, error):
+    result = _result(job, kernel, interrupted_by)
+    _conclude(result, trained)
+    assert (result.status, result.exit_code) == (status, code)
+    raised = result.error()
+    assert (raised is None) if error is None else type(raised) is error, raised
+    if error is RunFailed and job is Status.FAILED:
+        assert raised.rank == 1  # the judged outcome travels with it

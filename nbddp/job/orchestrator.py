@@ -153,6 +153,8 @@ class RunResult:
     kernel: KernelResult = field(default_factory=KernelResult)
     interrupted_by: int | None = None
     """The signal that interrupted the run (Ctrl-C: SIGINT), if one did."""
+    ended_by: str = ""
+    """What ended it when it didn't succeed: ``interrupt``, ``job`` or ``kernel``."""
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     """What the door adds (``nbddp run``: ``output``, the executed notebook's path, and ``executed``)."""
@@ -181,9 +183,9 @@ class RunResult:
         """The exception that says why the run didn't succeed (``None`` when it did)."""
         if self.succeeded:
             return None
-        if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and self.interrupted_by is None:
+        if self.ended_by == "job" and self.outcome is not None:
             return run_error(self.outcome, self.run_dir)
-        if self.kernel.error is not None and self.interrupted_by is None:
+        if self.ended_by == "kernel" and self.kernel.error is not None:
             return self.kernel.error
         from nbddp.errors import RunInterrupted, RunTimeout
 
@@ -267,11 +269,13 @@ def _conclude(result: RunResult, trained: bool) -> None:
     if result.interrupted_by is not None:
         name = signal.Signals(result.interrupted_by).name
         result.status, result.message = Status.INTERRUPTED, f"interrupted ({name}); every rank was stopped."
-        result.exit_code = Status.INTERRUPTED.code(result.interrupted_by)
+        result.exit_code, result.ended_by = Status.INTERRUPTED.code(result.interrupted_by), "interrupt"
     elif kernel.status != Status.SUCCEEDED and not trained or outcome.status == Status.SUCCEEDED:
         result.status, result.exit_code, result.message = kernel.status, kernel.exit_code, kernel.message
+        result.ended_by = "kernel" if kernel.status != Status.SUCCEEDED else ""
     else:
         result.status, result.exit_code, result.message = outcome.status, outcome.exit_code, outcome.message
+        result.ended_by = "job"
 
 
 def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
