@@ -154,8 +154,12 @@ class WarmPool:
         return pool
 
     def alive(self) -> bool:
-        """Running and able to take a job: torchrun and every rank that started still there."""
-        if self.stopped or self.launch.poll() is not None:
+        """Running and able to take a job: torchrun and every rank that started still there.
+
+        Ranks that left on their own (idle) end before torchrun does, and torchrun's agent then
+        removes the folder: a pool whose folder is gone is not alive, even while torchrun finishes.
+        """
+        if self.stopped or self.launch.poll() is not None or not self.dir.description.exists():
             return False
         return all(process_alive(pid) for pid in self._rank_pids())
 
