@@ -119,3 +119,14 @@ def test_a_name_no_exported_cell_defines_is_refused_before_launch(notebook, caps
     assert "nb.ipynb, cell 3, line 3: the training code uses 'steps'" in err and "display" not in err
     assert "Define it in a '#| ddp' cell" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_command_leaves_out_jsonschemas_slow_iri_checks(notebook):
+    """nbformat's jsonschema would import rfc3987_syntax, which builds ~35 parsers (1.4 s here) for formats no
+    notebook schema uses: the command's own process never imports it, and still validates notebooks."""
+    path = notebook(TRAIN)
+    probe = ("import contextlib, io, sys\nfrom nbddp.doors.cli import main\n"
+             f"with contextlib.redirect_stdout(io.StringIO()):\n    code = main(['export', {str(path)!r}, '-o', '-'])\n"
+             "print(code, 'nbformat.validator' in sys.modules, sys.modules.get('rfc3987_syntax', 'absent'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["0", "True", "None"], out.stdout + out.stderr

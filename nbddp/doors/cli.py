@@ -215,6 +215,7 @@ def _command() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _skip_slow_iri_format_checks()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -222,6 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _skip_slow_iri_format_checks() -> None:
+    """Keep ``jsonschema`` from importing ``rfc3987_syntax`` in this process: 1.4 s here, on every start.
+
+    nbformat validates notebooks with jsonschema, whose format checkers import every backend
+    they find; ``rfc3987_syntax`` (pulled in by ``jsonschema[format-nongpl]``) builds ~35 Lark
+    parsers at import time, for the ``iri`` formats no notebook schema uses
+    (python-jsonschema/jsonschema#1428). Only the command's own process is changed (never a
+    kernel or a program that imports nbddp); where the module is already imported, nothing is.
+    """
+    sys.modules.setdefault("rfc3987_syntax", None)  # type: ignore[arg-type]  # None: "not installed"
 
 
 if __name__ == "__main__":
