@@ -230,7 +230,7 @@ def test_what_listens_during_a_run_is_what_the_docs_say(tmp_path, cli_run):
     for address, port, pid, cmdline in ours:
         if address in ("127.0.0.1", "[::1]", "[::ffff:127.0.0.1]"):
             continue
-        assert b"torch.distributed.run" in cmdline, (address, port, cmdline)
+        assert b"nbddp.launchers.torchrun_main" in cmdline, (address, port, cmdline)  # torchrun's store
         assert address in ("*", "0.0.0.0", "[::]") and port != 29500  # random, never torchrun's default
     assert not run.leftovers(grace=1)
     still = {port for _, port, _ in _listeners()}

@@ -80,6 +80,7 @@ def test_no_submodule_shadows_the_api_of_training_cells():
     import importlib
     import pkgutil
 
+    import papermill  # noqa: F401 - nbddp.doors.papermill is papermill's plug-in: papermill loads it, once imported
     for module in pkgutil.walk_packages(nbddp.__path__, "nbddp."):
         if module.name == "nbddp.__main__":
             continue  # runs the command
@@ -109,3 +110,18 @@ def test_the_training_codes_own_destroy_process_group_leaves_the_group_safely(tm
     assert not dist.is_initialized() and len(kept) == 1 and kept[0].is_completed()
     rank_process.leave_group()  # nothing left to leave
     assert len(kept) == 1
+
+
+@pytest.mark.parametrize("warm, frozen", [("", "True"), ("1", "False")])
+def test_a_rank_about_to_exit_skips_the_final_collection_but_a_warm_rank_never_does(warm, frozen):
+    """Interpreter shutdown's collection over torch's objects is ~0.3 s of a rank's exit, which the kernel waits
+    for; a warm rank runs more jobs, whose garbage must still be collected."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import gc\nfrom nbddp.rank_side.process import skip_final_collection\nskip_final_collection()\n"
+             "print(gc.get_freeze_count() > 0)")
+    env = {k: v for k, v in os.environ.items() if k != "NBDDP_WARM"} | ({"NBDDP_WARM": warm} if warm else {})
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env, check=True)
+    assert out.stdout.strip() == frozen, out.stderr

@@ -23,6 +23,9 @@ from nbddp.job.rundir import RunDir
 #: What runs torchrun: ``python -m torch.distributed.run`` (not the ``torchrun`` script, which may
 #: belong to another interpreter than the one that has nbddp).
 MODULE = ("-m", "torch.distributed.run")
+#: What nbddp's launcher runs: torchrun's own ``main``, minus the collection at its exit
+#: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.
+LAUNCHER_MODULE = ("-m", "nbddp.launchers.torchrun_main")
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _NODES_MISSING = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
 _NO_HOST = re.compile(r"timed out after \d+ms while trying to connect to \(([^,]+), (\d+)\)")
@@ -84,7 +87,8 @@ class Torchrun(Launcher):
                 max_restarts: int = 0) -> list[str]:
         """torchrun in its own process, never ``elastic_launch`` inside the kernel (it replaces the
         kernel's SIGINT handler)."""
-        return [python, *MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs)), str(script)]
+        return [python, *LAUNCHER_MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs)),
+                str(script)]
 
     def options(self, nproc: int, max_restarts: int = 0, log_dir: str | None = None) -> list[str]:
         """This launcher's torchrun options (this node's part, when there are several)."""

@@ -216,6 +216,7 @@ def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> Non
     try:
         fn(local_rank, world_size)
         rank_process.mark_done(global_rank)
+        rank_process.skip_final_collection()
     except KeyboardInterrupt:
         sys.exit(Status.INTERRUPTED.exit_code)  # torch's spawn wrapper would turn this into a silent exit 0
     except BaseException:

@@ -91,6 +91,21 @@ def mark_done(global_rank: int) -> None:
         directory.rank_done(global_rank).touch()
 
 
+def skip_final_collection() -> None:
+    """Spare a rank that is about to exit the garbage collection of interpreter shutdown.
+
+    With torch imported, that collection walks every object torch made and takes ~0.3 s (of a
+    0.4 s exit), on the path between the last training step and the weights in the kernel
+    (nbddp waits for every rank's exit status). ``gc.freeze()`` moves what exists now out of the
+    collector's reach; shutdown still runs ``atexit`` handlers, flushes the standard streams and
+    frees whatever reference counting frees. A warm rank runs more jobs: it never freezes.
+    """
+    if not warm():
+        import gc
+
+        gc.freeze()
+
+
 def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
     """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook."""
     directory = run_dir()

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from nbddp import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
-                                mark_done, restart_count, run_dir, use_notebook_folder)
+                                mark_done, restart_count, run_dir, skip_final_collection,
+                                   use_notebook_folder)
 from nbddp.rank_side.env import RankEnv
 
 
@@ -132,6 +133,7 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     leave_group()
     if mark:
         mark_done(me)
+    skip_final_collection()
 
 
 # ---------------------------------------------------------------- user API
