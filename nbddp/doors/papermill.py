@@ -15,6 +15,9 @@ it does with papermill's engine.
 Stricter than papermill: a ``-p`` name that the notebook's ``parameters`` cell doesn't define is
 refused before anything runs (papermill only warns, and the run would train with the default).
 
+papermill imports this module (its entry points load when papermill is imported): importing it
+before papermill is a cycle through papermill's own start-up.
+
 Launch options come from ``NBDDP_OPTIONS`` (the flags of ``nbddp run``, e.g. ``--cpu --nproc 2``),
 since papermill's command line has no place for them. The run dir goes under papermill's
 working folder (``--cwd``).
