@@ -154,6 +154,7 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
     # The killed kernel couldn't remove its pool's folder: the pool's torchrun did, once its ranks were gone.
     from nbddp.launchers.pool_dir import FOLDER_PREFIX
 
+    deadline = time.monotonic() + 10
     while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \
             time.monotonic() < deadline:
         time.sleep(0.2)

@@ -12,6 +12,7 @@ then removes it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 
@@ -28,9 +29,19 @@ def main(argv: list[str]) -> None:
         torchrun(argv[1:])
         idle = True  # every rank returned: none had a job for its idle limit
     finally:
-        owner = pool.owner()
-        if idle or pool.stop_mark.exists() or (owner is not None and not process_alive(owner)):
+        if idle or pool.stop_mark.exists() or _owner_gone(pool.owner()):
             shutil.rmtree(pool.path, ignore_errors=True)
+
+
+def _owner_gone(owner: int | None) -> bool:
+    """The pool's owner (this process's parent) is dead, or dying.
+
+    A killed owner's parent-death signal can bring this process here while the owner is still
+    tearing its threads down, not yet a zombie: asking whether it is alive then says yes, and the
+    folder would stay (seen once in the full test tier). Linux re-parents this process *before* it
+    sends that signal, so a changed parent is the sure sign.
+    """
+    return owner is not None and (os.getppid() != owner or not process_alive(owner))
 
 
 if __name__ == "__main__":
