@@ -41,6 +41,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
+from benchmarks.document import replace_block
+
 WORLD_SIZE = 2
 FRONTS = ("run", "magic", "batch")
 #: Runs per job of each front door: one CLI run; several ``%%ddp_train`` cells in one kernel;
@@ -305,21 +307,6 @@ def soak(folder: Path, runs: int, parallel: int = 2, hogs: int = 1, lines: int =
                       parallel, hogs, lines)
 
 
-BEGIN, END = "<!-- soak:begin -->", "<!-- soak:end -->"
-
-
-def write_figures(doc: Path, text: str) -> None:
-    """Replace what stands between the soak markers of ``doc`` (appended when absent)."""
-    current = doc.read_text(encoding="utf-8") if doc.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in current and END in current:
-        head, rest = current.split(BEGIN, 1)
-        current = head + block + rest.split(END, 1)[1]
-    else:
-        current = current.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(current, encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="runs in all (default 200)")
@@ -342,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     print(f"\nruns in {folder}")
     if args.write:
-        write_figures(args.write, text)
+        replace_block(args.write, "soak", text)
     return 0 if report.clean else 1
 
 

@@ -271,11 +271,18 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{name} {version(name)}" for name in ("papermill", "nbclient", "nbddp"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="case ids")
     parser.add_argument("--variants", nargs="*", default=["published", "ddp"])
-    parser.add_argument("--markdown", type=Path, default=None, help="write the table here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the table into this document (between its parity markers)")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
     args = parser.parse_args(argv)
     cases = tuple(c for c in CASES if args.only is None or c.id in args.only)
@@ -289,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"{len(rows)} cases in {time.monotonic() - started:.0f} s", file=sys.stderr)
     if args.markdown:
-        args.markdown.write_text(table)
+        from benchmarks.document import replace_block
+
+        replace_block(args.markdown, "parity", f"Measured {time.strftime('%Y-%m-%d')} ({_versions()}), "
+                                               f"{len(rows)} cases in {time.monotonic() - started:.0f} s:\n\n{table}")
     if args.json:
         args.json.write_text(json.dumps([{"case": r.case.id, "variant": r.variant, **r.results} for r in rows], indent=1))
     return 0 if all(not r.differences or (r.variant == "ddp" and r.case.intended) for r in rows) else 1
