@@ -64,6 +64,9 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
             "SchedulerType=sched/backfill", "JobCompType=jobcomp/none", "AccountingStorageType=accounting_storage/none",
+            # A job that becomes eligible later (--begin) starts at the next scheduling pass: every second here,
+            # not Slurm's default minute (main loop) or 30 s (backfill).
+            "SchedulerParameters=sched_interval=1,bf_interval=1",
             "MpiDefault=none", "ReturnToService=2", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
             f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
