@@ -13,9 +13,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(900)
 def test_short_soak_under_contention(tmp_path):
-    report = soak(tmp_path / "soak", runs=12, parallel=2, hogs=1, lines=30)
+    # Six runs: each front door's job once (`nbddp run`, three %%ddp_train cells, a two-run batch), two jobs at
+    # a time beside the hog. The 200-run soak (docs/reliability.md) is where the rare races are counted.
+    report = soak(tmp_path / "soak", runs=6, parallel=2, hogs=1, lines=30)
     summary = report.markdown("tests/test_soak.py")
-    assert len(report.runs) >= 12 and {r.front for r in report.runs} == set(FRONTS), summary
+    assert len(report.runs) >= 6 and {r.front for r in report.runs} == set(FRONTS), summary
     assert not report.spurious_failures, summary
     assert not report.failures, summary
     assert report.leftover_processes == [], summary
