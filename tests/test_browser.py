@@ -165,6 +165,11 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     epoch_shown = int(re.search(r"epoch (\d+)/30", status).group(1))
     plotted = plot_points(page)
     assert abs(plotted - epoch_shown) <= 1, (status, plotted)  # the plot keeps pace with the status line
+    # JupyterLab renders the widgets: the cell shows the ranks' lines once, in the view (no text copy beside it).
+    outputs = page.locator(".jp-Notebook .jp-Cell").nth(2).locator(".jp-OutputArea-output")
+    texts = [outputs.nth(i).inner_text() for i in range(outputs.count())]
+    assert sum("[rank 1] epoch 1 loss" in text for text in texts) == 1, texts  # in the view only
+    assert page.locator(".nbddp-text-copy").count() == 0
 
     page.wait_for_selector(".nbddp-snapshot", timeout=120_000)
     notebook.wait_idle(60)
@@ -205,7 +210,12 @@ def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, la
     assert text.startswith("KeyboardInterrupt: the run was interrupted after") and str(run_dir) in text, text
     assert len(text.strip().splitlines()) <= 2 and "magics.py" not in text and "ddp_train" not in text, text
     assert "interrupted after" in page.inner_text(".nbddp-snapshot")
-    no_processes_left(pids)
+    assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    # Warm ranks stop the run and stay, idle, for the next one: their logs stop growing.
+    logged = lambda: sum(p.stat().st_size for p in (run_dir / "logs").glob("rank-*.log"))  # noqa: E731
+    before = logged()
+    time.sleep(2)
+    assert logged() == before and all(psutil.pid_exists(p) for p in pids)
     screenshot(page, "ddp_train_interrupted.png")
 
 

@@ -63,17 +63,42 @@ def test_happy_path_weights_come_back_and_evaluate_on_the_cpu(tmp_path):
     NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
     train_out = text_of(nb.cells[3])
     for rank in (0, 1):
-        assert f"[rank {rank}] rank {rank} lr=0.5 epoch 2" in train_out
+        assert train_out.count(f"[rank {rank}] rank {rank} lr=0.5 epoch 2") == 1  # (as it came, and not again)
     assert "[nbddp] final metrics: loss=0.5" in train_out and "epoch=" not in train_out  # once, no counters
     assert train_out.count("[nbddp] succeeded in") == 1 and "· model loaded on the CPU · run dir runs/" in train_out
     assert "changed True cpu" in text_of(nb.cells[4])
     # The live view (widgets) was replaced by its static copy, which needs no kernel to render.
-    [view] = [o for o in nb.cells[3].outputs if "text/html" in o.get("data", {})]
+    [view] = [o for o in nb.cells[3].outputs if "nbddp-snapshot" in o.get("data", {}).get("text/html", "")]
     assert "application/vnd.jupyter.widget-view+json" not in view["data"]
     assert 'class="nbddp-snapshot"' in view["data"]["text/html"] and "data:image/svg+xml;base64," in view["data"]["text/html"]
     (run_dir,) = run_dirs(tmp_path)
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "succeeded" and result["parameters"] == {"lr": 0.5, "epochs": 3}
+
+
+def test_every_ranks_lines_reach_an_nbclient_cell_while_it_runs(tmp_path):
+    """nbclient (papermill, ``jupyter execute``) renders no widgets: the ranks' lines come as text outputs while
+    the cell runs, each line once, with an empty HTML part that front ends rendering HTML show as nothing."""
+    ticks = "%%ddp_train --cpu\nfor i in range(6):\n    print('tick', i, flush=True)\n    time.sleep(0.5)"
+    nb = notebook(SETUP, ticks)
+    seen: list[tuple[float, str]] = []
+    ended: list[float] = []
+
+    class Recording(NotebookClient):
+        def process_message(self, msg, cell, cell_index):  # noqa: ANN001, ANN201 - nbclient's hook
+            data = msg["content"].get("data", {})
+            if cell_index == 2 and msg["msg_type"] in ("stream", "display_data"):
+                seen.append((time.monotonic(), msg["content"].get("text") or data.get("text/plain", "")))
+            return super().process_message(msg, cell, cell_index)
+
+    Recording(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}},
+              on_cell_executed=lambda cell, cell_index, execute_reply: ended.append(time.monotonic())).execute()
+    first_tick = next(at for at, text in seen if "[rank 1] tick 0" in text)
+    assert ended[2] - first_tick > 1.5, seen  # shown as it came, not when the cell ended
+    out = text_of(nb.cells[2])
+    assert all(out.count(f"[rank {r}] tick {i}") == 1 for r in (0, 1) for i in range(6)), out
+    mirrored = [o for o in nb.cells[2].outputs if "tick" in o.get("data", {}).get("text/plain", "")]
+    assert mirrored and all(o["data"]["text/html"] == '<div class="nbddp-text-copy"></div>' for o in mirrored)
 
 
 def test_non_plain_free_variable_is_rejected_before_launch(tmp_path):
@@ -139,8 +164,8 @@ def _rank_pids(run_dir) -> set[int]:
     return pids
 
 
-def _start_long_training(tmp_path):
-    nb = notebook(SETUP, LONG)
+def _start_long_training(tmp_path, flags: str = ""):
+    nb = notebook(SETUP, LONG.replace("--cpu", f"--cpu {flags}".strip()))
     client = NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}})
     errors = []
     ready = threading.Event()
@@ -176,8 +201,9 @@ def _gone_within(pids, seconds):
     return not any(alive(p) for p in pids)
 
 
-def test_kernel_interrupt_stops_every_rank(tmp_path):
-    client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
+def test_kernel_interrupt_stops_every_fresh_rank(tmp_path):
+    """(Warm ranks stop the run and stay for the next one: tests/test_warm.py.)"""
+    client, thread, errors, run_dir, pids = _start_long_training(tmp_path, "--fresh")
     assert len(pids) >= 3  # the launcher and both ranks
     run_sync(client.km.interrupt_kernel)()  # the stop button: SIGINT to the kernel's process group
     assert _gone_within(pids, 10), {p for p in pids if alive(p)}

@@ -103,33 +103,51 @@ def test_every_change_warm_ranks_were_not_started_with_starts_fresh_ones(kernel,
 
     one = train(kernel, "--nproc 1 --cpu")
     assert "starting fresh warm ranks: the devices changed" in one and len(pids(one)) == 1
-
-    failed = train(kernel, "--cpu", extra="if nbddp.rank() == 1:\n    raise ValueError('boom')\n")
-    assert "ValueError: boom" in failed
-    after_failure = train(kernel, "--cpu")
-    assert "starting fresh warm ranks: the last run failed" in after_failure and "[rank 1] trained 1" in after_failure
-
-    timed_out = train(kernel, "--cpu --timeout 4", extra="time.sleep(60)\n")
-    assert "timed out" in timed_out
-    after_timeout = train(kernel, "--cpu")
-    assert "starting fresh warm ranks: the last run timed out" in after_timeout
     assert out is not None
 
 
-def test_an_interrupted_warm_run_leaves_no_rank_and_the_next_is_fresh_and_correct(kernel, tmp_path):
+#: Rank 1 raises after training while rank 0 waits for it in an all-reduce.
+RAISE_MID_COLLECTIVE = ("import torch.distributed as dist\nif nbddp.rank() == 1:\n    raise ValueError('boom')\n"
+                        "dist.all_reduce(torch.ones(1))\n")
+#: Rank 1 sleeps while rank 0 waits for it in an all-reduce: an interrupt or a time limit must end both.
+STALL_MID_COLLECTIVE = ("import torch.distributed as dist\nif nbddp.rank() == 1:\n    time.sleep(60)\n"
+                        "dist.all_reduce(torch.ones(1))\n")
+
+
+def last_wall_time(tmp_path) -> float:
+    return json.loads((run_dirs(tmp_path)[-1] / "result.json").read_text())["wall_time_s"]
+
+
+def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_is_a_fresh_runs(kernel, tmp_path):
+    """No cold start after a failure: the ranks leave the failed job (the one in a collective is woken
+    when its peer frees its group), rebuild their process group, and the next run gives a fresh run's
+    weights on the same processes, in a warm re-run's time."""
     started = pids(train(kernel))
     reference = weight(kernel)
-    kernel.start_execute(TRAIN.format(flags="", extra="time.sleep(60)\n"), "train")
-    time.sleep(3)  # the ranks are sleeping inside the job
+
+    failed = train(kernel, extra=RAISE_MID_COLLECTIVE)
+    assert "ValueError: boom" in failed and "rank 1 raised ValueError" in failed, failed
+    after = train(kernel)
+    assert "the last run failed: on the same warm ranks, in a new process group" in after, after
+    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+
+    timed_out = train(kernel, "--timeout 3", extra=STALL_MID_COLLECTIVE)
+    assert "timed out" in timed_out, timed_out
+    after = train(kernel)
+    assert "the last run timed out: on the same warm ranks, in a new process group" in after, after
+    assert pids(after) == started and weight(kernel) == reference
+
+    kernel.start_execute(TRAIN.format(flags="", extra=STALL_MID_COLLECTIVE), "train")
+    time.sleep(3)  # rank 0 waits in the all-reduce, rank 1 sleeps
+    interrupted_at = time.monotonic()
     kernel.km.interrupt_kernel()
     out = kernel.finish_execute()
     assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
-    deadline = time.monotonic() + 15
-    while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in started.values())
-    again = train(kernel)
-    assert "starting fresh warm ranks: the last run was interrupted" in again and weight(kernel) == reference
+    assert time.monotonic() - interrupted_at < 5
+    after = train(kernel)
+    assert "the last run was interrupted: on the same warm ranks, in a new process group" in after, after
+    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+    assert all(alive(pid) for pid in started.values())
 
 
 def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
@@ -168,8 +186,15 @@ def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so(kernel):
     assert "on a warm rank" not in out and "[rank 1] trained 1" in out
 
 
-def test_a_warm_rank_killed_mid_run_is_named_and_the_next_run_is_fresh(kernel):
+def test_a_warm_rank_killed_mid_run_is_named_and_fresh_ranks_start_as_the_run_ends(kernel):
+    """A killed rank costs the pool (torchrun stops the others): fresh ranks start as the run ends, not when
+    the cell runs again, and the next run on them gives a fresh run's weights."""
+    first = pids(train(kernel))
+    reference = weight(kernel)
     out = train(kernel, extra="if nbddp.rank() == 1:\n    os.kill(os.getpid(), 9)\ntime.sleep(30)\n")
     assert "rank 1 died: killed by SIGKILL" in out, out
+    described = kernel.execute("%ddp_ranks")
+    assert "2 warm ranks" in described and "0 run(s)" in described, described  # replacements, already starting
     again = train(kernel)
-    assert "starting fresh warm ranks: the last run failed" in again and "[rank 1] trained 1" in again
+    assert "the last run failed and its warm ranks could not be kept: on fresh ones, started as it ended" in again
+    assert not set(pids(again).values()) & set(first.values()) and weight(kernel) == reference

@@ -43,6 +43,9 @@ from nbddp.rank_side.env import RankEnv
 if TYPE_CHECKING:
     from nbddp.options import LaunchOptions
 
+#: How long the ranks of a job that failed or was stopped may take to end it (interrupted), before
+#: their pool is stopped instead (and, for ``%%ddp_train``, replaced at once).
+SETTLE_SECONDS = 3.0
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
 #: Environment variables that differ between runs by design, or that nbddp sets per run.
@@ -109,7 +112,7 @@ class WarmPool:
         self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.runs = 0
         self.stopped = False
-        self.last_used = time.monotonic()
+        self.last_used = self.started = time.monotonic()
         self.local_modules: dict[str, float] = {}
         options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs))
         argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir), *options,
@@ -148,7 +151,7 @@ class WarmPool:
         pool.key, pool.devices, pool.idle, pool.dir = key, devices, idle, directory
         pool.runs = len(list(directory.jobs.glob("*.json")))
         pool.stopped = False
-        pool.last_used = time.monotonic()
+        pool.last_used = pool.started = time.monotonic()
         pool.local_modules = {}
         pool.launch = AdoptedGroup(pid, pgid)
         return pool
@@ -174,6 +177,10 @@ class WarmPool:
 
     def ready(self) -> bool:
         return self.dir.ready_dir.is_dir() and len(list(self.dir.ready_dir.glob("rank-*"))) == self.devices.nproc
+
+    def startup_note(self) -> str:
+        """How far the ranks are: ``ready``, or ``started 1.2s ago``."""
+        return "ready" if self.ready() else f"started {time.monotonic() - self.started:.1f}s ago"
 
     def idle_for(self) -> float:
         return time.monotonic() - self.last_used
@@ -220,6 +227,31 @@ class WarmPool:
                 changed.append(Path(path).name)
         return changed
 
+    def interrupt(self, number: int) -> None:
+        """Interrupt job ``number`` in every rank still running it (SIGINT: ``KeyboardInterrupt`` in the
+        job only, see :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job."""
+        endings = self.endings(number)
+        for rank, pid in self._rank_pids_by_rank().items():
+            if rank < len(endings) and endings[rank] is None:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
+
+    def _rank_pids_by_rank(self) -> dict[int, int]:
+        pids = {}
+        for path in self.dir.ready_dir.glob("rank-*"):
+            try:
+                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    def sound(self) -> bool:
+        """Every rank alive and out of its last job: the pool can take the next one (after a failed job
+        too: the ranks rebuild their group between jobs)."""
+        return self.alive() and not self.busy()
+
     def terminate(self, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and torchrun (their reports stay readable until :meth:`stop`). Safe to call again."""
         self.stopped = True
@@ -240,8 +272,11 @@ class WarmPool:
 class WarmRun:
     """One job on a warm pool: a :class:`nbddp.launchers.Launch` with no process of its own.
 
-    ``poll()`` is ``None`` while the ranks run the job, ``0`` once every rank ended it normally,
-    ``1`` when one failed (its error report is in the run dir) and the pool's exit code if it died.
+    ``poll()`` is ``None`` while the ranks run the job, ``0`` once every rank ended it normally and
+    ``1`` once every rank ended it and one failed (its error report is in the run dir), or the
+    pool's exit code if it died. When a rank fails, the others are interrupted at once (as torchrun
+    stops the survivors of a fresh run), and the pool is stopped if they don't all end the job
+    within :data:`SETTLE_SECONDS` (a rank stuck where no interrupt reaches).
     """
 
     def __init__(self, pool: WarmPool, number: int) -> None:
@@ -249,6 +284,7 @@ class WarmRun:
         self.pid, self.pgid = pool.launch.pid, pool.launch.pgid
         self.stopped_by: int | None = None
         self._code: int | None = None
+        self._interrupted_at: float | None = None
 
     def poll(self) -> int | None:
         if self._code is not None:
@@ -258,20 +294,34 @@ class WarmRun:
             if ending is not None:
                 self.pool.local_modules.update(ending.get("modules", {}))
         statuses = [ending and ending.get("status") for ending in endings]
-        if "failed" in statuses:
-            self._code = 1  # the others may wait in a collective for it: the pool is torn down
-        elif all(s == "ok" for s in statuses):
-            self._code = 0
+        if None not in statuses:
+            self._code = 0 if all(s == "ok" for s in statuses) else 1
             self.pool.last_used = time.monotonic()
         elif self.pool.launch.poll() is not None:
             self._code = self.pool.launch.poll() or 1
+        elif any(s not in (None, "ok") for s in statuses):  # a rank failed: end the job in the others
+            self._interrupt()
+            if time.monotonic() - self._interrupted_at > SETTLE_SECONDS:
+                self.pool.terminate()
+                self._code = 1
         return self._code
 
+    def _interrupt(self) -> None:
+        if self._interrupted_at is None:
+            self._interrupted_at = time.monotonic()
+            self.pool.interrupt(self.number)
+
     def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
+        """End the job: interrupt it in every rank and wait (at most :data:`SETTLE_SECONDS`) until each has
+        ended it, keeping the ranks; stop the pool if they don't (or for ``SIGKILL``)."""
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        self.pool.terminate(sig)  # the folder stays until the run is judged (retire)
-        if self._code is None:
+        if self._code is None and sig != signal.SIGKILL:
+            self._interrupt()
+            while self.poll() is None and time.monotonic() - self._interrupted_at <= SETTLE_SECONDS:
+                time.sleep(0.01)
+        if self._code is None or sig == signal.SIGKILL:
+            self.pool.terminate(sig)  # the folder stays until the run is judged (retire)
             self._code = -sig
 
     def alive(self) -> bool:
@@ -279,13 +329,10 @@ class WarmRun:
         return self.poll() is None
 
 
-def why_fresh(pool: WarmPool, key: PoolKey, idle: float, last_run: str = "") -> str:
-    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words.
-
-    ``last_run``: why the last run on it means it can't (it failed, was interrupted...).
-    """
+def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
+    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words."""
     stale = pool.stale_modules()
-    return (key.differs(pool.key) or last_run
+    return (key.differs(pool.key)
             or (f"{', '.join(stale)} changed" if stale else "")
             or ("" if pool.alive() else "the warm ranks had exited (idle, or stopped)")
             or ("they are busy with another run" if pool.busy() else "")
@@ -320,49 +367,66 @@ def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | No
 
 
 class KernelPool:
-    """``%%ddp_train``'s warm ranks: one pool per kernel, replaced when it can't serve the next run
-    (a :class:`nbddp.job.orchestrator.WarmSource`)."""
+    """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`).
+
+    A run that failed, timed out or was interrupted keeps its ranks when each of them left the job
+    (they rebuild their process group before the next one); otherwise fresh ranks start the moment
+    the run ends, so that they are ready, or nearly, by the time the cell runs again.
+    """
 
     def __init__(self) -> None:
         self.pool: WarmPool | None = None
         self.idle = DEFAULT_WARM_IDLE
         """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
-        self.fresh_because = ""
-        """Why the next run can't use the current ranks although nothing else changed (the last run failed)."""
+        self.last_run = ""
+        """How the last run ended, when it didn't succeed (the next run says what that meant for its ranks)."""
+        self.replaced = False
+        """Its ranks could not be kept: the pool was replaced as it ended."""
         self._at_exit = False
 
     def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
-        """The warm ranks for this run, and a line to say when they had to be (re)started."""
+        """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
         key = pool_key(devices, cwd, collective_timeout)
-        why = self.fresh_because
+        last_run, replaced, self.last_run, self.replaced = self.last_run, self.replaced, "", False
+        why = ""
         if self.pool is not None:
-            why = why_fresh(self.pool, key, self.idle, self.fresh_because)
+            why = why_fresh(self.pool, key, self.idle)
             if not why:
-                return self.pool, ""
+                if not last_run:
+                    return self.pool, ""
+                if not replaced:
+                    return self.pool, f"{last_run}: on the same warm ranks, in a new process group"
+                return self.pool, (f"{last_run} and its warm ranks could not be kept: on fresh ones, started as it "
+                                   f"ended ({self.pool.startup_note()})")
             self.pool.stop()
-        self.fresh_because = ""
-        self.pool = WarmPool(key, devices, self.idle)
+        self.pool = self._start(key, devices)
+        return self.pool, f"starting fresh warm ranks: {why}" if why else ""
+
+    def _start(self, key: PoolKey, devices: Devices) -> WarmPool:
+        pool = WarmPool(key, devices, self.idle)
         if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
             import atexit
 
             atexit.register(self.stop)
             self._at_exit = True
-        return self.pool, f"starting fresh warm ranks: {why}" if why else ""
+        return pool
 
     def ended(self, pool: WarmPool, status: str) -> None:
-        """The run on ``pool`` ended with ``status``: ranks whose last run did not succeed are replaced."""
+        """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
+        left the job, else stop them and start fresh ones now."""
         note = ending_note(status)
-        if note and pool is self.pool:
-            self.pool.stop()
-            self.pool = None
-            self.fresh_because = note
+        if not note or pool is not self.pool:
+            return
+        self.last_run, self.replaced = note, not pool.sound()
+        if self.replaced:
+            pool.stop()
+            self.pool = self._start(pool.key, pool.devices)
 
     def describe(self) -> str:
         """What ``%ddp_ranks`` says about the warm ranks."""
         pool = self.pool
         if pool is None or not pool.alive():
-            return ("no warm ranks: the next %%ddp_train starts them" +
-                    (f" ({self.fresh_because})" if self.fresh_because else ""))
+            return "no warm ranks: the next %%ddp_train starts them"
         state = "ready" if pool.ready() else "starting"
         return (f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}")

@@ -241,10 +241,42 @@ def warm() -> bool:
 _TORCH_DESTROY = dist.destroy_process_group
 
 
+#: A warm rank's final barriers, kept until its group is released (:func:`release_group`): as
+#: :func:`_keep_until_exit` does for a rank that exits, but freeable, since a released group
+#: must be freed for its peers to notice.
+_KEPT_WORKS: list[Any] = []
+
+
 def _final_barrier() -> None:
     work = dist.barrier(async_op=True)
     work.wait()
-    _keep_until_exit(work)
+    if warm():
+        _KEPT_WORKS.append(work)
+    else:
+        _keep_until_exit(work)
+
+
+def release_group() -> None:
+    """A warm rank's job failed or was interrupted: free its process group, so that no peer stays
+    blocked in a collective with it.
+
+    Peers waiting in a collective for this rank only learn that it left when its sockets close
+    (gloo's ``abort()`` and ``shutdown()`` don't wake them): the group must be *freed*, and with it
+    everything of the job that held it (DDP's reducer, the barrier works kept above), which a
+    collection frees once the job's namespace and traceback are gone. Each peer's collective then
+    fails at once ("Connection closed by peer") and its job ends too; every rank then joins a new
+    group (:func:`nbddp.rank_side.torch_engine.join_group`). NCCL communicators are aborted first.
+    """
+    import gc
+
+    _KEPT_WORKS.clear()
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            _TORCH_DESTROY()
+    gc.collect()
 
 
 def guard_destroy() -> None:

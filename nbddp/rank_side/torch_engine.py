@@ -86,15 +86,21 @@ def start(engine: str = "torch") -> None:
         become_rank(rank(), world_size())
         if _use_cuda():
             torch.cuda.set_device(local_rank())
-        dist.init_process_group(
-            backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(),
-            store=_attempt_store(), rank=rank(), world_size=world_size(),
-        )
+        join_group(_attempt_store())
         nnodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
         if nnodes > 1:
             per_node = int(os.environ["LOCAL_WORLD_SIZE"])
             node = int(os.environ["GROUP_RANK"])
             exchange_roster(node, nnodes, rank(), range(node * per_node, (node + 1) * per_node))
+
+
+def join_group(store: Any, rank_: int | None = None, size: int | None = None) -> None:
+    """Join the default process group through ``store`` (NCCL on GPUs, gloo on CPUs); a warm rank
+    joins a new one, under a prefix of its own, after a job that didn't end well on every rank."""
+    dist.init_process_group(
+        backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(), store=store,
+        rank=rank() if rank_ is None else rank_, world_size=world_size() if size is None else size,
+    )
 
 
 def _attempt_store():

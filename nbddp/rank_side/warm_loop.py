@@ -13,6 +13,13 @@ The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the po
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
 kernel dies (parent-death signal, through torchrun).
 
+A job that fails or is interrupted doesn't cost the ranks: the kernel interrupts every rank still
+in the job (SIGINT, which raises ``KeyboardInterrupt`` in the job only), a rank whose job didn't
+end ``ok`` frees its process group (:func:`nbddp.rank_side.process.release_group`), which wakes any
+peer waiting for it in a collective, and once every rank has ended the job, all of them join a
+new group before the next one. Only a rank that can't be brought back (killed, or stuck in C code)
+costs the pool, which the kernel then replaces at once.
+
 ``python -m torch.distributed.run … -m nbddp.rank_side.warm_loop POOL`` starts one.
 """
 
@@ -22,11 +29,14 @@ import gc
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 from types import TracebackType
+
+import torch.distributed as dist
 
 from nbddp.atomic import write_json
 from nbddp.launchers.pool_dir import PoolDir
@@ -41,9 +51,17 @@ def main(folder: Path) -> int:
     from nbddp.rank_side import torch_engine as runtime
 
     pool = PoolDir(folder)
+    # Imported before any group exists: its functions' defaults are `group=group.WORLD`, evaluated at import,
+    # and would otherwise hold the first group forever (so that freeing it could never wake a peer).
+    import torch.distributed.nn.functional  # noqa: F401
     runtime.start()  # joins the group; no run dir yet: output goes to the pool's log
+    # What exists now (torch, the first group) lives as long as the rank: the collections after each job skip
+    # it. (Frozen objects are still freed when their last reference goes: a released group is.)
+    gc.freeze()
     rank, size = runtime.rank(), runtime.world_size()
+    store = dist_store()  # the group's store: a rebuilt group gets a prefix of its own in it
     idle = RankEnv.from_environ().warm_idle or DEFAULT_WARM_IDLE
+    signal.signal(signal.SIGINT, _interrupt_the_job)
     pool.ready_dir.mkdir(exist_ok=True)
     write_json(pool.ready(rank), os.getpid())
     number = 0
@@ -52,15 +70,60 @@ def main(folder: Path) -> int:
         job = _next_job(pool, number, idle)
         if job is None:
             break
-        status, modules = _run(job, rank, size, number)
+        try:
+            status, modules = _run(job, rank, size, number)
+        except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
+            status, modules = "interrupted", {}
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
+        if status != "ok":
+            rank_process.release_group()  # wakes the peers still in a collective with this rank
         write_json(pool.ended(number, rank), {"status": status, "modules": modules})
+        gc.collect()  # the job's garbage, once the kernel knows the job ended
+        _release_device_memory()
+        if not _every_rank_ended_well(pool, number, size):
+            rank_process.release_group()
+            runtime.join_group(dist.PrefixStore(f"nbddp/warm/after_job_{number}", store), rank, size)
         number += 1
     rank_process.leave_group()
     return 0
+
+
+def dist_store():
+    """The store of this rank's default group (torchrun's, under this attempt's prefix)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+#: True while a job's script runs: only then does SIGINT interrupt (the kernel's way to stop a job
+#: and keep its ranks); between jobs, an interrupt that came late is ignored.
+_in_job = False
+
+
+def _interrupt_the_job(signum: int, frame) -> None:  # noqa: ANN001 - signal handler
+    if _in_job:
+        raise KeyboardInterrupt
+
+
+def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
+    """Wait until every rank has ended job ``number``; True if each ended it ``ok``.
+
+    If one didn't, the group may be inconsistent (collectives that some ranks ran and others
+    didn't), so every rank joins a new one before the next job. A rank that never ends the job is
+    interrupted by the kernel, or the kernel stops the pool (:class:`nbddp.launchers.warm_pool.WarmRun`).
+    """
+    statuses: list[str | None] = [None] * size
+    while None in statuses:
+        for other in range(size):
+            if statuses[other] is None:
+                try:
+                    statuses[other] = json.loads(pool.ended(number, other).read_text())["status"]
+                except (OSError, ValueError, KeyError):
+                    pass
+        if None in statuses:
+            time.sleep(POLL_SECONDS)
+    return all(status == "ok" for status in statuses)
 
 
 def _next_job(pool: PoolDir, number: int, idle: float) -> dict | None:
@@ -76,7 +139,9 @@ def _next_job(pool: PoolDir, number: int, idle: float) -> dict | None:
 
 
 def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, float]]:
-    """Run one job's script as a fresh rank would: ``ok`` or ``failed``, and the local modules it imported."""
+    """Run one job's script as a fresh rank would: ``ok``, ``failed`` or ``interrupted``, and the local
+    modules it imported."""
+    global _in_job
     from nbddp.rank_side import process as rank_process
 
     saved = dict(os.environ)
@@ -89,23 +154,28 @@ def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, f
         rank_process.log_to_run_dir(rank)
         rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
         try:
+            _in_job = True
             runpy.run_path(job["script"], run_name="__main__")
         except SystemExit as exc:
             status = "ok" if exc.code in (None, 0) else "failed"
+        except KeyboardInterrupt:
+            status = "interrupted"  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
             tb = from_script(exc.__traceback__, job["script"])
             rank_process.record_exception(rank, type(exc), exc, tb)
             traceback.print_exception(type(exc), exc, tb)
             status = "failed"
+            del tb  # its frames hold the job's namespace, and through it the process group
+        finally:
+            _in_job = False
     finally:
+        signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
         os.environ.clear()
         os.environ.update(saved)
         os.chdir(cwd)
         sys.path[:] = path
         _restore_torch_settings(torch_settings)
         modules = _forget_local_modules(before, Path(job["cwd"]))
-        gc.collect()
-        _release_device_memory()
     return status, modules
 
 

@@ -268,7 +268,7 @@ class Batch:
         pool, why = self.pools.get(slot), self.last_run.pop(slot, "")
         if pool is not None:
             pool.note_modules()
-            why = why_fresh(pool, key, pool.idle, why)
+            why = why_fresh(pool, key, pool.idle)
             if not why:
                 return pool
             self._drop_pool(slot)
@@ -292,8 +292,9 @@ class Batch:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.run_dir, code)
-        if state.status != BatchState.SUCCEEDED and state.slot in self.pools:  # its ranks' state is suspect
-            self._drop_pool(state.slot)
+        pool = self.pools.get(state.slot)
+        if state.status != BatchState.SUCCEEDED and pool is not None and not pool.sound():
+            self._drop_pool(state.slot)  # a rank died, or never left the failed run: the next run starts fresh ones
             self.last_run[state.slot] = ending_note(state.status)
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
