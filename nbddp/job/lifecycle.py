@@ -35,6 +35,9 @@ from nbddp.notebook.script import Script, write_script
 from nbddp.job.follow import RunFollower, Sink
 
 POLL_SECONDS = 0.05
+#: Polls are this much closer during a job's first seconds: a warm re-run's whole job, and the first
+#: lines of any run, are that short (a hand-off through files costs at most one poll).
+FIRST_POLL_SECONDS, FIRST_SECONDS = 0.01, 2.0
 RANK_CHECK_SECONDS = 0.5
 _HOST = socket.gethostname()
 #: Beyond ``--rdzv-timeout``: time for torch to report the failure itself, with its own words.
@@ -107,7 +110,7 @@ class Job:
         self.deadline_name = "--timeout"
         self.idle_for: float | None = None
         self.rendezvous_expired = False
-        self.started_at = time.time()
+        self.started_at, self.started_monotonic = time.time(), time.monotonic()
         self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
         self.quiet = QuietStream(spec.script.source_map, self.local_ranks())
 
@@ -177,7 +180,7 @@ class Job:
                 if timed_out or self.early_exit is not None or self.rendezvous_expired:
                     self.launch.stop(signal.SIGTERM)
                     break
-                time.sleep(POLL_SECONDS)
+                time.sleep(FIRST_POLL_SECONDS if now - self.started_monotonic < FIRST_SECONDS else POLL_SECONDS)
         except BaseException:
             self.launch.stop(signal.SIGTERM)
             self.pump(sinks, final=True)
