@@ -52,3 +52,62 @@ def test_past_max_chunks_the_pane_is_rebuilt_from_its_last_lines():
     [chunk] = pane.inner.children
     assert _text(chunk).splitlines()[-1] == f"line {MAX_CHUNKS}"
     assert len(_text(chunk).splitlines()) == KEEP_LINES
+
+
+class _Display:
+    """IPython's ``display`` outside a kernel: records what would be shown (``display_id`` gives a handle)."""
+
+    def __init__(self):
+        self.shown = []
+
+    def __call__(self, bundle, raw=False, display_id=None):
+        self.shown.append(bundle)
+        return self if display_id else None
+
+    def update(self, bundle, raw=False):
+        self.shown.append(bundle)
+
+
+def test_front_ends_without_widgets_get_every_line_as_text_at_once_after_a_quiet_moment(monkeypatch):
+    import IPython.display
+
+    from nbddp.doors.jupyter import view as view_module
+    from nbddp.display.ending import Ending
+    from nbddp.job.follow import LogLine
+
+    shown = _Display()
+    monkeypatch.setattr(IPython.display, "display", shown)
+    view = view_module.WidgetView([0, 1], mirror=True)
+    copies = lambda: [b["text/plain"] for b in shown.shown if b.get("text/html") == view_module.TextMirror.HTML]  # noqa: E731
+    view(LogLine(0, "first"))
+    assert copies() == ["[rank 0] first"]  # the first line after a quiet moment: at once
+    view(LogLine(1, "second"))
+    view(LogLine(0, "a bar", progress=True))  # progress bars stay in the view
+    assert copies() == ["[rank 0] first"]  # while lines keep coming: gathered...
+    monkeypatch.setattr(view_module.time, "monotonic", lambda: view._last_refresh + view_module.REFRESH_SECONDS)
+    view.tick()
+    assert copies() == ["[rank 0] first", "[rank 1] second"]  # ...into one update per refresh
+    view.close(Ending("succeeded", 1.0, None, "model loaded on the CPU"))
+    assert "[rank 0] first" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
+    assert "succeeded in 1.0s" in shown.shown[-1]["text/plain"]
+
+
+def test_a_burst_reaches_text_front_ends_bounded_as_the_view_bounds_it():
+    from nbddp.doors.jupyter.view import TextMirror
+
+    shown = _Display()
+    mirror = TextMirror(shown)
+    for i in range(CHUNK_LINES + 10):
+        mirror.add(f"line {i}")
+    mirror.flush()
+    mirror.flush()  # nothing new: nothing shown
+    [bundle] = shown.shown
+    lines = bundle["text/plain"].splitlines()
+    assert lines[0].startswith("… 10 lines skipped here") and len(lines) == CHUNK_LINES + 1
+    assert mirror.shown == CHUNK_LINES + 10
+
+
+def test_outside_a_kernel_no_front_end_is_known_to_render_widgets():
+    from nbddp.doors.jupyter.view import front_end_renders_widgets
+
+    assert not front_end_renders_widgets()

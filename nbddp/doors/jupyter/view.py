@@ -10,10 +10,16 @@ When the run ends, however it ends, the output is replaced (``update_display``) 
 GitHub. Should the kernel restart mid-run, the page's widget manager marks the view disconnected,
 and a CSS rule in the view turns its status line into a note saying so (no JavaScript needed).
 
-The output's ``text/plain`` copy is what front ends without widgets show, and what nbclient and
-papermill store. A terminal IPython, which can't update a display, gets lines printed as they come.
-Updates happen in the thread running the cell (ipykernel's output from other threads changed
-across versions).
+Front ends that don't render widgets (nbclient, papermill, ``jupyter console``, ``jupyter
+execute``) get every rank's lines as text while the cell runs (:class:`TextMirror`): new outputs
+whose ``text/plain`` holds the lines and whose ``text/html`` is empty, so a front end that renders
+HTML shows nothing there. Where the request came from JupyterLab or Notebook 7, which render the
+widgets, no mirror is sent at all (:func:`front_end_renders_widgets`). A terminal IPython, which
+can't update a display, gets lines printed as they come. Updates happen in the thread running the
+cell (ipykernel's output from other threads changed across versions).
+
+The first lines after a quiet moment are shown at once; while a rank keeps printing, its lines
+are gathered into at most ``1 / REFRESH_SECONDS`` updates a second.
 """
 
 from __future__ import annotations
@@ -72,6 +78,57 @@ class TextView:
             self.write(f"[nbddp] {ending.metrics_line()}")
 
 
+class TextMirror:
+    """Every rank's lines as text outputs, for front ends that don't render widgets.
+
+    Each flush is a new ``display_data`` (papermill's ``--log-output``, ``jupyter console`` and
+    nbclient show or keep those as they come; an updated display they would not) whose ``text/html``
+    is empty, so that front ends that render HTML, and the notebook they save, show nothing twice.
+    A flush holds at most ``CHUNK_LINES`` lines, as a chunk of the widget view does.
+    """
+
+    HTML = '<div class="nbddp-text-copy"></div>'
+
+    def __init__(self, display: Any) -> None:
+        self._display = display
+        self._pending: list[str] = []
+        self.shown = 0
+
+    def add(self, line: str) -> None:
+        self._pending.append(line)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._display({"text/plain": "\n".join(bounded(self._pending)), "text/html": self.HTML}, raw=True)
+            self.shown += len(self._pending)
+            self._pending = []
+
+
+def front_end_renders_widgets() -> bool:
+    """Whether the cell's request came from a front end known to render widgets.
+
+    JupyterLab and Notebook 7 (both built on JupyterLab's notebook) send ``recordTiming`` with
+    every execute request; a front end whose widget manager opened ipywidgets' control channel
+    renders them too. Anything else (nbclient, papermill, ``jupyter console``, VS Code) gets the
+    text mirror as well, which front ends that render HTML show as nothing.
+    """
+    try:
+        from IPython import get_ipython
+
+        kernel = getattr(get_ipython(), "kernel", None)
+        metadata = kernel.get_parent().get("metadata", {}) if kernel is not None else {}
+    except Exception:  # noqa: BLE001 - an odd front end must never break the view
+        metadata = {}
+    if isinstance(metadata, dict) and "recordTiming" in metadata:
+        return True
+    try:
+        from ipywidgets import Widget
+
+        return getattr(Widget, "_control_comm", None) is not None
+    except ImportError:
+        return False
+
+
 class LogPane:
     """One scrolling log pane: lines appended as new chunks, so what is on screen stays put.
 
@@ -102,6 +159,10 @@ class LogPane:
     def progress(self, text: str) -> None:
         self._progress, self._progress_dirty = text, True
 
+    def pending(self) -> bool:
+        """Lines not shown yet."""
+        return bool(self._pending)
+
     def flush(self) -> None:
         if self._pending:
             if len(self.inner.children) >= MAX_CHUNKS:
@@ -115,17 +176,24 @@ class LogPane:
             self.footer.layout.display = None
 
     def _chunk(self, lines: Sequence[str]) -> Any:
-        if len(lines) > CHUNK_LINES:
-            skipped = len(lines) - CHUNK_LINES
-            lines = [f"… {skipped:,} lines skipped here (the run dir's logs have every line)", *lines[-CHUNK_LINES:]]
-        return self._w.HTML(f"<pre class='nbddp-lines'>{html.escape(chr(10).join(lines))}</pre>",
+        return self._w.HTML(f"<pre class='nbddp-lines'>{html.escape(chr(10).join(bounded(lines)))}</pre>",
                             layout=self._w.Layout(margin="0"))
+
+
+def bounded(lines: Sequence[str]) -> list[str]:
+    """At most ``CHUNK_LINES`` lines, the last ones, under a line saying how many were skipped."""
+    if len(lines) <= CHUNK_LINES:
+        return list(lines)
+    skipped = len(lines) - CHUNK_LINES
+    return [f"… {skipped:,} lines skipped here (the run dir's logs have every line)", *lines[-CHUNK_LINES:]]
 
 
 class WidgetView:
     """Progress bar and status; a log pane for all ranks and one per rank; the live metric plot."""
 
-    def __init__(self, ranks: Sequence[int], run_dir: Path | None = None, title: str = "nbddp") -> None:
+    def __init__(self, ranks: Sequence[int], run_dir: Path | None = None, title: str = "nbddp",
+                 mirror: bool | None = None) -> None:
+        """``mirror``: send every line as text too (default: unless the front end renders widgets)."""
         import ipywidgets as w
         from IPython.display import display
 
@@ -145,9 +213,10 @@ class WidgetView:
                            w.HBox([self.tabs, self.plot], layout=w.Layout(align_items="flex-start"))])
         self.box.add_class("nbddp-view")
         self._plotted = self._shown_seconds = -1
-        self._last_refresh = 0.0
+        self._last_refresh = self._lines_shown_at = 0.0
         self._update_status()
         self.handle = display(self._live_bundle(len(ranks)), raw=True, display_id=True)
+        self.mirror = TextMirror(display) if (not front_end_renders_widgets() if mirror is None else mirror) else None
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine):
@@ -157,6 +226,8 @@ class WidgetView:
                 (pane or self.everything).progress(event.text if pane else prefixed)
                 return
             self.everything.add(prefixed)
+            if self.mirror is not None:
+                self.mirror.add(prefixed)
             if event.every_rank:
                 for pane in self.panes.values():
                     pane.add(event.text)
@@ -167,15 +238,22 @@ class WidgetView:
         self.tick()
 
     def tick(self) -> None:
-        """Refresh what changed, at most every ``REFRESH_SECONDS`` (called often by the run's loop)."""
-        if time.monotonic() - self._last_refresh >= REFRESH_SECONDS:
+        """Refresh what changed (called often by the run's loop): at once for the first lines after a
+        quiet moment, else at most every ``REFRESH_SECONDS``."""
+        now = time.monotonic()
+        if now - self._last_refresh >= REFRESH_SECONDS or (
+                self.everything.pending() and now - self._lines_shown_at >= REFRESH_SECONDS):
             self.refresh()
 
     def refresh(self) -> None:
         self._last_refresh = time.monotonic()
+        if self.everything.pending():
+            self._lines_shown_at = self._last_refresh
         self.everything.flush()
         for pane in self.panes.values():
             pane.flush()
+        if self.mirror is not None:
+            self.mirror.flush()
         if len(self.metrics) != self._plotted or int(time.monotonic() - self.started) != self._shown_seconds:
             self._update_status()
         if len(self.metrics) != self._plotted:
@@ -190,8 +268,10 @@ class WidgetView:
         self.refresh()
         panes = [("all ranks", list(self.everything.lines))]
         panes += [(f"rank {rank}" if rank is not None else "launcher", list(p.lines)) for rank, p in self.panes.items()]
+        shown_as_text = self.mirror is not None and self.mirror.shown > 0  # every line is in the outputs already
         bundle = {"text/html": snapshot_html(ending, panes, self.metrics),
-                  "text/plain": snapshot_text(ending, self.everything.lines, self.everything.dropped)}
+                  "text/plain": snapshot_text(ending, () if shown_as_text else self.everything.lines,
+                                              0 if shown_as_text else self.everything.dropped)}
         self.handle.update(bundle, raw=True)
         _close_tree(self.box)
 
