@@ -1,0 +1,337 @@
+"""nbddp beside its closest peers in the notebook edit loop: ``python -m benchmarks.peers``.
+
+Every tool runs the same trivial 2-rank CPU training cell (a ``Linear(4, 1)``, three SGD steps, a
+line from each rank) in a real kernel driven by raw execute requests, as a front end sends them,
+round after round, the tools interleaved:
+
+* **re-run**: the training cell again, the tool already started (execute request → the kernel idle);
+* **after a rank raised**: the next good run, after a run in which rank 1 raised while rank 0
+  waited for it in an all-reduce;
+* **after an interrupt**: the next good run, after a run interrupted (the kernel's interrupt, as the
+  stop button sends it) while rank 0 waited in an all-reduce and rank 1 slept;
+* **first line**: execute request → the first line a rank printed reaching the client as text, and,
+  for nbddp, as the widget view's first line (a widget message the page would draw);
+* **live text**: whether the ranks' lines reach a client that renders no widgets (nbclient,
+  papermill, ``jupyter console``) while the cell runs.
+
+The peers: nbdistributed 0.1.0 (``%dist_init``, ``%%distributed``), Accelerate's
+``notebook_launcher`` (fork), and ``!torchrun`` of a script written beforehand. They are installed in
+the benchmark's own environment (a virtual environment in ``benchmarks/.peers``, which sees this
+Python's packages), never as dependencies of nbddp. The figures go into BENCHMARKS.md's "peers"
+section (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / "benchmarks" / ".peers"
+PEERS = ("nbdistributed==0.1.0", "accelerate>=0.20")
+#: How long one cell may take before the benchmark calls it hung (nbdistributed waits 60 s for a dead rank).
+CELL_TIMEOUT = 120.0
+#: The stalled run is interrupted a second after its ranks said they trained, or this long after it started.
+INTERRUPT_BY = 10.0
+
+MODEL = "torch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)"
+STEPS = ("opt = torch.optim.SGD({params}, lr=0.1)\n"
+         "for _ in range(3):\n    opt.zero_grad(); {model}(torch.ones(8, 4)).sum().backward(); opt.step()\n")
+#: What each rank does after training, by case: a clean end; rank 1 raising while rank 0 waits in an
+#: all-reduce; rank 1 sleeping while rank 0 waits in one (interrupted by the benchmark).
+ENDINGS = {
+    "ok": "",
+    "raise": "if {rank} == 1:\n    raise ValueError('boom')\ntorch.distributed.all_reduce(torch.ones(1))\n",
+    "stall": "if {rank} == 1:\n    time.sleep(60)\ntorch.distributed.all_reduce(torch.ones(1))\n",
+}
+
+
+@dataclass
+class Tool:
+    name: str
+    setup: list[str]
+    cell: dict[str, str]
+    """The training cell for each case of :data:`ENDINGS`."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _indent(code: str, by: str = "    ") -> str:
+    return "".join(by + line + "\n" if line else "\n" for line in code.splitlines())
+
+
+def nbddp_tool() -> Tool:
+    body = ("print('FIRST', nbddp.rank(), flush=True)\nddp = nbddp.prepare(model)\n"
+            + STEPS.format(params="ddp.parameters()", model="ddp") + "print('TRAINED', nbddp.rank(), flush=True)\n")
+    cells = {case: "%%ddp_train --cpu\n" + body + end.format(rank="nbddp.rank()") for case, end in ENDINGS.items()}
+    return Tool("nbddp (`%%ddp_train`, weights back)", ["%load_ext nbddp", "#| ddp\nimport time, torch, nbddp\n" + MODEL],
+                cells)
+
+
+def nbdistributed_tool() -> Tool:
+    body = ("print('FIRST', rank, flush=True)\nimport time, torch\n" + MODEL
+            + "\nddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+            + STEPS.format(params="ddp.parameters()", model="ddp") + "print('TRAINED', rank, flush=True)\n")
+    cells = {case: "%%distributed\n" + body + end.format(rank="rank") for case, end in ENDINGS.items()}
+    return Tool("nbdistributed 0.1.0", ["%load_ext nbdistributed", "%dist_init -n 2"], cells)
+
+
+def accelerate_tool() -> Tool:
+    function = ("def train_fn(ending):\n    from accelerate import Accelerator\n    accelerator = Accelerator(cpu=True)\n"
+                "    rank = accelerator.process_index\n    print('FIRST', rank, flush=True)\n    " + MODEL.replace("\n", "\n    ")
+                + "\n    opt = torch.optim.SGD(model.parameters(), lr=0.1)\n    model, opt = accelerator.prepare(model, opt)\n"
+                "    for _ in range(3):\n        opt.zero_grad(); accelerator.backward(model(torch.ones(8, 4)).sum()); opt.step()\n"
+                "    print('TRAINED', rank, flush=True)\n"
+                "    exec(ending, {'rank': rank, 'torch': torch, 'time': time})\n")
+    cells = {case: f"notebook_launcher(train_fn, args=({end.format(rank='rank')!r},), num_processes=2)"
+             for case, end in ENDINGS.items()}
+    return Tool("Accelerate `notebook_launcher`", ["import time, torch\nfrom accelerate import notebook_launcher\n" + function],
+                cells)
+
+
+def torchrun_tool(work: Path) -> Tool:
+    script = ("import sys, time, torch, torch.distributed as dist\n\nif __name__ == '__main__':\n"
+              "    dist.init_process_group('gloo')\n    rank = dist.get_rank()\n    print('FIRST', rank, flush=True)\n"
+              + _indent(MODEL + "\nddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+                        + STEPS.format(params="ddp.parameters()", model="ddp") + "print('TRAINED', rank, flush=True)\n"
+                        + f"exec({ {case: end.format(rank='rank') for case, end in ENDINGS.items()}!r}[sys.argv[1]], "
+                        + "{'rank': rank, 'torch': torch, 'time': time})\n"
+                        + "if rank == 0:\n    torch.save(model.state_dict(), 'weights.pt')\ndist.destroy_process_group()"))
+    (work / "peer_train.py").write_text(script)
+    cells = {case: f"!{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 peer_train.py {case}"
+             for case in ENDINGS}
+    return Tool("`!torchrun` (script written beforehand)", [], cells)
+
+
+# ---------------------------------------------------------------- a kernel, as a front end without widgets drives it
+
+
+@dataclass
+class Execution:
+    seconds: float
+    first_text: float | None
+    """Execute request → the first ``FIRST`` line received as text (stream or display_data)."""
+    first_widget: float | None
+    """Execute request → the first ``FIRST`` line in a widget message (nbddp's live view)."""
+    lines_before_end: bool
+    """A rank's line reached the client as text while the cell ran (before it was interrupted)."""
+    output: str
+
+
+class Kernel:
+    def __init__(self, cwd: Path) -> None:
+        from jupyter_client import KernelManager
+
+        self.km = KernelManager(kernel_name="python3")
+        # As in an activated environment: nbdistributed starts its workers with the `python` on PATH.
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        self.km.start_kernel(cwd=str(cwd), env={**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def start(self, code: str) -> tuple[str, float]:
+        return self.kc.execute(code), time.monotonic()
+
+    def finish(self, msg_id: str, started: float, interrupt_when: str | None = None) -> Execution:
+        """Collect the cell's messages until the kernel is idle; interrupt it a second after ``interrupt_when``
+        was seen (rank 0 then waits in its all-reduce), or after :data:`INTERRUPT_BY` if it never shows."""
+        text, first_text, first_widget, live, seen_at, interrupted = [], None, None, False, None, False
+        if interrupt_when:
+            seen_at = started + INTERRUPT_BY - 1.0
+        deadline = started + CELL_TIMEOUT
+        while True:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=1)
+            except Exception:  # noqa: BLE001 - queue.Empty: nothing this second
+                msg = None
+            now = time.monotonic()
+            if seen_at is not None and now - seen_at > 1.0:
+                self.km.interrupt_kernel()
+                seen_at, interrupt_when, interrupted = None, None, True
+            if now > deadline:
+                self.km.interrupt_kernel()
+                deadline = now + 30
+                text.append(f"[benchmark] no end after {CELL_TIMEOUT:.0f}s: interrupted\n")
+            if msg is None or msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            chunk = ""
+            if kind == "stream":
+                chunk = content["text"]
+            elif kind in ("display_data", "update_display_data", "execute_result"):
+                chunk = content["data"].get("text/plain", "") if kind != "update_display_data" else ""
+            elif kind == "error":
+                chunk = "\n".join(content["traceback"])
+            elif kind in ("comm_open", "comm_msg") and first_widget is None and "FIRST" in str(content.get("data", {})):
+                first_widget = now - started
+            if chunk:
+                text.append(chunk)
+                if "FIRST" in chunk and first_text is None:
+                    first_text = now - started
+                if ("FIRST" in chunk or "TRAINED" in chunk) and not interrupted:
+                    live = True  # (lines that only come once the cell is interrupted don't count)
+                if interrupt_when and interrupt_when in chunk:
+                    seen_at, interrupt_when = min(now, seen_at), None
+            if kind == "status" and content["execution_state"] == "idle":
+                return Execution(now - started, first_text, first_widget, live, "".join(text))
+
+    def run(self, code: str, interrupt_when: str | None = None) -> Execution:
+        return self.finish(*self.start(code), interrupt_when=interrupt_when)
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+# ---------------------------------------------------------------- the rounds
+
+
+ROWS = ("re-run of the training cell", "next run after a rank raised", "next run after an interrupt",
+        "first line in the cell (text)", "first line in the cell (widget)", "live text without widgets")
+
+
+def measure(tools: list[Tool], work: Path, rounds: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+    """Every row for every tool, round after round. A tool whose next run after a failure (or an interrupt)
+    doesn't train is broken by it: its kernel is started again, and that row isn't measured again."""
+    figures: dict[str, dict[str, list]] = {tool.name: {row: [] for row in ROWS} for tool in tools}
+    kernels: dict[str, Kernel] = {}
+    broken: dict[str, set[str]] = {tool.name: set() for tool in tools}
+
+    def start(tool: Tool) -> None:
+        kernel = kernels[tool.name] = Kernel(work)
+        for cell in tool.setup:
+            kernel.run(cell)
+        kernel.run(tool.cell["ok"])  # the tool's first run (starts its workers)
+
+    def after(tool: Tool, case: str, row: str) -> None:
+        if row in broken[tool.name]:
+            return
+        kernel = kernels[tool.name]
+        failed = kernel.run(tool.cell[case], interrupt_when="TRAINED" if case == "stall" else None)
+        if case == "stall":
+            figures[tool.name][ROWS[5]].append(failed.lines_before_end)
+        next_run = kernel.run(tool.cell["ok"])
+        trained = "TRAINED" in next_run.output
+        figures[tool.name][row].append(next_run.seconds if trained else None)
+        if not trained:
+            broken[tool.name].add(row)
+            tool.notes.append(f"after its {'failed' if case == 'raise' else 'interrupted'} run the next run failed "
+                              f"(its kernel was restarted to go on):\n\n```\n{next_run.output[-800:].strip()}\n```")
+            kernel.close()
+            start(tool)
+
+    try:
+        for tool in tools:  # started once, as a user's kernel is
+            start(tool)
+        for round_ in range(rounds):
+            for tool in tools:
+                good = kernels[tool.name].run(tool.cell["ok"])
+                _check(tool, good, "ok")
+                row = figures[tool.name]
+                row[ROWS[0]].append(good.seconds)
+                for row_name, seconds in ((ROWS[3], good.first_text), (ROWS[4], good.first_widget)):
+                    if seconds is not None:
+                        row[row_name].append(seconds)
+                after(tool, "raise", ROWS[1])
+                after(tool, "stall", ROWS[2])
+                log(f"round {round_ + 1}/{rounds} {tool.name}: re-run {good.seconds:.2f}s, after a failure "
+                    f"{row[ROWS[1]][-1:]}, after an interrupt {row[ROWS[2]][-1:]}")
+    finally:
+        for kernel in kernels.values():
+            kernel.close()
+    return figures
+
+
+def _check(tool: Tool, execution: Execution, case: str) -> None:
+    if case == "ok" and "TRAINED" not in execution.output:
+        tool.notes.append(f"a good run did not train:\n{execution.output[-1500:]}")
+
+
+def summary(values: list) -> str:
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if values and all(isinstance(v, bool) for v in values):
+        return "live text" if all(values) else ("**none until the cell ends**" if not any(values) else "sometimes")
+    if not values:
+        return "n/a"
+    if not numbers:
+        return "**broken**: the next run failed (see below)" if len(values) == 1 else "n/a"
+    med = statistics.median(numbers)
+    failed = len(values) - len(numbers)
+    spread = f" ({min(numbers):.2f}–{max(numbers):.2f})" if len(numbers) > 1 else ""
+    return f"{med:.2f} s{spread}" + (f"; **broken** once in {len(values)}" if failed else "")
+
+
+def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]) -> str:
+    names = list(figures)
+    lines = ["## 7. Peers: the edit loop side by side", "",
+             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
+             f"{platform.python_version()}; {rounds} rounds, the tools interleaved; `python -m benchmarks.peers`. "
+             "A trivial 2-rank CPU training cell in a real kernel driven by raw execute requests (a front end that "
+             "renders no widgets, as nbclient, papermill and `jupyter console` are); medians with min–max.", "",
+             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for row in ROWS:
+        lines.append(f"| {row} | " + " | ".join(summary(figures[name][row]) for name in names) + " |")
+    for tool in tools:
+        for note in dict.fromkeys(tool.notes):
+            lines += ["", f"{tool.name}: {note}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the benchmark's own environment
+
+
+def ensure_environment() -> Path:
+    """The virtual environment the peers are installed in (made once; it sees this Python's packages)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *PEERS], check=True)
+    return python
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.peers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None, help="write the section into this BENCHMARKS.md")
+    parser.add_argument("--only", nargs="*", default=None, help="tools to run (nbddp nbdistributed accelerate torchrun)")
+    parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # running in the peers' environment
+    args = parser.parse_args(argv)
+    if not args.inside:
+        python = ensure_environment()
+        return subprocess.call([str(python), "-m", "benchmarks.peers", "--inside", *(argv or sys.argv[1:])], cwd=REPO)
+    with tempfile.TemporaryDirectory(prefix="nbddp-peers-") as folder:
+        work = Path(folder)
+        makers = {"nbddp": nbddp_tool, "nbdistributed": nbdistributed_tool, "accelerate": accelerate_tool,
+                  "torchrun": lambda: torchrun_tool(work)}
+        tools = [make() for name, make in makers.items() if not args.only or name in args.only]
+        figures = measure(tools, work, args.rounds, lambda text: print(text, flush=True))
+    text = markdown(figures, args.rounds, tools)
+    print(text)
+    if args.out:
+        write_section(args.out, text)
+    return 0
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace (or append) BENCHMARKS.md's peers section."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find("## 7. Peers")
+    if start >= 0:
+        end = text.find("\n## ", start + 3)
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
