@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.document import replace_block
+
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / "benchmarks" / ".peers"
 PEERS = ("nbdistributed==0.1.0", "accelerate>=0.20")
@@ -317,20 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(figures, args.rounds, tools)
     print(text)
     if args.out:
-        write_section(args.out, text)
+        replace_block(args.out, "peers", text)
     return 0
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) BENCHMARKS.md's peers section."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find("## 7. Peers")
-    if start >= 0:
-        end = text.find("\n## ", start + 3)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 if __name__ == "__main__":

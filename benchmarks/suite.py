@@ -33,6 +33,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.document import replace_block
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -430,7 +432,6 @@ def report(args: argparse.Namespace, figures: dict) -> str:
         "startup", "throughput", "streaming", "cell streaming", "return", "light", "batch"))
     hand_end = statistics.median(start["torchrun by hand"]["end"])
     lines = [
-        "# Benchmarks", "",
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine()}.", "",
         f"Command: `python -m benchmarks.suite {' '.join(args.argv)}`".rstrip() + ". Every figure is a median, "
         "with min–max, of cases run interleaved in the same rounds.", "",
@@ -528,7 +529,9 @@ def main(argv: list[str] | None = None) -> int:
         if before is not None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before[1])], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    args.out.write_text(report(args, figures))
+    if not args.out.exists():
+        args.out.write_text("# Benchmarks\n")
+    replace_block(args.out, "suite", report(args, figures))  # (python -m benchmarks.peers writes its own block)
     print(f"wrote {args.out}")
     return 0
 

@@ -1,0 +1,27 @@
+"""The peers benchmark's report (benchmarks/peers.py): how a row's values read, without running a peer."""
+
+import ast
+
+from benchmarks.peers import ENDINGS, ROWS, Tool, accelerate_tool, markdown, nbddp_tool, summary
+
+
+def test_a_rows_values_read_as_a_median_a_breakage_or_liveness():
+    assert summary([0.2, 0.1, 0.3]) == "0.20 s (0.10–0.30)"
+    assert summary([0.25, None]) == "0.25 s; **broken** once in 2"
+    assert summary([None]).startswith("**broken**: the next run failed")  # measured once: it broke
+    assert summary([]) == "n/a"
+    assert summary([True, True]) == "live text" and summary([False]) == "**none until the cell ends**"
+
+
+def test_every_tool_is_given_the_same_cases_and_its_cells_are_python():
+    for tool in (nbddp_tool(), accelerate_tool()):
+        assert set(tool.cell) == set(ENDINGS)
+        for cell in [*tool.setup[1:], *tool.cell.values()]:
+            ast.parse(cell.split("\n", 1)[1] if cell.startswith("%%") else cell)
+
+
+def test_the_report_has_a_row_for_each_figure_and_a_column_for_each_tool():
+    tools = [Tool("a", [], {}), Tool("b", [], {}, notes=["it broke"])]
+    figures = {"a": {row: [0.1] for row in ROWS}, "b": {row: [] for row in ROWS}}
+    text = markdown(figures, 1, tools)
+    assert "| | a | b |" in text and all(f"| {row} |" in text for row in ROWS) and "b: it broke" in text
