@@ -173,7 +173,8 @@ def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None
     loop = LOOP.replace("__STEPS__", str(steps))
     (work / "hand.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
     notebook(work / "bench.ipynb", [(SETUP, []), ("#| ddp-train\n" + loop, [])])
-    cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run"]
+    cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (starts warm ranks)",
+             "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run"]
     if before is not None:
         cases.insert(2, f"nbddp run before ({before[0]})")
     times: dict[str, dict[str, list[float]]] = {c: {"end": [], "first": []} for c in cases}
@@ -200,6 +201,8 @@ def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None
             add("%%ddp_train --fresh", *kernel.train(f"%%ddp_train --fresh --cpu --nproc 2\n{loop}"))
             for run in range(1, 11):
                 result = kernel.train(f"%%ddp_train --cpu --nproc 2\n{loop}")
+                if run == 1:
+                    add("%%ddp_train, 1st run (starts warm ranks)", *result)
                 if run in (2, 10):
                     add(f"%%ddp_train warm, {run}{'nd' if run == 2 else 'th'} run", *result)
         finally:

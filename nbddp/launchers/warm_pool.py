@@ -164,13 +164,14 @@ class WarmPool:
         """
         if self.stopped or self.launch.poll() is not None or not self.dir.description.exists():
             return False
-        return all(process_alive(pid) for pid in self._rank_pids())
+        return all(process_alive(pid) for pid in self._rank_pids().values())
 
-    def _rank_pids(self) -> list[int]:
-        pids = []
+    def _rank_pids(self) -> dict[int, int]:
+        """Each rank's pid, from its ready mark (ranks still starting have none)."""
+        pids = {}
         for path in self.dir.ready_dir.glob("rank-*"):
             try:
-                pids.append(int(path.read_text()))
+                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
             except (OSError, ValueError):
                 continue
         return pids
@@ -231,21 +232,12 @@ class WarmPool:
         """Interrupt job ``number`` in every rank still running it (SIGINT: ``KeyboardInterrupt`` in the
         job only, see :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job."""
         endings = self.endings(number)
-        for rank, pid in self._rank_pids_by_rank().items():
+        for rank, pid in self._rank_pids().items():
             if rank < len(endings) and endings[rank] is None:
                 try:
                     os.kill(pid, signal.SIGINT)
                 except OSError:
                     pass
-
-    def _rank_pids_by_rank(self) -> dict[int, int]:
-        pids = {}
-        for path in self.dir.ready_dir.glob("rank-*"):
-            try:
-                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
-            except (OSError, ValueError):
-                continue
-        return pids
 
     def sound(self) -> bool:
         """Every rank alive and out of its last job: the pool can take the next one (after a failed job
