@@ -111,3 +111,18 @@ def test_outside_a_kernel_no_front_end_is_known_to_render_widgets():
     from nbddp.doors.jupyter.view import front_end_renders_widgets
 
     assert not front_end_renders_widgets()
+
+
+def test_a_panes_progress_line_is_made_when_the_first_one_comes():
+    """Every widget made when the view starts delays its first line (~1 ms each in a kernel): a pane's
+    progress footer, like the plot, is made when it is first needed."""
+    import ipywidgets as w
+
+    pane = LogPane(w)
+    assert pane.widget.children == (pane.scroller,)
+    pane.progress("42%|████")
+    pane.flush()
+    assert len(pane.widget.children) == 2 and "42%" in pane.footer.value
+    pane.progress("43%|████")
+    pane.flush()
+    assert len(pane.widget.children) == 2 and "43%" in pane.footer.value

@@ -141,8 +141,10 @@ class LogPane:
         self.inner = w.VBox(layout=w.Layout(flex="0 0 auto", width="100%"))
         self.scroller = w.Box([self.inner], layout=w.Layout(
             height=f"{PANE_HEIGHT_PX}px", overflow="auto", display="flex", flex_flow="column-reverse"))
-        self.footer = w.HTML(layout=w.Layout(display="none", margin="0"))
-        self.widget = w.VBox([self.scroller, self.footer], layout=w.Layout(width="100%"))
+        self.footer: Any = None
+        """The current state of a ``\\r`` progress bar, under the lines: made when the first one comes (every widget
+        the view makes at its start delays its first line by ~1 ms in a kernel)."""
+        self.widget = w.VBox([self.scroller], layout=w.Layout(width="100%"))
         self.widget.add_class("nbddp-pane")
         self.lines: deque[str] = deque(maxlen=KEEP_LINES)
         self.dropped = 0
@@ -172,8 +174,10 @@ class LogPane:
             self._pending = []
         if self._progress_dirty:
             self._progress_dirty = False
+            if self.footer is None:
+                self.footer = self._w.HTML(layout=self._w.Layout(margin="0"))
+                self.widget.children = (*self.widget.children, self.footer)
             self.footer.value = f"<pre class='nbddp-lines'>{html.escape(self._progress or '')}</pre>"
-            self.footer.layout.display = None
 
     def _chunk(self, lines: Sequence[str]) -> Any:
         return self._w.HTML(f"<pre class='nbddp-lines'>{html.escape(chr(10).join(bounded(lines)))}</pre>",
@@ -208,9 +212,9 @@ class WidgetView:
         self.panes: dict[int | None, LogPane] = {rank: LogPane(w) for rank in ranks}
         self.tabs = w.Tab(children=[self.everything.widget, *(p.widget for p in self.panes.values())],
                           titles=["all ranks", *(f"rank {r}" for r in ranks)], layout=w.Layout(flex="3 1 0%", min_width="0"))
-        self.plot = w.HTML(layout=w.Layout(flex="2 1 0%", display="none", min_width="0"))
-        self.box = w.VBox([w.HBox([self.progress, self.status]),
-                           w.HBox([self.tabs, self.plot], layout=w.Layout(align_items="flex-start"))])
+        self.plot: Any = None  # made with the first metrics, as a pane's footer is
+        self.lower = w.HBox([self.tabs], layout=w.Layout(align_items="flex-start"))
+        self.box = w.VBox([w.HBox([self.progress, self.status]), self.lower])
         self.box.add_class("nbddp-view")
         self._plotted = self._shown_seconds = -1
         self._last_refresh = self._lines_shown_at = 0.0
@@ -260,8 +264,10 @@ class WidgetView:
             self._plotted = len(self.metrics)
             plot = svg_plot(self.metrics)
             if plot:
+                if self.plot is None:
+                    self.plot = self._w.HTML(layout=self._w.Layout(flex="2 1 0%", min_width="0"))
+                    self.lower.children = (*self.lower.children, self.plot)
                 self.plot.value = plot
-                self.plot.layout.display = None
 
     def close(self, ending: Ending) -> None:
         """Replace the live view by its static copy, and free the widgets."""
