@@ -126,6 +126,13 @@ class Execution:
     lines_before_end: bool
     """A rank's line reached the client as text while the cell ran (before it was interrupted)."""
     output: str
+    raised: bool = False
+    """The cell ended with an error."""
+
+    def trained(self) -> bool:
+        """Every rank trained, and the cell didn't fail: a straggler of the run before that prints ``TRAINED``
+        into this cell's output doesn't count."""
+        return not self.raised and all(f"TRAINED {rank}" in self.output for rank in (0, 1))
 
 
 class Kernel:
@@ -147,6 +154,7 @@ class Kernel:
         """Collect the cell's messages until the kernel is idle; interrupt it a second after ``interrupt_when``
         was seen (rank 0 then waits in its all-reduce), or after :data:`INTERRUPT_BY` if it never shows."""
         text, first_text, first_widget, live, seen_at, interrupted = [], None, None, False, None, False
+        raised = False
         if interrupt_when:
             seen_at = started + INTERRUPT_BY - 1.0
         deadline = started + CELL_TIMEOUT
@@ -172,7 +180,7 @@ class Kernel:
             elif kind in ("display_data", "update_display_data", "execute_result"):
                 chunk = content["data"].get("text/plain", "") if kind != "update_display_data" else ""
             elif kind == "error":
-                chunk = "\n".join(content["traceback"])
+                chunk, raised = "\n".join(content["traceback"]), True
             elif kind in ("comm_open", "comm_msg") and first_widget is None and "FIRST" in str(content.get("data", {})):
                 first_widget = now - started
             if chunk:
@@ -184,7 +192,7 @@ class Kernel:
                 if interrupt_when and interrupt_when in chunk:
                     seen_at, interrupt_when = min(now, seen_at), None
             if kind == "status" and content["execution_state"] == "idle":
-                return Execution(now - started, first_text, first_widget, live, "".join(text))
+                return Execution(now - started, first_text, first_widget, live, "".join(text), raised)
 
     def run(self, code: str, interrupt_when: str | None = None) -> Execution:
         return self.finish(*self.start(code), interrupt_when=interrupt_when)
@@ -222,7 +230,7 @@ def measure(tools: list[Tool], work: Path, rounds: int, log) -> dict[str, dict[s
         if case == "stall":
             figures[tool.name][ROWS[5]].append(failed.lines_before_end)
         next_run = kernel.run(tool.cell["ok"])
-        trained = "TRAINED" in next_run.output
+        trained = next_run.trained()
         figures[tool.name][row].append(next_run.seconds if trained else None)
         if not trained:
             broken[tool.name].add(row)
@@ -254,7 +262,7 @@ def measure(tools: list[Tool], work: Path, rounds: int, log) -> dict[str, dict[s
 
 
 def _check(tool: Tool, execution: Execution, case: str) -> None:
-    if case == "ok" and "TRAINED" not in execution.output:
+    if case == "ok" and not execution.trained():
         tool.notes.append(f"a good run did not train:\n{execution.output[-1500:]}")
 
 

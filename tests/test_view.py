@@ -68,7 +68,7 @@ class _Display:
         self.shown.append(bundle)
 
 
-def test_front_ends_without_widgets_get_every_line_as_text_at_once_after_a_quiet_moment(monkeypatch):
+def test_front_ends_without_widgets_get_lines_as_text_at_once_until_they_keep_coming(monkeypatch):
     import IPython.display
 
     from nbddp.doors.jupyter import view as view_module
@@ -79,16 +79,22 @@ def test_front_ends_without_widgets_get_every_line_as_text_at_once_after_a_quiet
     monkeypatch.setattr(IPython.display, "display", shown)
     view = view_module.WidgetView([0, 1], mirror=True)
     copies = lambda: [b["text/plain"] for b in shown.shown if b.get("text/html") == view_module.TextMirror.HTML]  # noqa: E731
-    view(LogLine(0, "first"))
-    assert copies() == ["[rank 0] first"]  # the first line after a quiet moment: at once
+    now = view._allowance_at
+    monkeypatch.setattr(view_module.time, "monotonic", lambda: now)
+    at_once = [f"[rank 0] line {i}" for i in range(view_module.BURST_REFRESHES)]
+    for line in at_once:  # e.g. nbddp's "rank 0/2 started", then the user's first line: each at once
+        view(LogLine(0, line.removeprefix("[rank 0] ")))
+    assert copies() == at_once
     view(LogLine(1, "second"))
     view(LogLine(0, "a bar", progress=True))  # progress bars stay in the view
-    assert copies() == ["[rank 0] first"]  # while lines keep coming: gathered...
-    monkeypatch.setattr(view_module.time, "monotonic", lambda: view._last_refresh + view_module.REFRESH_SECONDS)
+    assert copies() == at_once  # while lines keep coming: gathered...
+    now += view_module.REFRESH_SECONDS
     view.tick()
-    assert copies() == ["[rank 0] first", "[rank 1] second"]  # ...into one update per refresh
+    assert copies() == [*at_once, "[rank 1] second"]  # ...into one update per refresh
+    view(LogLine(1, "third"))
+    assert copies() == [*at_once, "[rank 1] second"]  # (the allowance is spent)
     view.close(Ending("succeeded", 1.0, None, "model loaded on the CPU"))
-    assert "[rank 0] first" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
+    assert "[rank 0] line 0" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
     assert "succeeded in 1.0s" in shown.shown[-1]["text/plain"]
 
 

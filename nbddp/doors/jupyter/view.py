@@ -18,8 +18,10 @@ widgets, no mirror is sent at all (:func:`front_end_renders_widgets`). A termina
 can't update a display, gets lines printed as they come. Updates happen in the thread running the
 cell (ipykernel's output from other threads changed across versions).
 
-The first lines after a quiet moment are shown at once; while a rank keeps printing, its lines
-are gathered into at most ``1 / REFRESH_SECONDS`` updates a second.
+Lines are shown at once, up to ``BURST_REFRESHES`` updates in a row; while the ranks keep printing,
+their lines are gathered into at most ``1 / REFRESH_SECONDS`` updates a second (a token bucket).
+A run's own start lines ("rank 0/2 started …") come just before the user's first line, so a plain
+"after a quiet moment" rule held that first line back a whole refresh.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from nbddp.job.metrics import curves, format_metrics
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 REFRESH_SECONDS = 0.25
+#: Updates carrying lines that may follow each other at once, before lines wait for the next refresh.
+BURST_REFRESHES = 4
 KEEP_LINES = 400
 PANE_HEIGHT_PX = 240
 #: A pane's lines arrive as chunks (one per refresh that had new lines). Past this many, the pane
@@ -217,7 +221,8 @@ class WidgetView:
         self.box = w.VBox([w.HBox([self.progress, self.status]), self.lower])
         self.box.add_class("nbddp-view")
         self._plotted = self._shown_seconds = -1
-        self._last_refresh = self._lines_shown_at = 0.0
+        self._last_refresh = 0.0
+        self._allowance, self._allowance_at = float(BURST_REFRESHES), time.monotonic()
         self._update_status()
         self.handle = display(self._live_bundle(len(ranks)), raw=True, display_id=True)
         self.mirror = TextMirror(display) if (not front_end_renders_widgets() if mirror is None else mirror) else None
@@ -242,17 +247,23 @@ class WidgetView:
         self.tick()
 
     def tick(self) -> None:
-        """Refresh what changed (called often by the run's loop): at once for the first lines after a
-        quiet moment, else at most every ``REFRESH_SECONDS``."""
+        """Refresh what changed (called often by the run's loop): new lines at once while the allowance
+        lasts (``BURST_REFRESHES``, refilled by one every ``REFRESH_SECONDS``), else at the next refresh;
+        the clock at most every ``REFRESH_SECONDS``."""
         now = time.monotonic()
-        if now - self._last_refresh >= REFRESH_SECONDS or (
-                self.everything.pending() and now - self._lines_shown_at >= REFRESH_SECONDS):
+        self._allowance = min(BURST_REFRESHES, self._allowance + (now - self._allowance_at) / REFRESH_SECONDS)
+        self._allowance_at = now
+        pending = self.everything.pending()
+        if pending and self._allowance >= 1:
+            self._allowance -= 1
+            self.refresh()
+        elif now - self._last_refresh >= REFRESH_SECONDS:
+            if pending:
+                self._allowance = 0.0
             self.refresh()
 
     def refresh(self) -> None:
         self._last_refresh = time.monotonic()
-        if self.everything.pending():
-            self._lines_shown_at = self._last_refresh
         self.everything.flush()
         for pane in self.panes.values():
             pane.flush()
