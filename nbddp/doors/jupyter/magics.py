@@ -1,7 +1,7 @@
 """``%load_ext nbddp`` → ``%%ddp_train``: argument parsing and display only.
 
 The run is :func:`nbddp.job.orchestrator.run`'s, with this kernel's namespace receiving the weights;
-this module records which ``#| ddp`` cells the kernel executed (IPython's ``pre_run_cell`` event
+this module records which ``#| ddp`` cells the kernel executed (IPython's ``post_run_cell`` event
 carries the cell id the front end sent), turns the magic's line into options and shows the run.
 """
 
@@ -51,9 +51,14 @@ class DdpMagics(Magics):
     def __init__(self, shell) -> None:  # noqa: ANN001
         super().__init__(shell)
         self.history = CellHistory()
-        shell.events.register("pre_run_cell", self._record)
+        shell.events.register("post_run_cell", self._record)
 
-    def _record(self, info) -> None:  # noqa: ANN001 - IPython's ExecutionInfo
+    def _record(self, result) -> None:  # noqa: ANN001 - IPython's ExecutionResult
+        """Remember a cell the kernel ran, by the ``In [N]`` the front end shows for it: the result's count.
+        (Not the shell's count in ``pre_run_cell``: IPython 9 counts the cell before that event, 8 after.)"""
+        if result is None:
+            return
+        info = result.info
         tags = ()
         kernel = getattr(self.shell, "kernel", None)
         if kernel is not None:  # tags, when the front end reports them with the request
@@ -61,7 +66,7 @@ class DdpMagics(Magics):
                 tags = tuple(kernel.get_parent().get("metadata", {}).get("tags", ()) or ())
             except Exception:  # noqa: BLE001 - a front end's odd metadata must never break a cell
                 tags = ()
-        self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, self.shell.execution_count)
+        self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, result.execution_count)
 
     @line_magic
     def ddp_ranks(self, line: str):
