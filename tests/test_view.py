@@ -82,20 +82,43 @@ def test_front_ends_without_widgets_get_lines_as_text_at_once_until_they_keep_co
     now = view._allowance_at
     monkeypatch.setattr(view_module.time, "monotonic", lambda: now)
     at_once = [f"[rank 0] line {i}" for i in range(view_module.BURST_REFRESHES)]
-    for line in at_once:  # e.g. nbddp's "rank 0/2 started", then the user's first line: each at once
+    for line in at_once:  # polls that each brought a line (nbddp's "rank 0/2 started", the user's first): at once
         view(LogLine(0, line.removeprefix("[rank 0] ")))
+        view.tick()  # (the run's loop ticks after each poll's events)
     assert copies() == at_once
     view(LogLine(1, "second"))
     view(LogLine(0, "a bar", progress=True))  # progress bars stay in the view
+    view.tick()
     assert copies() == at_once  # while lines keep coming: gathered...
     now += view_module.REFRESH_SECONDS
     view.tick()
     assert copies() == [*at_once, "[rank 1] second"]  # ...into one update per refresh
     view(LogLine(1, "third"))
+    view.tick()
     assert copies() == [*at_once, "[rank 1] second"]  # (the allowance is spent)
     view.close(Ending("succeeded", 1.0, None, "model loaded on the CPU"))
     assert "[rank 0] line 0" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
     assert "succeeded in 1.0s" in shown.shown[-1]["text/plain"]
+
+
+def test_a_polls_lines_are_one_update(monkeypatch):
+    """The allowance counts updates, not lines: a poll that brought many lines (every rank's start
+    line, say) spends one, and the next poll's line still shows at once."""
+    import IPython.display
+
+    from nbddp.doors.jupyter import view as view_module
+    from nbddp.job.follow import LogLine
+
+    shown = _Display()
+    monkeypatch.setattr(IPython.display, "display", shown)
+    view = view_module.WidgetView(list(range(8)), mirror=True)
+    copies = lambda: [b["text/plain"] for b in shown.shown if b.get("text/html") == view_module.TextMirror.HTML]  # noqa: E731
+    for rank in range(8):
+        view(LogLine(rank, f"rank {rank}/8 started"))
+    view.tick()
+    view(LogLine(0, "the first line"))
+    view.tick()
+    assert len(copies()) == 2 and copies()[1] == "[rank 0] the first line"
 
 
 def test_a_burst_reaches_text_front_ends_bounded_as_the_view_bounds_it():

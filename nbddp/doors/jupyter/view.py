@@ -244,12 +244,11 @@ class WidgetView:
                 pane.add(event.text)
         elif isinstance(event, MetricsEvent):
             self.metrics.append(event.values)
-        self.tick()
 
     def tick(self) -> None:
-        """Refresh what changed (called often by the run's loop): new lines at once while the allowance
-        lasts (``BURST_REFRESHES``, refilled by one every ``REFRESH_SECONDS``), else at the next refresh;
-        the clock at most every ``REFRESH_SECONDS``."""
+        """Refresh what changed; the run's loop calls it after each poll's events (so a poll's lines are one
+        update, not one each): new lines at once while the allowance lasts (``BURST_REFRESHES``, refilled by
+        one every ``REFRESH_SECONDS``), else at the next refresh; the clock at most every ``REFRESH_SECONDS``."""
         now = time.monotonic()
         self._allowance = min(BURST_REFRESHES, self._allowance + (now - self._allowance_at) / REFRESH_SECONDS)
         self._allowance_at = now
