@@ -267,3 +267,22 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     assert "one machine" in why_not_warm("torch", LaunchOptions(nodes=__import__("nbddp.options").options.Nodes(2, 0, "h:1")))
     assert "--max-restarts" in why_not_warm("torch", LaunchOptions(max_restarts=1))
     assert why_not_warm("torch", LaunchOptions()) == ""
+
+
+def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
+    """The batch hands out no job itself (its runs do): a run killed mid-job leaves its ranks busy, and
+    the batch must see it (``sound()`` false: the slot's next run gets fresh ranks) from the folder."""
+    from nbddp.devices import resolve
+    from nbddp.launchers.pool_dir import PoolDir
+    from nbddp.launchers.warm_pool import WarmPool
+
+    pool = WarmPool.__new__(WarmPool)  # the batch's own view of its pool: it started it, handed out nothing
+    pool.devices, pool.dir, pool.runs = resolve(cpu=True, nproc=2), PoolDir(tmp_path), 0
+    pool.dir.jobs.mkdir(parents=True)
+    pool.dir.ended_dir.mkdir()
+    assert not pool.busy()
+    pool.dir.job(0).write_text("{}")  # a run adopted the pool and handed it job 0
+    pool.dir.ended(0, 0).write_text('{"status": "ok"}')
+    assert pool.busy()  # rank 1 is still in it: the run died before it ended
+    pool.dir.ended(0, 1).write_text('{"status": "ok"}')
+    assert not pool.busy()

@@ -8,9 +8,10 @@ runs in a fresh namespace with the run's own environment and run dir.
 
 Two rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
 engine, several nodes, Slurm, ``--max-restarts``) and :func:`why_fresh` (can *this* pool serve it:
-what the ranks were started with, the notebook's local modules, the last run's ending, whether
-they are alive and idle). ``%%ddp_train`` keeps one pool per kernel (:class:`KernelPool`); ``nbddp
-batch`` one per device slot, which its runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
+what the ranks were started with, the notebook's local modules, whether they are alive and idle;
+a pool whose last run failed is kept only if it is :meth:`WarmPool.sound`). ``%%ddp_train`` keeps
+one pool per kernel (:class:`KernelPool`); ``nbddp batch`` one per device slot, which its runs adopt
+(:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
 The kernel's death takes the ranks with it (torchrun runs under
 :mod:`nbddp.launchers.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
@@ -205,8 +206,12 @@ class WarmPool:
         return found
 
     def busy(self) -> bool:
-        """A job handed out that not every rank has ended: the ranks can't take another."""
-        return self.runs > 0 and None in self.endings(self.runs - 1)
+        """A job handed out that not every rank has ended: the ranks can't take another.
+
+        The folder counts the jobs, not :attr:`runs`: a batch's pool gets its jobs from the runs that
+        adopt it, so the batch itself learns of a run that died mid-job only there."""
+        handed = max(self.runs, len(list(self.dir.jobs.glob("*.json"))))
+        return handed > 0 and None in self.endings(handed - 1)
 
     def note_modules(self) -> None:
         """Learn the local modules the ranks imported, from every job's end report (a batch reads

@@ -97,8 +97,11 @@ def skip_final_collection() -> None:
     With torch imported, that collection walks every object torch made and takes ~0.3 s (of a
     0.4 s exit), on the path between the last training step and the weights in the kernel
     (nbddp waits for every rank's exit status). ``gc.freeze()`` moves what exists now out of the
-    collector's reach; shutdown still runs ``atexit`` handlers, flushes the standard streams and
-    frees whatever reference counting frees. A warm rank runs more jobs: it never freezes.
+    collector's reach; shutdown still runs ``atexit`` handlers (logging's flush among them), flushes
+    the standard streams and frees whatever reference counting frees. What only a collection would
+    free, objects in a reference cycle, is not finalized: a file the training code left open inside
+    one is not flushed (as in any process that exits with ``os._exit``). A warm rank runs more jobs:
+    it never freezes.
     """
     if not warm():
         import gc

@@ -78,9 +78,9 @@ def main(folder: Path) -> int:
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        if status != "ok":
-            rank_process.release_group()  # wakes the peers still in a collective with this rank
         write_json(pool.ended(number, rank), {"status": status, "modules": modules})
+        if status != "ok":  # (said first: should freeing the group block, the kernel still ends the job)
+            rank_process.release_group()  # wakes the peers still in a collective with this rank
         gc.collect()  # the job's garbage, once the kernel knows the job ended
         _release_device_memory()
         if not _every_rank_ended_well(pool, number, size):
