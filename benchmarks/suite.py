@@ -463,7 +463,7 @@ def report(args: argparse.Namespace, figures: dict) -> str:
               f"{cell['p99_ms']:.0f} ms | {cell['lost']} | {cell['burst_lines_per_s']:.0f} |",
               "", "Latency is from the rank's `print` (its timestamp in the line) to the line read from `nbddp run`'s "
               "stdout, or to the widget message carrying it reaching nbclient (where JupyterLab would draw it). The live "
-              "view shows the first line after a quiet moment at once; while lines keep coming it sends them in chunks, "
+              "view shows lines at once, up to 4 updates in a row; while lines keep coming it sends them in chunks, "
               "4 a second, which is most of the paced lines' latency. A chunk shows at most its "
               f"last 400 lines under a count of those skipped: of the burst, the view showed {cell['burst_shown']} lines "
               f"and counted {cell['burst_skipped']} as skipped; \"lost\" is what was neither, and the run dir's log held "
