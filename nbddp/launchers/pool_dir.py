@@ -55,6 +55,10 @@ class PoolDir:
     def job(self, number: int) -> Path:
         return self.jobs / f"{number}.json"
 
+    def jobs_handed_out(self) -> int:
+        """How many jobs every process that used the pool handed it (jobs are numbered 0, 1, … in turn)."""
+        return len(list(self.jobs.glob("*.json")))
+
     @property
     def ended_dir(self) -> Path:
         return self.path / "ended"

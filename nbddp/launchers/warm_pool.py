@@ -150,7 +150,7 @@ class WarmPool:
             raise ValueError(f"{folder}: not a warm pool ({exc})") from None
         pool = cls.__new__(cls)
         pool.key, pool.devices, pool.idle, pool.dir = key, devices, idle, directory
-        pool.runs = len(list(directory.jobs.glob("*.json")))
+        pool.runs = directory.jobs_handed_out()
         pool.stopped = False
         pool.last_used = pool.started = time.monotonic()
         pool.local_modules = {}
@@ -210,7 +210,7 @@ class WarmPool:
 
         The folder counts the jobs, not :attr:`runs`: a batch's pool gets its jobs from the runs that
         adopt it, so the batch itself learns of a run that died mid-job only there."""
-        handed = max(self.runs, len(list(self.dir.jobs.glob("*.json"))))
+        handed = self.dir.jobs_handed_out()
         return handed > 0 and None in self.endings(handed - 1)
 
     def note_modules(self) -> None:
