@@ -15,12 +15,15 @@ import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from nbddp.devices import CPU_PROCESSES, requested_gpus
-from nbddp.engines import ENGINES
+from nbddp.engines import ENGINES, SHARD_NEEDS_TORCH
 from nbddp.errors import UsageError
 from nbddp.job.status import Status
+
+if TYPE_CHECKING:
+    from nbddp.notebook.script import ExportOptions
 
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
@@ -115,6 +118,8 @@ class LaunchOptions:
     parameters: dict[str, Any] = field(default_factory=dict)
     """Overrides of the parameters cell (``-p NAME VALUE``)."""
     returns: tuple[str, ...] = DEFAULT_RETURNS
+    shard: bool = False
+    """``--shard``: every ``nbddp.prepare(model)`` shards the model with FSDP2 instead of wrapping it in DDP."""
     run_dir: Path | None = None
     timeout: float | None = None
     collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
@@ -153,6 +158,8 @@ class LaunchOptions:
             _as_usage(check_name, name, "--return")
         for name in self.parameters:
             _as_usage(check_name, name, "-p")
+        if self.shard and self.engine == "catalyst":
+            raise UsageError(SHARD_NEEDS_TORCH)
         if self.max_restarts and self.engine == "catalyst":
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
         if not (self.rdzv_timeout > 0 and math.isfinite(self.rdzv_timeout)):
@@ -174,6 +181,13 @@ class LaunchOptions:
         if self.slurm.gpus_per_node is not None and (self.cpu or self.nproc is not None):
             raise UsageError("--gpus-per-node and --cpu/--nproc contradict each other: choose one.")
 
+    def export_options(self, **more: Any) -> "ExportOptions":
+        """What of these options shapes the script (the engine, parameters, returns, sharding), plus ``more``."""
+        from nbddp.notebook.script import ExportOptions
+
+        return ExportOptions(**{"engine": self.engine, "parameters": self.parameters, "returns": self.returns,
+                                "shard": self.shard, **more})
+
     def to_argv(self) -> list[str]:
         """The same options as arguments :func:`add_launch_arguments` parses back (a batch's runs)."""
         argv: list[str] = []
@@ -186,6 +200,8 @@ class LaunchOptions:
             argv += ["--collective-timeout", "0"]
         if self.cpu:
             argv.append("--cpu")
+        if self.shard:
+            argv.append("--shard")
         if self.max_restarts:
             argv += ["--max-restarts", str(self.max_restarts)]
         if self.returns != DEFAULT_RETURNS:
@@ -229,6 +245,9 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
                      help="override a parameter (value read as a Python literal, else a string)")
     job.add_argument("--return", dest="returns", default=",".join(DEFAULT_RETURNS), metavar="NAME[,NAME...]",
                      help="variables whose trained state comes back (default: model)")
+    job.add_argument("--shard", action="store_true",
+                     help="shard models with FSDP2: every nbddp.prepare(model) applies fully_shard instead of DDP "
+                          "(torch engine)")
 
 
 def add_device_arguments(parser: argparse.ArgumentParser) -> None:
@@ -310,8 +329,8 @@ def parse_returns(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, Any], tuple[str, ...]]:
-    """``(engine, parameters, returns)`` from what :func:`add_script_arguments` parsed, checked."""
+def script_arguments(args: argparse.Namespace) -> LaunchOptions:
+    """What :func:`add_script_arguments` parsed, checked: launch options with only the script's part set."""
     from nbddp.errors import ParameterError
     from nbddp.notebook.literals import parse_pairs
 
@@ -319,16 +338,17 @@ def script_arguments(args: argparse.Namespace) -> tuple[str | None, dict[str, An
         parameters = parse_pairs(args.parameters)
     except ParameterError as exc:
         raise UsageError(f"-p: {exc}") from None
-    options = LaunchOptions(engine=args.engine, parameters=parameters, returns=parse_returns(args.returns))  # checks them
-    return options.engine, options.parameters, options.returns
+    return LaunchOptions(engine=args.engine, parameters=parameters, returns=parse_returns(args.returns),
+                         shard=args.shard)
 
 
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The validated options from what :func:`add_launch_arguments` parsed."""
-    engine, parameters, returns = script_arguments(args)
+    script = script_arguments(args)
     nodes, slurm = topology(args)
     return LaunchOptions(
-        gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=engine, parameters=parameters, returns=returns,
+        gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=script.engine, parameters=script.parameters,
+        returns=script.returns, shard=script.shard,
         run_dir=getattr(args, "run_dir", None), timeout=args.timeout,
         collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
         max_restarts=args.max_restarts, nodes=nodes, rdzv_timeout=args.rdzv_timeout, slurm=slurm,

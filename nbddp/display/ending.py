@@ -8,7 +8,8 @@ Every front door ends a run with exactly one such line (the terminal's ``nbddp r
     interrupted after 3.2s · every rank stopped · no weights came back · run dir …
     timed out after 60.0s · … · run dir …
 
-The final metrics are shown once, beside it, without the counters (epoch, step, …).
+The final metrics are shown once, beside it, without the counters (epoch, step, …), with each rank's
+peak memory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from nbddp.job.metrics import format_metrics, measures
+from nbddp.job.rank_memory import describe as describe_memory
 
 _VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
           "timeout": "timed out after"}
@@ -36,6 +38,8 @@ class Ending:
     reason: str = ""
     """Why it didn't succeed, in a few words (the first line of the error)."""
     metrics: dict[str, Any] = field(default_factory=dict)
+    memory: dict[int, int] = field(default_factory=dict)
+    """Each rank's peak memory in bytes (:mod:`nbddp.job.rank_memory`)."""
 
     @property
     def succeeded(self) -> bool:
@@ -51,9 +55,13 @@ class Ending:
         return " · ".join(parts)
 
     def metrics_line(self) -> str:
-        """``final metrics: loss=0.0213 accuracy=0.98``, or ``""`` when there are none besides counters."""
+        """``final metrics: loss=0.0213 accuracy=0.98 · peak memory 1.2 GB, 1.2 GB (ranks 0-1)``, or ``""`` when
+        there are neither metrics (besides counters) nor memory reports."""
         shown = final_metrics(self.metrics)
-        return f"final metrics: {format_metrics(shown)}" if shown else ""
+        parts = [f"final metrics: {format_metrics(shown)}"] if shown else []
+        if self.memory:
+            parts.append(describe_memory(self.memory))
+        return " · ".join(parts)
 
 
 def final_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

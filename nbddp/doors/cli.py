@@ -82,15 +82,14 @@ def _export(args: argparse.Namespace) -> int:
     target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
     if args.nnodes is not None and args.node_rank is None:
         args.node_rank = 0  # the header gives the command of every node
-    engine, parameters, returns = script_arguments(args)
+    wanted = script_arguments(args)
     script_name = SCRIPT_NAME if target is None else target.name
     notebook = read_notebook(args.notebook)
-    plan = export_launch(args, notebook, engine, script_name)
+    plan = export_launch(args, notebook, wanted.engine, script_name)
     if plan.sbatch is not None and to_stdout:
         raise UsageError("--slurm writes train.sbatch beside the script: give -o PATH instead of -o -.")
-    options = ExportOptions(engine=plan.engine, parameters=parameters, returns=returns, keep_markdown=args.keep_markdown,
-                            script_name=script_name, launch_hint=plan.hint,
-                            script_dir=Path.cwd() if target is None else target.parent)
+    options = wanted.export_options(engine=plan.engine, keep_markdown=args.keep_markdown, script_name=script_name,
+                                    launch_hint=plan.hint, script_dir=Path.cwd() if target is None else target.parent)
     script = generate(notebook, options)
     if to_stdout:
         sys.stdout.write(script.text)

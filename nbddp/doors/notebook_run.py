@@ -26,7 +26,7 @@ from nbddp.launchers.warm_pool import POOL_ENV
 from nbddp.notebook.freevars import check_defined
 from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.notebook.script import ExportOptions, generate
+from nbddp.notebook.script import generate
 from nbddp.options import LaunchOptions
 
 
@@ -62,8 +62,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
     say = say or _stderr
     launch = options.launch
     notebook = notebook or read_notebook(options.notebook)
-    script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
-                                              returns=launch.returns))
+    script = generate(notebook, launch.export_options())
     check_defined(script)
     request = orchestrator.RunRequest(
         script, launch, notebook.path, notebook.path.resolve().parent,

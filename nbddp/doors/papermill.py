@@ -46,7 +46,7 @@ from nbddp.job.status import Status
 from nbddp.notebook.cells import INJECTED, PARAMETERS
 from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, from_nbformat
-from nbddp.notebook.script import ExportOptions, Script, generate
+from nbddp.notebook.script import Script, generate
 from nbddp.notebook.freevars import check_defined
 from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
@@ -180,8 +180,7 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
             raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
                              "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
         notebook = from_nbformat(nb, path)
-        script = generate(notebook, ExportOptions(engine=launch.engine, parameters=launch.parameters,
-                                                  returns=launch.returns))
+        script = generate(notebook, launch.export_options())
         injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell
         _check_injected(notebook, injected)
         check_defined(script)

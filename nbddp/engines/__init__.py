@@ -17,6 +17,9 @@ from nbddp.notebook.cells import TRAIN, ExportedCell
 from nbddp.errors import NbddpError
 
 ENGINES = ("torch", "catalyst")
+#: Why ``--shard`` and Catalyst don't go together.
+SHARD_NEEDS_TORCH = ("--shard needs the torch engine: Catalyst 22.4, its last release, has no FSDP2 engine. Drop "
+                     "--shard, or train with nbddp.prepare(model) in a plain PyTorch loop (--engine torch).")
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,25 @@ def detect_engine(cells: Sequence[ExportedCell]) -> str:
     return "catalyst" if imports_catalyst and calls_train else "torch"
 
 
-def engine_code(engine: str, returns: Sequence[str], script_name: str) -> EngineCode:
+def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False) -> EngineCode:
+    """``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch engine; Catalyst has no FSDP2 engine).
+
+    Raises:
+        UsageError: ``shard`` with the Catalyst engine.
+    """
     if engine == "torch":
         from nbddp.engines.torch import code
-    elif engine == "catalyst":
+
+        return code(tuple(returns), script_name, shard)
+    if engine == "catalyst":
+        if shard:
+            from nbddp.errors import UsageError
+
+            raise UsageError(SHARD_NEEDS_TORCH)
         from nbddp.engines.catalyst import code
-    else:
-        raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
-    return code(tuple(returns), script_name)
+
+        return code(tuple(returns), script_name)
+    raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
 
 
 def _parse(code: str) -> ast.AST | None:

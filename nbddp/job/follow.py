@@ -6,17 +6,20 @@ launcher's own output (torchrun, or the Catalyst parent) goes to
 floods its output never blocks, and nothing is lost if the viewer is slow.
 Bytes are split on newlines *before* decoding (a UTF-8 character is never cut
 in two), undecodable bytes are replaced, and a carriage-return progress bar is
-reduced to what a terminal would show.
+reduced to what a terminal would show. Each rank's peak memory
+(``ranks/memory-N.json``) is read once a second and told when it grew.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
+from nbddp.job.rank_memory import read_peaks
 from nbddp.job.rundir import RunDir
 
 _RANK_LOG = re.compile(r"rank-(\d+)\.log$")
@@ -41,7 +44,16 @@ class MetricsEvent:
     values: dict
 
 
-Event = Union[LogLine, MetricsEvent]
+@dataclass(frozen=True)
+class MemoryEvent:
+    """Every rank's peak memory so far (``{rank: bytes}``), when it grew (:mod:`nbddp.job.rank_memory`)."""
+
+    peaks: dict
+
+
+Event = Union[LogLine, MetricsEvent, MemoryEvent]
+#: How often the ranks' memory reports are read (they are written at most once a second).
+MEMORY_SECONDS = 1.0
 Sink = Callable[[Event], None]
 
 
@@ -62,6 +74,8 @@ class RunFollower:
         self.include_launcher = include_launcher
         self._files: dict[Path, _Followed] = {}
         self._metrics = _Followed(RunDir(self.run_dir).metrics, None)
+        self._peaks: dict[int, int] = {}
+        self._peaks_read = 0.0
 
     def poll(self, final: bool = False) -> Iterator[Event]:
         """New events since the last call; ``final`` flushes unterminated lines too."""
@@ -74,6 +88,13 @@ class RunFollower:
                 continue
             if isinstance(values, dict):
                 yield MetricsEvent(values)
+        now = time.monotonic()
+        if final or now - self._peaks_read >= MEMORY_SECONDS:
+            self._peaks_read = now
+            peaks = read_peaks(self.run_dir)
+            if peaks != self._peaks:
+                self._peaks = peaks
+                yield MemoryEvent(peaks)
 
     def _discover(self) -> list[_Followed]:
         paths = RunDir(self.run_dir)

@@ -29,6 +29,7 @@ from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
 from nbddp.rank_side.env import RankEnv
 from nbddp.job.metrics import last_metrics
+from nbddp.job.rank_memory import read_peaks
 from nbddp.job.record import RunRecord, rank_errors
 from nbddp.job.rundir import RunDir, rank_of
 from nbddp.notebook.script import Script, write_script
@@ -317,6 +318,7 @@ class Job:
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
             error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
             nodes=self.nodes(), slurm_job=self.launcher.job_info(self.paths),
+            peak_memory={str(rank): peak for rank, peak in read_peaks(self.run_dir).items()},
         )
         record.write(self.run_dir)
         return record

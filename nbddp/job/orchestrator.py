@@ -177,7 +177,8 @@ class RunResult:
     def ending(self, reason: str = "") -> Ending:
         """The one line this run ends with (:mod:`nbddp.display.ending`)."""
         metrics = self.record.final_metrics if self.record else {}
-        return Ending(self.status, self.seconds, self.run_dir, self.weights(), reason, metrics)
+        memory = {int(rank): peak for rank, peak in self.record.peak_memory.items()} if self.record else {}
+        return Ending(self.status, self.seconds, self.run_dir, self.weights(), reason, metrics, memory)
 
     def error(self) -> BaseException | None:
         """The exception that says why the run didn't succeed (``None`` when it did)."""

@@ -112,6 +112,8 @@ class RunRecord:
     """How the run was started: the exact ``nbddp ...`` command, or the ``%%ddp_train`` line."""
     nodes: list[dict[str, Any]] = field(default_factory=list)
     """A multi-node run: every node that joined (node rank, host, its ranks, its run dir)."""
+    peak_memory: dict[str, int] = field(default_factory=dict)
+    """Each rank's peak memory in bytes: CUDA's peak allocated on GPU ranks, else the process's peak RSS."""
     slurm_job: dict[str, Any] | None = None
     """A Slurm run: the job's id, final state and reason, and its nodes."""
     versions: dict[str, str] = field(default_factory=lambda: versions())

@@ -118,6 +118,20 @@ class RunDir:
         return self.path / "resume.pt"
 
     @property
+    def resume_shards(self) -> Path:
+        """The sharded checkpoints' folder: one ``save-*`` folder per save (every rank writes its shard there)
+        and :attr:`latest_shards`, the pointer to the last complete one."""
+        return self.path / "resume.dcp"
+
+    @property
+    def latest_shards(self) -> Path:
+        return self.resume_shards / "latest.json"
+
+    def rank_memory(self, rank: int) -> Path:
+        """``ranks/memory-N.json``: the rank's peak memory so far (see :mod:`nbddp.rank_side.memory`)."""
+        return self.ranks / f"memory-{rank}.json"
+
+    @property
     def stop_mark(self) -> Path:
         return self.path / "stop-requested"
 

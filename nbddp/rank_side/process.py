@@ -23,6 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
+from nbddp.rank_side import memory
 from nbddp.rank_side.env import RankEnv
 from nbddp.job.rundir import SCRIPT_NAME, RunDir
 
@@ -80,6 +81,7 @@ def announce(global_rank: int, size: int, note: str = "") -> None:
     directory.ranks.mkdir(exist_ok=True)
     write_json(directory.rank_info(global_rank),
                {"pid": os.getpid(), "host": socket.gethostname(), "world_size": size, "attempt": restart_count()})
+    memory.watch(directory.rank_memory(global_rank), global_rank, fresh=True)
     print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()}){note}", flush=True)
 
 
@@ -87,6 +89,7 @@ def mark_done(global_rank: int) -> None:
     """Tell the launcher this rank finished its training normally (see :mod:`nbddp.job.lifecycle`)."""
     directory = run_dir()
     if directory is not None:
+        memory.report()
         directory.ranks.mkdir(exist_ok=True)
         directory.rank_done(global_rank).touch()
 
@@ -114,6 +117,7 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
     directory = run_dir()
     if directory is None or exc_type in (KeyboardInterrupt, SystemExit):
         return
+    memory.report()
     directory.errors.mkdir(parents=True, exist_ok=True)
     frames = [
         {"file": f.filename, "line": f.lineno, "function": f.name, "text": f.line or ""}

@@ -24,6 +24,7 @@ from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_ti
                                 mark_done, restart_count, run_dir, skip_final_collection,
                                    use_notebook_folder)
 from nbddp.rank_side.env import RankEnv
+from nbddp.job.rundir import RunDir
 
 
 
@@ -68,14 +69,17 @@ def _use_cuda() -> bool:
 # ---------------------------------------------------------------- lifecycle
 
 
-def start(engine: str = "torch") -> None:
+def start(engine: str = "torch", *, shard: bool = False) -> None:
     """Called by the torch engine's script at import time, in every process that imports it.
 
     Under torchrun: send output to the rank's log, record an uncaught exception, join the process
     group. Elsewhere: nothing that changes behaviour, so ``python train.py`` is a normal single process.
-    (``engine``: only scripts exported by nbddp 0.1 pass it; the Catalyst engine now starts through
-    :mod:`nbddp.rank_side.catalyst_engine`.)
+    ``shard``: every ``prepare(model)`` of this script shards (``--shard``); set for each job, so a warm
+    rank's next job starts from what its own script says. (``engine``: only scripts exported by nbddp
+    0.1 pass it; the Catalyst engine now starts through :mod:`nbddp.rank_side.catalyst_engine`.)
     """
+    global _shard_by_default
+    _shard_by_default = shard
     if engine != "torch":
         from nbddp.errors import NbddpError
 
@@ -124,9 +128,12 @@ def _attempt_store():
 def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True) -> None:
     """End of the training block: rank 0 saves the returned variables, then all leave the group.
 
+    A sharded model (or its optimizer) is gathered first, by every rank, into rank 0's CPU memory.
     ``mark``: write this rank's done mark (the Catalyst engine's spawned ranks write their own).
     """
     names = list(returns)
+    values = _gathered({n: namespace[n] for n in names if n in namespace},
+                       [v for v in namespace.values() if isinstance(v, torch.nn.Module)])
     if is_main():
         missing = [n for n in names if n not in namespace]
         if missing:
@@ -134,7 +141,7 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
                 f"nbddp: cannot return {', '.join(missing)}: no such variable after the training "
                 "cells. Name the variables to bring back with --return NAME[,NAME...]."
             )
-        checkpoint.save_returns({n: namespace[n] for n in names}, checkpoint_path())
+        checkpoint.save_returns(values, checkpoint_path())
     me = rank()
     leave_group()
     if mark:
@@ -142,14 +149,38 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     skip_final_collection()
 
 
+def _gathered(values: dict[str, Any], modules: list[torch.nn.Module]) -> dict[str, Any]:
+    """``values`` with every sharded model and optimizer replaced by its full state (rank 0) — a collective."""
+    from nbddp.rank_side import sharding
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+
+    def gathered(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: gathered(v) for k, v in value.items()}
+        return sharding.gather_state(value, modules) if sharding.holds_shards(value) else value
+
+    return {name: gathered(value) for name, value in values.items()}
+
+
 # ---------------------------------------------------------------- user API
 
+_shard_by_default = False
+"""``--shard``: the script's :func:`start` says whether ``prepare(model)`` shards when not told."""
 
-def prepare(obj: Any) -> Any:
+
+def prepare(obj: Any, shard: bool | None = None, *, blocks: Any = None, mixed_precision: Any = None,
+            offload: bool = False) -> Any:
     """Make a model or data loader distributed; unchanged in a single process.
 
     * ``nn.Module`` → moved to this rank's device and wrapped in
-      ``DistributedDataParallel``.
+      ``DistributedDataParallel``; with ``shard=True`` (or the run's ``--shard``), sharded with FSDP2
+      instead (:func:`nbddp.rank_side.sharding.shard`): ``fully_shard`` on each of its ``blocks`` (default:
+      its repeated submodules; or a list, a class, a test) and on the model. ``mixed_precision`` (a dtype
+      or a ``MixedPrecisionPolicy``) and ``offload`` (parameters in CPU memory between uses, GPU runs)
+      apply to sharded runs only, so the same cell runs either way. ``shard=False`` keeps DDP even under
+      ``--shard``. Build the optimizer after ``prepare``: sharding replaces the parameters.
     * ``DataLoader`` → the same loader (batch size *per process*, shuffle,
       collate_fn, workers, drop_last, pin_memory kept) over a
       ``DistributedSampler`` whose epoch advances each time it is iterated.
@@ -161,6 +192,10 @@ def prepare(obj: Any) -> Any:
     if isinstance(obj, torch.nn.Module):
         if not distributed:
             return obj
+        if _shard_by_default if shard is None else shard:
+            from nbddp.rank_side import sharding
+
+            return sharding.shard(obj, device(), blocks, mixed_precision, offload)
         obj = obj.to(device())
         ids = [local_rank()] if device().type == "cuda" else None
         return DistributedDataParallel(obj, device_ids=ids)
@@ -230,22 +265,50 @@ def save_checkpoint(**state: Any) -> None:
     """Save training state (modules, optimizers, counters) so a restarted run can resume.
 
     Rank 0 writes ``resume.pt`` atomically (a crash mid-save keeps the previous one); other
-    ranks return at once. Pair it with :func:`restore` at the top of the training cell.
+    ranks return at once. With a sharded model every rank writes its shard instead
+    (:mod:`nbddp.rank_side.sharded_checkpoint`): call it on every rank. Pair it with :func:`restore`
+    at the top of the training cell.
     """
-    if is_main():
+    from nbddp.rank_side import sharding
+
+    if dist.is_available() and dist.is_initialized() and any(
+            sharding.holds_shards(v) for v in state.values()):
+        from nbddp.rank_side import sharded_checkpoint
+
+        sharded_checkpoint.save(run_dir(), state, note=f"attempt {restart_count()}")
+    elif is_main():
         checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
 
 
-def restore(**objects: Any) -> dict[str, Any]:
+def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, Any]:
     """Load the last :func:`save_checkpoint` into ``objects`` (modules/optimizers, by name).
 
     Returns the other saved values (e.g. ``{"epoch": 3}``), or ``{}`` on a fresh start, so::
 
         done = nbddp.restore(model=model, optimizer=optimizer)
         for epoch in range(done.get("epoch", -1) + 1, epochs): ...
+
+    ``source``: a run dir (or its ``resume.pt`` / ``resume.dcp``) to restore from, e.g. in the kernel
+    after a run; default: this run's own. A sharded checkpoint loads into any number of ranks, sharded or
+    not, or into the kernel's plain model.
     """
-    path = resume_path()
+    from nbddp.rank_side import sharded_checkpoint
+
+    said = f"restart {restart_count()}: " if run_dir() is not None else ""
+    sharded = sharded_checkpoint.latest(Path(source) if source is not None else resume_path().parent)
+    if sharded is not None:
+        values = sharded_checkpoint.restore(sharded, objects)
+        print(f"[nbddp] {said}resumed from {sharded.parent.name}/{sharded.name}", flush=True)
+        return values
+    if source is None:
+        path = resume_path()
+    else:
+        path = Path(source) if Path(source).suffix == ".pt" else RunDir(Path(source)).resume
     if not path.exists():
+        if source is not None:
+            from nbddp.errors import CheckpointError
+
+            raise CheckpointError(f"no checkpoint in {source}: the run saved none (nbddp.save_checkpoint).")
         return {}
     states, _ = checkpoint.load_returns(path, mmap=False)  # rank 0 may replace the (shared) file meanwhile
     targets = {name: getattr(obj, "module", obj) for name, obj in objects.items()}  # through DDP wrappers
@@ -256,5 +319,5 @@ def restore(**objects: Any) -> dict[str, Any]:
                 for key, tensor in value.items():
                     if isinstance(tensor, torch.Tensor):
                         value[key] = tensor.to(device())
-    print(f"[nbddp] restart {restart_count()}: resumed from {path.name}", flush=True)
+    print(f"[nbddp] {said}resumed from {path.name}", flush=True)
     return {k: v for k, v in states.items() if k not in objects}

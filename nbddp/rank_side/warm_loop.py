@@ -41,6 +41,7 @@ import torch.distributed as dist
 from nbddp.atomic import write_json
 from nbddp.launchers.pool_dir import PoolDir
 from nbddp.options import DEFAULT_WARM_IDLE
+from nbddp.rank_side import memory
 from nbddp.rank_side.env import RankEnv
 
 POLL_SECONDS = 0.005
@@ -169,6 +170,7 @@ def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, f
         finally:
             _in_job = False
     finally:
+        memory.watch(None)  # the next job counts its own peak, in its own run dir
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
         os.environ.clear()
         os.environ.update(saved)

@@ -19,7 +19,7 @@ from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, cell_role, export_ce
 from nbddp.notebook.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
 from nbddp.notebook.reader import Cell
-from nbddp.notebook.script import ExportOptions, Script, render
+from nbddp.notebook.script import Script, render
 from nbddp.options import LaunchOptions
 
 TRAIN_LABEL = "the %%ddp_train cell"
@@ -72,7 +72,7 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
     # With its magic line, as the notebook shows the cell: its lines are counted as the editor counts them.
     train = Cell(execution_count or 0, "code", f"%%{TRAIN_MAGIC}\n{body}", (), None, label=TRAIN_LABEL)
     exported.append(export_cell(train, TRAIN, origin))
-    export = ExportOptions(engine=options.engine, returns=options.returns, parameters_source="values in the kernel")
+    export = options.export_options(parameters={}, parameters_source="values in the kernel")
     first = render(exported, origin, export)
     free = free_names(first.text)
     unknown = sorted(set(options.parameters) - set(free))

@@ -17,6 +17,7 @@ from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
 from nbddp.errors import UsageError
 from nbddp.job import orchestrator
 from nbddp.job.metrics import last_metrics
+from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
 from nbddp.launchers.warm_pool import kernel_pool
 from nbddp.options import DEFAULT_WARM_IDLE, ArgumentParser, add_launch_arguments, launch_options, parse_line
@@ -140,7 +141,8 @@ class DdpMagics(Magics):
             if view is None:
                 return
             metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
-            ending = Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics)
+            ending = Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics,
+                            read_peaks(run_dir) if run_dir else {})
             try:
                 view.close(ending)
             except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended

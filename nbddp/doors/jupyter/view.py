@@ -35,7 +35,8 @@ from typing import Any, Sequence
 from nbddp.display.ending import Ending, shown_path
 from nbddp.doors.jupyter.snapshot import snapshot_html, snapshot_text
 from nbddp.display.metric_plot import svg_plot
-from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
+from nbddp.job.follow import Event, LogLine, MemoryEvent, MetricsEvent, rank_prefix
+from nbddp.job.rank_memory import describe as describe_memory
 from nbddp.job.metrics import curves, format_metrics
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -210,6 +211,7 @@ class WidgetView:
         self.run_dir = run_dir
         self.title = title
         self.metrics: list[dict[str, Any]] = []
+        self.memory: dict[int, int] = {}
         self.progress = w.FloatProgress(value=0.0, min=0.0, max=1.0, layout=w.Layout(width="30%"))
         self.status = w.HTML(layout=w.Layout(width="70%"))
         self.everything = LogPane(w)
@@ -244,6 +246,8 @@ class WidgetView:
                 pane.add(event.text)
         elif isinstance(event, MetricsEvent):
             self.metrics.append(event.values)
+        elif isinstance(event, MemoryEvent):
+            self.memory = event.peaks
 
     def tick(self) -> None:
         """Refresh what changed; the run's loop calls it after each poll's events (so a poll's lines are one
@@ -312,6 +316,8 @@ class WidgetView:
             text = format_metrics(curves(last)) or "running"
         else:
             text = "starting…" if not any(p.lines for p in self.panes.values()) else "running"
+        if self.memory:
+            text += f" · {describe_memory(self.memory)}"
         where = f" · {html.escape(shown_path(self.run_dir))}" if self.run_dir else ""
         self.status.value = (
             f"{_STYLE}<span class='nbddp-live'><b>{html.escape(self.title)}</b> {html.escape(text)} · {seconds}s{where}</span>"

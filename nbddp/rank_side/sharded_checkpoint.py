@@ -1,0 +1,145 @@
+"""Checkpoints of sharded training: every rank writes its shard, no rank holds the whole model.
+
+``nbddp.save_checkpoint`` with a sharded model (or its optimizer) lands here. It saves with
+``torch.distributed.checkpoint`` (DCP) into a new ``save-*`` folder of the run dir's ``resume.dcp/``;
+once DCP's own final step says every shard and the metadata are written, rank 0 points
+``latest.json`` at it (atomically) and removes the previous save. A rank that dies mid-save leaves
+``latest.json`` on the previous complete save, as ``resume.pt`` stays whole for DDP.
+
+Restoring reads the folder ``latest.json`` names into whatever the objects are now: sharded over the
+same ranks, over a different number of ranks (DCP reshards), or a plain model in a kernel (DCP reads
+without a process group). Values that are not modules or optimizers (``epoch=3``) are rank 0's, kept
+beside the shards in ``extras.pt``.
+
+The folder must be one every rank can reach: on one machine it always is; across nodes it is node 0's
+run dir, so that must be on a shared filesystem (or every node's run dir the same shared path).
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbddp import checkpoint
+from nbddp.atomic import write_json
+from nbddp.errors import CheckpointError
+from nbddp.job.rundir import RunDir
+from nbddp.rank_side import sharding
+
+EXTRAS = "extras.pt"
+_saves = 0
+
+
+def _states(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(DCP state dict, other values)``: modules and optimizers as DCP's state-dict API gives them (sharded
+    where they are), everything else apart."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    modules = [v for v in objects.values() if isinstance(getattr(v, "module", v), nn.Module)]
+    states: dict[str, Any] = {}
+    extras: dict[str, Any] = {}
+    for name, value in objects.items():
+        if isinstance(value, torch.optim.Optimizer):
+            states[name] = get_optimizer_state_dict(sharding.model_of(value, modules), value)
+        elif isinstance(value, nn.Module):
+            states[name] = get_model_state_dict(value)
+        else:
+            extras[name] = value
+    return states, extras
+
+
+def save(run_dir: RunDir | None, objects: dict[str, Any], note: str) -> Path:
+    """Every rank: write this rank's shard of ``objects`` to a new save; rank 0 then makes it the latest.
+
+    ``run_dir``: the run's (``None`` outside a launcher: the folder beside the script). Returns the save.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    global _saves
+    if run_dir is None:
+        from nbddp.rank_side.process import checkpoint_path
+
+        run_dir = RunDir(checkpoint_path().parent)
+    run_dir.resume_shards.mkdir(parents=True, exist_ok=True)
+    states, extras = _states(objects)
+    target = [str(run_dir.resume_shards / f"save-{_saves}-{note.replace(' ', '')}")]
+    _saves += 1
+    if dist.is_initialized():
+        dist.broadcast_object_list(target, src=0)  # node 0's folder, on every node (one shared place)
+    path = Path(target[0])
+    dcp.save(states, checkpoint_id=path)  # returns once every shard and the metadata are written
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        checkpoint.save_returns(extras, path / EXTRAS, note=note)
+        previous = _pointed(run_dir)
+        write_json(run_dir.latest_shards, {"save": path.name, "note": note})
+        if previous is not None and previous != path:
+            shutil.rmtree(previous, ignore_errors=True)
+    return path
+
+
+def _pointed(run_dir: RunDir) -> Path | None:
+    import json
+
+    try:
+        pointer = json.loads(run_dir.latest_shards.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return run_dir.resume_shards / pointer["save"]
+
+
+def latest(source: Path) -> Path | None:
+    """The last complete sharded save that ``source`` names (a run dir, its ``resume.dcp`` folder, or one
+    save), or ``None``."""
+    source = Path(source)
+    if (source / ".metadata").is_file():
+        return source
+    in_resume_folder = source.name == RunDir(source.parent).resume_shards.name
+    found = _pointed(RunDir(source.parent if in_resume_folder else source))
+    return found if found is not None and found.is_dir() else None
+
+
+def restore(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
+    """Load the save at ``path`` into ``objects`` (on every rank, or alone in a kernel); returns the saved
+    values that are not among ``objects``.
+
+    Raises:
+        CheckpointError: the save is incomplete, or doesn't fit the objects (a different model).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    saved = _saved_names(path)
+    wanted = {name: obj for name, obj in objects.items() if name in saved}
+    states, _ = _states(wanted)
+    modules = [v for v in objects.values() if isinstance(getattr(v, "module", v), nn.Module)]
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.load(states, checkpoint_id=path)
+        for name, state in states.items():
+            obj = wanted[name]
+            if isinstance(obj, torch.optim.Optimizer):
+                set_optimizer_state_dict(sharding.model_of(obj, modules), obj, state)
+            else:
+                set_model_state_dict(obj, state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"the sharded checkpoint {path} doesn't fit: {str(exc).strip().splitlines()[0]}. "
+                              "Did the model's definition change since it was saved?") from None
+    extras, _ = checkpoint.load_returns(path / EXTRAS, mmap=False)
+    return {k: v for k, v in extras.items() if k not in objects}
+
+
+def _saved_names(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path} is not a complete sharded checkpoint ({exc}).") from None
+    return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}

@@ -1,0 +1,220 @@
+"""Sharded training with FSDP2: what ``nbddp.prepare(model, shard=True)`` does, and how the weights come back.
+
+DDP keeps the whole model, its gradients and its optimizer state on every rank. FSDP2
+(``torch.distributed.fsdp.fully_shard``) splits each parameter across the ranks, gathers a block's
+parameters just for its forward and backward, and leaves each rank one slice of every gradient and
+optimizer state: the largest model that trains is about the ranks' memory together, not one rank's.
+
+Three things differ from DDP, and each is handled here so the notebook needn't change:
+
+* **Blocks.** FSDP2 gathers a unit at a time. :func:`blocks_of` picks the model's repeated submodules
+  (a transformer's layers, a stack's ``Linear``\\s); each becomes a unit, then the root takes what is
+  left, as FSDP2's documentation does it.
+* **The parameters are replaced** by ``DTensor``\\s. An optimizer built before ``prepare`` would step
+  tensors nobody uses: :func:`shard` arms a check that names the mistake at the first ``step()``.
+* **Every rank takes part in a state dict.** :func:`gather_state` runs DCP's state-dict API
+  (``full_state_dict=True, cpu_offload=True``), a collective; rank 0 receives plain CPU tensors and the
+  kernel's model, never sharded, loads them as after DDP. Checkpoints for resuming are written by
+  every rank, a shard each (:mod:`nbddp.rank_side.sharded_checkpoint`).
+
+torch is imported here, never by ``import nbddp``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any, Callable, Iterable, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nbddp.errors import NbddpError
+
+#: What ``blocks=`` takes: the modules, a module class (or several), or a test on each submodule.
+BlockPolicy = Union[Sequence[nn.Module], type, tuple, Callable[[nn.Module], bool], None]
+
+_replaced: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+"""The parameters FSDP2 replaced, by id (a tensor's ``==`` is elementwise, so no set of tensors): an optimizer
+that holds one was built before ``prepare``."""
+_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hook: Any = None
+
+
+def is_sharded(obj: Any) -> bool:
+    """True for a module ``fully_shard`` was applied to."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(obj, FSDPModule)
+
+
+def holds_shards(obj: Any) -> bool:
+    """True for a sharded module, or an optimizer over a sharded module's parameters."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return any(_is_dtensor(p) for group in obj.param_groups for p in group["params"])
+    return is_sharded(obj)
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def blocks_of(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
+    """The submodules to shard one by one, outermost first, never the root.
+
+    ``policy``: ``None`` picks the outermost submodules whose class occurs at least twice with
+    parameters (``nn.TransformerEncoderLayer``\\s, a stack's ``nn.Linear``\\s); a class or tuple of
+    classes picks the outermost of those; a callable picks the outermost modules it returns True for;
+    a list is taken as it is.
+
+    Raises:
+        NbddpError: a listed module is not a submodule of ``model``.
+    """
+    if isinstance(policy, (list, tuple)) and all(isinstance(m, nn.Module) for m in policy):
+        inside = {id(m) for m in model.modules()}
+        stray = [type(m).__name__ for m in policy if id(m) not in inside or m is model]
+        if stray:
+            raise NbddpError(f"nbddp.prepare(shard=True, blocks=[...]): {', '.join(stray)} is not a submodule of "
+                             "the model being prepared; list the model's own blocks (e.g. model.layers).")
+        return list(policy)
+    if policy is None:
+        counts = Counter(type(m) for m in model.modules() if m is not model and _has_parameters(m))
+        wanted: Callable[[nn.Module], bool] = lambda m: counts[type(m)] >= 2  # noqa: E731
+    elif isinstance(policy, (type, tuple)):
+        wanted = lambda m: isinstance(m, policy)  # noqa: E731
+    elif callable(policy):
+        wanted = policy
+    else:
+        raise NbddpError(f"nbddp.prepare(shard=True, blocks=...): give a list of submodules, a module class or "
+                         f"a function of a module, not {type(policy).__name__}.")
+    return _outermost(model, lambda m: _has_parameters(m) and bool(wanted(m)))
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _outermost(model: nn.Module, wanted: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            if wanted(child):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
+          mixed_precision: Any = None, offload: bool = False) -> nn.Module:
+    """``fully_shard`` each block, then the root, over a mesh of every rank on ``device``'s type.
+
+    ``mixed_precision``: a dtype (parameters gathered and computed in it, gradients reduced in float32)
+    or a ``MixedPrecisionPolicy``. ``offload``: keep the shards in CPU memory between uses
+    (``CPUOffloadPolicy``); on CPU ranks they are there already, so it changes nothing. The mesh is
+    given explicitly: on a machine with GPUs and a gloo group FSDP2 would otherwise guess the device
+    (pytorch#132471). Returns the same module object, now an ``FSDPModule``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    if is_sharded(model):
+        raise NbddpError("nbddp.prepare(model, shard=True): this model is sharded already; prepare it once.")
+    model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options: dict[str, Any] = {"mesh": mesh}
+    if mixed_precision is not None:
+        options["mp_policy"] = (mixed_precision if isinstance(mixed_precision, MixedPrecisionPolicy)
+                                else MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32))
+    if offload and device.type != "cpu":
+        options["offload_policy"] = CPUOffloadPolicy()
+    before = list(model.parameters())
+    for block in blocks_of(model, blocks):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    _arm_optimizer_check(before)
+    return model
+
+
+def _arm_optimizer_check(replaced: Iterable[torch.Tensor]) -> None:
+    """Name an optimizer built before ``prepare`` at its first step (it would train copies nobody uses)."""
+    global _hook
+    _replaced.update((id(p), p) for p in replaced)
+    if _hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _checked:
+        return
+    _checked.add(optimizer)
+    if any(_replaced.get(id(p)) is p for group in optimizer.param_groups for p in group["params"]):
+        raise NbddpError(
+            f"the {type(optimizer).__name__} was built before nbddp.prepare(model, shard=True): sharding replaced "
+            "the model's parameters, so it would update copies the model no longer uses. Build the optimizer "
+            "after prepare, from the prepared model's parameters.")
+
+
+def model_of(optimizer: torch.optim.Optimizer, candidates: Iterable[Any]) -> nn.Module:
+    """The module among ``candidates`` whose parameters ``optimizer`` updates (DCP's API needs both).
+
+    Raises:
+        NbddpError: none of them (the optimizer's model is not among the returned or saved objects).
+    """
+    first = next((p for group in optimizer.param_groups for p in group["params"]), None)
+    for candidate in candidates:
+        module = getattr(candidate, "module", candidate)
+        if isinstance(module, nn.Module) and any(p is first for p in module.parameters()):
+            return module
+    raise NbddpError(
+        f"a {type(optimizer).__name__} of a sharded model is returned or saved without its model: its state is "
+        "keyed by the model's parameter names. Return or save the model with it (e.g. --return model,optimizer).")
+
+
+def gather_state(obj: Any, modules: Sequence[nn.Module]) -> Any:
+    """The full, unsharded state of ``obj`` on rank 0 (CPU tensors), ``None`` on other ranks.
+
+    A collective: every rank calls it, in the same order. ``modules``: the sharded models an optimizer
+    may belong to. An optimizer's state comes back keyed by position, as ``Optimizer.state_dict()`` gives
+    it, so the kernel's optimizer (built on the unsharded model) loads it as it is.
+    """
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if isinstance(obj, torch.optim.Optimizer):
+        state = get_optimizer_state_dict(model_of(obj, modules), obj, options=options)
+        return by_position(state) if dist.get_rank() == 0 else None
+    state = get_model_state_dict(obj, options=options)
+    return state if dist.get_rank() == 0 else None
+
+
+def by_position(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP's optimizer state (keyed by parameter name) → ``Optimizer.state_dict()``'s (keyed by position)."""
+    position: dict[str, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        names = group["params"]
+        for name in names:
+            position.setdefault(name, len(position))
+        groups.append({**group, "params": [position[name] for name in names]})
+    return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def sharded_modules(values: Iterable[Any]) -> list[nn.Module]:
+    """The sharded modules among ``values`` (and in dicts of them)."""
+    found: list[nn.Module] = []
+    for value in values:
+        if isinstance(value, dict):
+            found += sharded_modules(value.values())
+        elif is_sharded(value):
+            found.append(value)
+    return found
