@@ -50,6 +50,16 @@ def notebook(tmp_path):
     return make
 
 
+@pytest.fixture
+def group(tmp_path):
+    """A real one-rank gloo process group in this process (torch imported only by the tests that use it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def descendants(pid: int) -> set[int]:
     """PIDs of every live descendant of ``pid``, read from /proc (by PID, not by name)."""
     children: dict[int, list[int]] = {}

@@ -23,12 +23,6 @@ def test_log_without_run_dir_prints(capsys, monkeypatch):
     assert "[nbddp.log] epoch=1 loss=0.5" in capsys.readouterr().out
 
 
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_prepared_loader_keeps_settings_and_advances_the_epoch(group):
     collate = lambda batch: torch.stack([b[0] for b in batch])  # noqa: E731

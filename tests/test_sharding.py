@@ -107,12 +107,6 @@ def test_an_optimizers_state_by_name_becomes_its_state_by_position():
         "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}]}
 
 
-@pytest.fixture
-def group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def test_an_optimizer_built_before_sharding_is_named_at_its_first_step(group):
     import nbddp
@@ -127,6 +121,30 @@ def test_an_optimizer_built_before_sharding_is_named_at_its_first_step(group):
     torch.optim.SGD(sharded.parameters(), lr=0.1).step()  # built after: fine
     with pytest.raises(NbddpError, match="sharded already"):
         nbddp.prepare(model, shard=True)
+
+
+def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_plain_ones(group, tmp_path):
+    """``--return model,opt``: what ``finish`` saves loads into the kernel's plain model and optimizer."""
+    import nbddp
+    from nbddp import checkpoint
+    from nbddp.rank_side import torch_engine
+
+    torch.manual_seed(0)
+    model = nbddp.prepare(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), shard=True)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    values = torch_engine._gathered({"model": model, "opt": opt, "epochs": 3}, [model])
+    checkpoint.save_returns(values, tmp_path / "weights.pt")
+    states, _ = checkpoint.load_returns(tmp_path / "weights.pt")
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    kernel = {"model": plain, "opt": torch.optim.Adam(plain.parameters(), lr=0.1), "epochs": 0}
+    assert checkpoint.load_into(kernel, states) == ["model", "opt", "epochs"]
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[key].full_tensor())
+    assert kernel["epochs"] == 3 and set(kernel["opt"].state_dict()["state"]) == {0, 1, 2, 3}
+    with pytest.raises(NbddpError, match="returned or saved without its model"):
+        torch_engine._gathered({"opt": opt}, [])
 
 
 def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_group(group, tmp_path):
