@@ -108,7 +108,8 @@ def largest(folder: Path, shard: bool, cap: float, width: int, high: int) -> int
     return low
 
 
-def markdown(figures: dict, rounds: int, steps: int, cap: float, width: int, depths: dict[str, int]) -> str:
+def markdown(figures: dict, rounds: int, steps: int, cap: float, width: int, depths: dict[str, int],
+             command: str) -> str:
     import torch
 
     def cell(values: list[float], digits: str) -> str:
@@ -119,8 +120,7 @@ def markdown(figures: dict, rounds: int, steps: int, cap: float, width: int, dep
         "## 8. Sharded training (FSDP2) vs DDP: memory per rank and speed",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on 2 cores, no GPU, Python "
-        f"{platform.python_version()}, torch {torch.__version__}. Command: `python -m benchmarks.sharding "
-        f"--rounds {rounds}`. Real `nbddp run` jobs, 2 gloo CPU ranks, Adam; medians (min–max) of {rounds} rounds.",
+        f"{platform.python_version()}, torch {torch.__version__}. Command: `{command}`. Real `nbddp run` jobs, 2 gloo CPU ranks, Adam; medians (min–max) of {rounds} rounds.",
         "",
         f"A ~100M-parameter model (6 × `Linear(4096, 4096)`, 100.7M parameters), batch 8, {steps} timed steps:",
         "",
@@ -135,6 +135,9 @@ def markdown(figures: dict, rounds: int, steps: int, cap: float, width: int, dep
         f"Held state under FSDP2: {statistics.median(fsdp['held']) / statistics.median(ddp['held']):.2f}× DDP's "
         f"(the test suite asserts ≤ 0.6×); peak RSS {statistics.median(fsdp['peak']) / statistics.median(ddp['peak']):.2f}× "
         "(the peak includes torch itself, ~0.3 GB, and the whole model each rank builds before `prepare` shards it).",
+        "Sharding is slower here: each step all-gathers every block twice (forward, backward) and reduce-scatters "
+        "the gradients where DDP all-reduces once, over gloo, with one core per rank to overlap nothing. It is for "
+        "models that don't fit; on GPUs NCCL overlaps most of it (not measured: no GPU here).",
         "",
         f"The largest model that trains when each rank may grow by at most {cap:g} GB (`RLIMIT_AS` set in the "
         f"training cell to its address space there plus {cap:g} GB; a stack of `Linear({width}, {width})`, "
@@ -165,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(figures), flush=True)
         depths = {name: largest(Path(folder), shard, args.cap, args.width, args.max_depth)
                   for name, shard in (("DDP", False), ("FSDP2 (--shard)", True))}
-    text = markdown(figures, args.rounds, args.steps, args.cap, args.width, depths)
+    command = " ".join(["python -m benchmarks.sharding", *(argv if argv is not None else sys.argv[1:])])
+    text = markdown(figures, args.rounds, args.steps, args.cap, args.width, depths, command.replace(" --out BENCHMARKS.md", ""))
     print(text)
     if args.out:
         replace_block(args.out, "sharding", text)

@@ -21,3 +21,4 @@ def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):
         assert f"| {case} |" in text, text
     assert "n/a" not in text
     assert text.count(" | 0 | ") == 2, text  # no streamed line lost, in the terminal and in the cell
+

@@ -226,6 +226,18 @@ def test_peak_memory_is_reported_read_and_said(tmp_path):
     assert describe({}) == ""
 
 
+def test_the_sharding_section_says_each_figure_and_what_sharding_bought():
+    """benchmarks/sharding.py's report, from figures given here (the real ones take minutes: BENCHMARKS.md)."""
+    from benchmarks.sharding import markdown
+
+    figures = {"DDP": {"peak": [2.5, 2.4], "held": [1.6, 1.6], "rate": [0.5, 0.6]},
+               "FSDP2 (--shard)": {"peak": [1.6, 1.6], "held": [0.8, 0.8], "rate": [0.2, 0.3]}}
+    text = markdown(figures, 2, 5, 1.5, 2048, {"DDP": 14, "FSDP2 (--shard)": 35}, "python -m benchmarks.sharding")
+    assert "| DDP | 2.45 (2.40–2.50) | 1.60 (1.60–1.60) | 0.55 (0.50–0.60) |" in text
+    assert "Held state under FSDP2: 0.50× DDP's" in text and "| FSDP2 (--shard) | 35 layers | 147M |" in text
+    assert "trains a 2.5× larger model in the same memory" in text
+
+
 # ---------------------------------------------------------------- real runs
 
 
