@@ -175,15 +175,19 @@ def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_pa
 
 
 def test_a_batch_submits_each_run_to_slurm(tmp_path, cli_run, slurm_env):
+    """... sharded (--shard reaches every run's script and the Slurm job's ranks: FSDP2 gives DDP's weights)."""
     write_notebook(tmp_path / "fit.ipynb", [code("#| parameters\nlr = 0.05"), code(SETUP),
                                              code(train_cell(8).replace("lr=0.05", "lr=lr"))])
     (tmp_path / "grid.json").write_text(json.dumps({"lr": [0.05, 0.01]}))
-    run = cli_run(["batch", "fit.ipynb", "--grid", "grid.json", *CPU2, "--parallel", "2", "--out", "sweep"], tmp_path)
+    run = cli_run(["batch", "fit.ipynb", "--grid", "grid.json", *CPU2, "--parallel", "2", "--out", "sweep", "--shard"],
+                  tmp_path)
     assert run.wait(300) == 0, run.output
     dirs = sorted(p for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert len(dirs) == 2
     for run_dir in dirs:
         assert json.loads((run_dir / "slurm" / "job.json").read_text())["state"] == "COMPLETED"
+        assert "_nbddp.start(shard=True)" in (run_dir / "train.py").read_text()
+    assert_matches(dirs[0] / "weights.pt", batch=16)  # lr=0.05: one process's weights
     assert "2 succeeded" in (tmp_path / "sweep" / "summary.md").read_text() or "2/2 runs succeeded" in run.output
     assert not run.leftovers()
 
