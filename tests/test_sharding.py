@@ -283,17 +283,20 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_wo
     assert json.loads((run_dir / "result.json").read_text())["restarts"] == 1
     saves = [p.name for p in (run_dir / "resume.dcp").iterdir()]
     assert len(saves) == 2 and "latest.json" in saves  # one save kept, the pointer to it
-    # Saved by 2 ranks, each a shard; restored in one process with no group, as in the kernel.
-    namespace: dict = {}
-    exec(SETUP.replace("#| ddp\n", ""), namespace)
-    model = namespace["model"]
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    import nbddp
+    # Saved by 2 ranks, each a shard; restored in a Jupyter kernel: one process, no process group.
+    import nbformat
+    from nbclient import NotebookClient
 
-    assert nbddp.restore(run_dir, model=model, optimizer=opt) == {"step": STEPS - 1}
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(value, trained[key])
-    assert opt.state_dict()["state"][0]["step"] == STEPS
+    restore = ("opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+               f"print('restored', nbddp.restore({str(run_dir)!r}, model=model, optimizer=opt))\n"
+               "print('step', int(opt.state_dict()['state'][0]['step']))\n"
+               "print(repr(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()))")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(restore)])
+    NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    said = "".join(o.get("text", "") for o in nb.cells[1].outputs)
+    assert f"restored {{'step': {STEPS - 1}}}" in said and f"step {STEPS}" in said, said
+    in_kernel = torch.tensor(ast.literal_eval(said.strip().splitlines()[-1]))
+    torch.testing.assert_close(in_kernel, torch.cat([v.flatten() for v in trained.values()]))
     assert not run.leftovers()
 
 
