@@ -88,6 +88,12 @@ def test_blocks_are_the_outermost_repeated_submodules_or_what_the_user_says():
     tower = nn.Sequential(Block(), Block(), nn.LayerNorm(4), nn.Linear(4, 2))
     # The head is a Linear, a repeated class (the blocks hold Linears): a unit of its own, as the blocks are.
     assert sharding.blocks_of(tower) == [tower[0], tower[1], tower[2], tower[3]]
+    transformer = nn.Transformer(8, 2, 2, 2, 16, batch_first=True)  # containers (its ModuleLists, a Sequential) are looked into
+    assert [type(b).__name__ for b in sharding.blocks_of(transformer)] == [
+        "TransformerEncoderLayer", "TransformerEncoderLayer", "LayerNorm",
+        "TransformerDecoderLayer", "TransformerDecoderLayer", "LayerNorm"]
+    two_stacks = nn.Sequential(nn.Sequential(nn.Conv1d(4, 4, 1), nn.Conv1d(4, 4, 1)), nn.Sequential(nn.Linear(4, 4)))
+    assert sharding.blocks_of(two_stacks) == [two_stacks[0][0], two_stacks[0][1]]  # not each whole stack
     headed = nn.Sequential(Block(), Block(), nn.Conv1d(4, 4, 1))
     assert sharding.blocks_of(headed) == [headed[0], headed[1]]  # a class that occurs once is the root's
     assert sharding.blocks_of(tower, nn.Linear) == [tower[0].inner, tower[1].inner, tower[3]]
@@ -145,6 +151,11 @@ def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_pl
     assert kernel["epochs"] == 3 and set(kernel["opt"].state_dict()["state"]) == {0, 1, 2, 3}
     with pytest.raises(NbddpError, match="returned or saved without its model"):
         torch_engine._gathered({"opt": opt}, [])
+    with pytest.raises(NbddpError, match="pass each sharded model by its own name"):
+        nbddp.save_checkpoint(models={"a": model}, epoch=1)
+    checkpoint.save_returns({"model": plain}, tmp_path / "resume.pt")  # as a DDP run's save_checkpoint
+    with pytest.raises(Exception, match="saved by a run without sharding .DDP.; a sharded model can't resume"):
+        nbddp.restore(tmp_path / "resume.pt", model=model)
 
 
 def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_group(group, tmp_path):
@@ -161,7 +172,8 @@ def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_grou
     for note in ("attempt 0", "attempt 0"):  # a second save replaces the first
         sharded_checkpoint.save(RunDir(tmp_path), {"model": model, "optimizer": opt, "epoch": 7}, note)
     saves = sorted(p.name for p in (tmp_path / "resume.dcp").iterdir())
-    assert saves == ["latest.json", "save-1-attempt0"]
+    assert len(saves) == 2 and saves[0] == "latest.json" and saves[1].endswith("-attempt0")
+    assert json.loads((tmp_path / "resume.dcp" / "latest.json").read_text())["save"] == saves[1]
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     dist.destroy_process_group()
     try:

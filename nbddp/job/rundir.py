@@ -12,6 +12,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       logs/torchrun/                torchrun's own folder (per-attempt error files)
       ranks/rank-N.json             a started rank: pid, world size, restart attempt
       ranks/rank-N.done             a rank that finished its training normally
+      ranks/memory-N.json           a rank's peak memory so far (bytes, RSS or CUDA's)
       errors/rank-N.json            a rank's uncaught exception, with its traceback
       logs/node-N.log               a Slurm run: node N's torchrun (or Catalyst parent) output
       logs/slurm-batch.log          a Slurm run: the batch script's own output
@@ -20,6 +21,8 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       metrics.jsonl                 rank 0's nbddp.log records
       weights.pt                    the returned variables' trained state (weights only)
       resume.pt                     nbddp.save_checkpoint's training state (--max-restarts)
+      resume.dcp/save-*/, latest.json   the same for a sharded model: one folder of shards per save
+                                    (torch.distributed.checkpoint), and the name of the last complete one
       stop-requested                `nbddp kill` asked this run to stop
       result.json                   how the run ended, with what, by whom
       output.ipynb                  the executed notebook (nbddp run), saved after every cell

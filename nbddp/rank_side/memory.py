@@ -20,7 +20,9 @@ INTERVAL = 1.0
 STEP_BYTES = 1 << 20
 
 _target: tuple[Path, int] | None = None
-_written = 0
+_written: tuple[int, str] = (0, "")
+_cuda_device = 0
+"""The rank's GPU: the reporting thread asks for it by index (CUDA's current device is per thread)."""
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 
@@ -30,7 +32,7 @@ def peak_bytes() -> tuple[int, str]:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.max_memory_allocated()), "cuda"
+        return int(torch.cuda.max_memory_allocated(_cuda_device)), "cuda"
     return _peak_rss(), "rss"
 
 
@@ -51,7 +53,7 @@ def _reset_peak() -> None:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(_cuda_device)
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")  # resets VmHWM to the current RSS (Linux 4.0+)
@@ -61,11 +63,14 @@ def _reset_peak() -> None:
 
 def watch(path: Path | None, rank: int = 0, fresh: bool = False) -> None:
     """Report this rank's peak to ``path`` from now on (``None``: stop reporting); ``fresh``: count it from now."""
-    global _target, _written, _thread
+    global _target, _written, _thread, _cuda_device
+    import os
+
     with _lock:
+        _cuda_device = int(os.environ.get("LOCAL_RANK", 0) or 0)
         if fresh:
             _reset_peak()
-        _target, _written = (None if path is None else (Path(path), rank)), 0
+        _target, _written = (None if path is None else (Path(path), rank)), (0, "")
     if path is not None:
         report()
         if _thread is None:
@@ -80,12 +85,12 @@ def report() -> None:
         if _target is None:
             return
         peak, kind = peak_bytes()
-        if _written and peak - _written < STEP_BYTES:
-            return
+        if kind == _written[1] and peak - _written[0] < STEP_BYTES:
+            return  # (a rank that starts CUDA after its first report changes kind: a new count)
         path, rank = _target
         try:
             write_json(path, {"rank": rank, "peak_bytes": peak, "kind": kind, "time": time.time()})
-            _written = peak
+            _written = (peak, kind)
         except OSError:
             pass  # the run dir is gone (the job ended): nothing to report to
 

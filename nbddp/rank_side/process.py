@@ -90,6 +90,7 @@ def mark_done(global_rank: int) -> None:
     directory = run_dir()
     if directory is not None:
         memory.report()
+        memory.watch(None)  # the final figure is written: no more calls into torch while the rank exits
         directory.ranks.mkdir(exist_ok=True)
         directory.rank_done(global_rank).touch()
 

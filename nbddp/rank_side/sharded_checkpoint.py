@@ -33,7 +33,6 @@ from nbddp.job.rundir import RunDir
 from nbddp.rank_side import sharding
 
 EXTRAS = "extras.pt"
-_saves = 0
 
 
 def _states(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -57,30 +56,53 @@ def _states(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 def save(run_dir: RunDir | None, objects: dict[str, Any], note: str) -> Path:
     """Every rank: write this rank's shard of ``objects`` to a new save; rank 0 then makes it the latest.
 
-    ``run_dir``: the run's (``None`` outside a launcher: the folder beside the script). Returns the save.
+    A collective: every rank calls it. ``run_dir``: the run's (``None`` outside a launcher: the folder
+    beside the script). Returns the save.
+
+    Raises:
+        CheckpointError: the save could not be written (a full disk, an unwritable folder).
     """
+    import os
+    import time
+
     import torch.distributed.checkpoint as dcp
 
-    global _saves
     if run_dir is None:
         from nbddp.rank_side.process import checkpoint_path
 
         run_dir = RunDir(checkpoint_path().parent)
     run_dir.resume_shards.mkdir(parents=True, exist_ok=True)
     states, extras = _states(objects)
-    target = [str(run_dir.resume_shards / f"save-{_saves}-{note.replace(' ', '')}")]
-    _saves += 1
+    # rank 0 names it, for every node (one shared place) and every run of the script (never a name in use)
+    target = [str(run_dir.resume_shards / f"save-{time.time_ns():x}-{os.getpid()}-{note.replace(' ', '')}")]
     if dist.is_initialized():
-        dist.broadcast_object_list(target, src=0)  # node 0's folder, on every node (one shared place)
+        dist.broadcast_object_list(target, src=0)
     path = Path(target[0])
-    dcp.save(states, checkpoint_id=path)  # returns once every shard and the metadata are written
+    try:
+        dcp.save(states, checkpoint_id=path)  # returns once every shard and the metadata are written
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            checkpoint.save_returns(extras, path / EXTRAS, note=note)
+            write_json(run_dir.latest_shards, {"save": path.name, "note": note})
+    except (OSError, RuntimeError, _checkpoint_exception()) as exc:
+        raise CheckpointError(f"could not write the sharded checkpoint {path}: {_first_line(exc)}. Free some disk "
+                              "space (or choose another --run-dir) and run again.") from None
     if not dist.is_initialized() or dist.get_rank() == 0:
-        checkpoint.save_returns(extras, path / EXTRAS, note=note)
-        previous = _pointed(run_dir)
-        write_json(run_dir.latest_shards, {"save": path.name, "note": note})
-        if previous is not None and previous != path:
-            shutil.rmtree(previous, ignore_errors=True)
+        for old in run_dir.resume_shards.glob("save-*"):  # the previous save, and any a crash left half-written
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """DCP's own failure (it derives from ``BaseException``, so ``except Exception`` misses it)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _pointed(run_dir: RunDir) -> Path | None:
@@ -128,8 +150,8 @@ def restore(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
                 set_optimizer_state_dict(sharding.model_of(obj, modules), obj, state)
             else:
                 set_model_state_dict(obj, state)
-    except (RuntimeError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"the sharded checkpoint {path} doesn't fit: {str(exc).strip().splitlines()[0]}. "
+    except (RuntimeError, KeyError, ValueError, _checkpoint_exception()) as exc:
+        raise CheckpointError(f"the sharded checkpoint {path} doesn't fit: {_first_line(exc)}. "
                               "Did the model's definition change since it was saved?") from None
     extras, _ = checkpoint.load_returns(path / EXTRAS, mmap=False)
     return {k: v for k, v in extras.items() if k not in objects}

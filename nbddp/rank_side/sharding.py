@@ -75,7 +75,8 @@ def blocks_of(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
     """The submodules to shard one by one, outermost first, never the root.
 
     ``policy``: ``None`` picks the outermost submodules whose class occurs at least twice with
-    parameters (``nn.TransformerEncoderLayer``\\s, a stack's ``nn.Linear``\\s); a class or tuple of
+    parameters (``nn.TransformerEncoderLayer``\\s, a stack's ``nn.Linear``\\s), looking inside containers
+    (``ModuleList``, ``Sequential``, …) rather than taking them; a class or tuple of
     classes picks the outermost of those; a callable picks the outermost modules it returns True for;
     a list is taken as it is.
 
@@ -90,7 +91,8 @@ def blocks_of(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
                              "the model being prepared; list the model's own blocks (e.g. model.layers).")
         return list(policy)
     if policy is None:
-        counts = Counter(type(m) for m in model.modules() if m is not model and _has_parameters(m))
+        counts = Counter(type(m) for m in model.modules()
+                         if m is not model and _has_parameters(m) and not isinstance(m, _CONTAINERS))
         wanted: Callable[[nn.Module], bool] = lambda m: counts[type(m)] >= 2  # noqa: E731
     elif isinstance(policy, (type, tuple)):
         wanted = lambda m: isinstance(m, policy)  # noqa: E731
@@ -99,7 +101,12 @@ def blocks_of(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
     else:
         raise NbddpError(f"nbddp.prepare(shard=True, blocks=...): give a list of submodules, a module class or "
                          f"a function of a module, not {type(policy).__name__}.")
-    return _outermost(model, lambda m: _has_parameters(m) and bool(wanted(m)))
+    return _outermost(model, lambda m: _has_parameters(m) and not isinstance(m, _CONTAINERS) and bool(wanted(m)))
+
+
+#: Modules that only hold others: never a block by themselves (a ``ModuleList`` has no ``forward`` for FSDP2
+#: to wrap; a whole ``Sequential`` stack gathered at once would save little); the search looks inside them.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
 
 def _has_parameters(module: nn.Module) -> bool:
@@ -135,7 +142,8 @@ def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
 
     if is_sharded(model):
         raise NbddpError("nbddp.prepare(model, shard=True): this model is sharded already; prepare it once.")
-    model.to(device)
+    # No model.to(device): fully_shard moves one block at a time to the mesh's device and shards it there,
+    # so the whole model never sits on one GPU.
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options: dict[str, Any] = {"mesh": mesh}
     if mixed_precision is not None:

@@ -132,8 +132,7 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     ``mark``: write this rank's done mark (the Catalyst engine's spawned ranks write their own).
     """
     names = list(returns)
-    values = _gathered({n: namespace[n] for n in names if n in namespace},
-                       [v for v in namespace.values() if isinstance(v, torch.nn.Module)])
+    values = _gathered({n: namespace[n] for n in names if n in namespace}, _modules_in(namespace.values()))
     if is_main():
         missing = [n for n in names if n not in namespace]
         if missing:
@@ -147,6 +146,17 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     if mark:
         mark_done(me)
     skip_final_collection()
+
+
+def _modules_in(values: Iterable[Any]) -> list[torch.nn.Module]:
+    """The modules among ``values`` and in dicts of them (an optimizer's model may be either)."""
+    found: list[torch.nn.Module] = []
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            found.append(value)
+        elif isinstance(value, dict):
+            found += [v for v in value.values() if isinstance(v, torch.nn.Module)]
+    return found
 
 
 def _gathered(values: dict[str, Any], modules: list[torch.nn.Module]) -> dict[str, Any]:
@@ -266,14 +276,21 @@ def save_checkpoint(**state: Any) -> None:
 
     Rank 0 writes ``resume.pt`` atomically (a crash mid-save keeps the previous one); other
     ranks return at once. With a sharded model every rank writes its shard instead
-    (:mod:`nbddp.rank_side.sharded_checkpoint`): call it on every rank. Pair it with :func:`restore`
+    (:mod:`nbddp.rank_side.sharded_checkpoint`): call it on every rank, never under ``if is_main()``
+    (rank 0 would wait for the others until the collective timeout). Pair it with :func:`restore`
     at the top of the training cell.
     """
     from nbddp.rank_side import sharding
 
+    if any(isinstance(v, dict) and sharding.sharded_modules(v.values()) for v in state.values()):
+        from nbddp.errors import NbddpError
+
+        raise NbddpError("nbddp.save_checkpoint: pass each sharded model by its own name "
+                         "(save_checkpoint(encoder=encoder, decoder=decoder, ...)), not in a dict.")
     if dist.is_available() and dist.is_initialized() and any(
             sharding.holds_shards(v) for v in state.values()):
         from nbddp.rank_side import sharded_checkpoint
+
 
         sharded_checkpoint.save(run_dir(), state, note=f"attempt {restart_count()}")
     elif is_main():
@@ -310,6 +327,13 @@ def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, An
 
             raise CheckpointError(f"no checkpoint in {source}: the run saved none (nbddp.save_checkpoint).")
         return {}
+    from nbddp.rank_side import sharding
+
+    if any(sharding.holds_shards(obj) for obj in objects.values()):
+        from nbddp.errors import CheckpointError
+
+        raise CheckpointError(f"{path} was saved by a run without sharding (DDP); a sharded model can't resume "
+                              "from it. Resume it without --shard (or shard=True), or start over in a new run dir.")
     states, _ = checkpoint.load_returns(path, mmap=False)  # rank 0 may replace the (shared) file meanwhile
     targets = {name: getattr(obj, "module", obj) for name, obj in objects.items()}  # through DDP wrappers
     checkpoint.load_into(targets, {k: v for k, v in states.items() if k in objects})
