@@ -129,17 +129,25 @@ def test_an_optimizer_built_before_sharding_is_named_at_its_first_step(group):
         nbddp.prepare(model, shard=True)
 
 
-def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_plain_ones(group, tmp_path):
-    """``--return model,opt``: what ``finish`` saves loads into the kernel's plain model and optimizer."""
+def stepped_sharded_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A small model sharded over this process's one-rank group, and its Adam after one step."""
     import nbddp
-    from nbddp import checkpoint
-    from nbddp.rank_side import torch_engine
 
     torch.manual_seed(0)
     model = nbddp.prepare(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), shard=True)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.ones(2, 3)).sum().backward()
     opt.step()
+    return model, opt
+
+
+def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_plain_ones(group, tmp_path):
+    """``--return model,opt``: what ``finish`` saves loads into the kernel's plain model and optimizer."""
+    import nbddp
+    from nbddp import checkpoint
+    from nbddp.rank_side import torch_engine
+
+    model, opt = stepped_sharded_model()
     values = torch_engine._gathered({"model": model, "opt": opt, "epochs": 3}, [model])
     checkpoint.save_returns(values, tmp_path / "weights.pt")
     states, _ = checkpoint.load_returns(tmp_path / "weights.pt")
@@ -164,11 +172,7 @@ def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_grou
     from nbddp.job.rundir import RunDir
     from nbddp.rank_side import sharded_checkpoint
 
-    torch.manual_seed(0)
-    model = nbddp.prepare(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), shard=True)
-    opt = torch.optim.Adam(model.parameters(), lr=0.1)
-    model(torch.ones(2, 3)).sum().backward()
-    opt.step()
+    model, opt = stepped_sharded_model()
     for note in ("attempt 0", "attempt 0"):  # a second save replaces the first
         sharded_checkpoint.save(RunDir(tmp_path), {"model": model, "optimizer": opt, "epoch": 7}, note)
     saves = sorted(p.name for p in (tmp_path / "resume.dcp").iterdir())

@@ -40,7 +40,7 @@ def _states(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     where they are), everything else apart."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    modules = [v for v in objects.values() if isinstance(getattr(v, "module", v), nn.Module)]
+    modules = sharding.modules_in(objects.values())
     states: dict[str, Any] = {}
     extras: dict[str, Any] = {}
     for name, value in objects.items():
@@ -139,7 +139,7 @@ def restore(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
     saved = _saved_names(path)
     wanted = {name: obj for name, obj in objects.items() if name in saved}
     states, _ = _states(wanted)
-    modules = [v for v in objects.values() if isinstance(getattr(v, "module", v), nn.Module)]
+    modules = sharding.modules_in(objects.values())
     try:
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process"
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")

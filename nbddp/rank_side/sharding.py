@@ -251,12 +251,18 @@ def by_position(state: dict[str, Any]) -> dict[str, Any]:
     return {"state": {position[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
-def sharded_modules(values: Iterable[Any]) -> list[nn.Module]:
-    """The sharded modules among ``values`` (and in dicts of them)."""
+def modules_in(values: Iterable[Any]) -> list[nn.Module]:
+    """The modules among ``values`` and in dicts of them, through DDP wrappers: where an optimizer's model,
+    or a sharded model, may be."""
     found: list[nn.Module] = []
     for value in values:
         if isinstance(value, dict):
-            found += sharded_modules(value.values())
-        elif is_sharded(value):
+            found += modules_in(value.values())
+        elif isinstance(getattr(value, "module", value), nn.Module):
             found.append(value)
     return found
+
+
+def sharded_modules(values: Iterable[Any]) -> list[nn.Module]:
+    """The sharded modules among ``values`` (and in dicts of them)."""
+    return [module for module in modules_in(values) if is_sharded(module)]

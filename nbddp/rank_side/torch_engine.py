@@ -132,7 +132,9 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     ``mark``: write this rank's done mark (the Catalyst engine's spawned ranks write their own).
     """
     names = list(returns)
-    values = _gathered({n: namespace[n] for n in names if n in namespace}, _modules_in(namespace.values()))
+    from nbddp.rank_side.sharding import modules_in
+
+    values = _gathered({n: namespace[n] for n in names if n in namespace}, modules_in(namespace.values()))
     if is_main():
         missing = [n for n in names if n not in namespace]
         if missing:
@@ -146,17 +148,6 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     if mark:
         mark_done(me)
     skip_final_collection()
-
-
-def _modules_in(values: Iterable[Any]) -> list[torch.nn.Module]:
-    """The modules among ``values`` and in dicts of them (an optimizer's model may be either)."""
-    found: list[torch.nn.Module] = []
-    for value in values:
-        if isinstance(value, torch.nn.Module):
-            found.append(value)
-        elif isinstance(value, dict):
-            found += [v for v in value.values() if isinstance(v, torch.nn.Module)]
-    return found
 
 
 def _gathered(values: dict[str, Any], modules: list[torch.nn.Module]) -> dict[str, Any]:
