@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from nbddp.devices import CPU_PROCESSES, requested_gpus
-from nbddp.engines import ENGINES, SHARD_NEEDS_TORCH
+from nbddp.engines import ENGINES, shard_refusal, spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.job.status import Status
 
@@ -158,9 +158,9 @@ class LaunchOptions:
             _as_usage(check_name, name, "--return")
         for name in self.parameters:
             _as_usage(check_name, name, "-p")
-        if self.shard and self.engine == "catalyst":
-            raise UsageError(SHARD_NEEDS_TORCH)
-        if self.max_restarts and self.engine == "catalyst":
+        if self.shard and self.engine not in (None, "torch"):
+            raise UsageError(shard_refusal(self.engine))
+        if self.max_restarts and self.engine is not None and spawns_its_own_ranks(self.engine):
             raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
         if not (self.rdzv_timeout > 0 and math.isfinite(self.rdzv_timeout)):
             raise UsageError(f"--rdzv-timeout {self.rdzv_timeout:g}: give a positive number of seconds.")
@@ -240,7 +240,9 @@ def add_script_arguments(parser: argparse.ArgumentParser) -> None:
     """What shapes the script: the engine, parameter overrides, the variables that come back."""
     job = parser.add_argument_group("training script")
     job.add_argument("--engine", choices=ENGINES, default=None,
-                     help="DDP engine (default: catalyst if the training cells call runner.train, else torch)")
+                     help="DDP engine (default: from the training cells: catalyst for runner.train(loaders=...), "
+                          "accelerate for notebook_launcher/Accelerator, lightning for Trainer.fit, transformers "
+                          "for a Hugging Face Trainer's train(), else torch)")
     job.add_argument("-p", "--parameter", nargs=2, action="append", metavar=("NAME", "VALUE"), dest="parameters",
                      help="override a parameter (value read as a Python literal, else a string)")
     job.add_argument("--return", dest="returns", default=",".join(DEFAULT_RETURNS), metavar="NAME[,NAME...]",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nbddp.notebook.cells import select_cells
 from nbddp.devices import CPU_PROCESSES, Devices
-from nbddp.engines import detect_engine
+from nbddp.engines import detect_engine, spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
@@ -72,7 +72,7 @@ def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | 
 
 def local_hint(engine: str, devices: Devices, script: str) -> str:
     """The command that runs the script on one machine."""
-    if engine == "catalyst":
+    if spawns_its_own_ranks(engine):
         return f"{RankEnv.shell(nproc=devices.nproc, device=devices.kind)} python {shlex.quote(script)}"
     return by_hand(torchrun_options(devices.nproc), script)
 
@@ -83,7 +83,7 @@ def node_hint(engine: str, nodes: Nodes, devices: Devices, script: str,
     host = nodes.host_port()[0]
     others = "1" if nodes.count == 2 else f"1 to {nodes.count - 1}"
     where = f"   (on every node: R=0 on {host}, R={others} on the others)"
-    if engine == "catalyst":
+    if spawns_its_own_ranks(engine):
         variables = RankEnv.shell(nnodes=nodes.count, node_rank="R", master=shlex.quote(nodes.endpoint),
                                   nproc=devices.nproc, device=devices.kind)
         return f"{variables} python {shlex.quote(script)}" + where

@@ -13,6 +13,7 @@ from typing import Any
 from nbconvert.exporters import Exporter
 from traitlets import Enum, Unicode
 
+from nbddp.engines import ENGINES
 from nbddp.notebook.reader import from_nbformat
 from nbddp.options import parse_returns
 from nbddp.notebook.script import ExportOptions, generate
@@ -24,8 +25,8 @@ class NbddpExporter(Exporter):
     export_from_notebook = "DDP training script (nbddp)"
     output_mimetype = "text/x-python"
 
-    engine = Enum(["torch", "catalyst", "auto"], default_value="auto",
-                  help="DDP engine; 'auto' detects Catalyst runners").tag(config=True)
+    engine = Enum([*ENGINES, "auto"], default_value="auto",
+                  help="DDP engine; 'auto' detects it from the training cells").tag(config=True)
     returns = Unicode("model", help="comma-separated variables to return").tag(config=True)
 
     def _file_extension_default(self) -> str:

@@ -1,10 +1,11 @@
 """Engines: what each adds to the generated script and how its script is launched.
 
-``torch``: plain PyTorch DDP, one process per device started by
-``torch.distributed.run``. ``catalyst``: the user's ``runner.train(...)`` runs
-with Catalyst's ``DistributedDataParallelEngine``, which spawns the processes
-itself. Nothing here imports torch or catalyst: this runs in the notebook
-kernel and the CLI, before any rank exists.
+``torch``: plain PyTorch DDP, one process per device started by ``torch.distributed.run``.
+``catalyst``: the user's ``runner.train(...)`` runs with Catalyst's ``DistributedDataParallelEngine``,
+which spawns the processes itself. ``accelerate``, ``lightning``, ``transformers``: notebooks written
+for those libraries run unchanged under torchrun, the library's notebook launcher or fork strategy
+replaced by the ranks torchrun started (:mod:`nbddp.engines.frameworks`). Nothing here imports torch
+or any of those libraries: this runs in the notebook kernel and the CLI, before any rank exists.
 """
 
 from __future__ import annotations
@@ -16,10 +17,36 @@ from typing import Sequence
 from nbddp.notebook.cells import TRAIN, ExportedCell
 from nbddp.errors import NbddpError
 
-ENGINES = ("torch", "catalyst")
-#: Why ``--shard`` and Catalyst don't go together.
-SHARD_NEEDS_TORCH = ("--shard needs the torch engine: Catalyst 22.4, its last release, has no FSDP2 engine. Drop "
-                     "--shard, or train with nbddp.prepare(model) in a plain PyTorch loop (--engine torch).")
+#: Libraries whose notebooks run unchanged under torchrun, each with the packages that mark a notebook as its.
+FRAMEWORKS: dict[str, tuple[str, ...]] = {
+    "accelerate": ("accelerate",),
+    "lightning": ("lightning", "pytorch_lightning"),
+    "transformers": ("transformers",),
+}
+ENGINES = ("torch", "catalyst", *FRAMEWORKS)
+#: Engines whose ranks are not started by torchrun (Catalyst's ``runner.train`` spawns its own).
+SPAWN_THEIR_OWN_RANKS = frozenset({"catalyst"})
+_SHARD_INSTEAD = {
+    "catalyst": "Catalyst 22.4, its last release, has no FSDP2 engine",
+    "accelerate": "with Accelerate, shard with its own FSDP plugin (Accelerator(fsdp_plugin=...))",
+    "lightning": "with Lightning, shard with its own strategy (Trainer(strategy=\"fsdp\") on GPUs)",
+    "transformers": "with the Hugging Face Trainer, shard with its own option (TrainingArguments(fsdp=...))",
+}
+
+
+def shard_refusal(engine: str) -> str:
+    """Why ``--shard`` and ``engine`` don't go together (``--shard`` shards ``nbddp.prepare(model)``)."""
+    return (f"--shard needs the torch engine: {_SHARD_INSTEAD.get(engine, 'it shards nbddp.prepare(model)')}. "
+            "Drop --shard, or train with nbddp.prepare(model) in a plain PyTorch loop (--engine torch).")
+
+
+#: Kept for scripts and tests that name it: the Catalyst refusal.
+SHARD_NEEDS_TORCH = shard_refusal("catalyst")
+
+
+def spawns_its_own_ranks(engine: str) -> bool:
+    """Whether the script starts its ranks itself (Catalyst) rather than being started by torchrun on each."""
+    return engine in SPAWN_THEIR_OWN_RANKS
 
 
 @dataclass(frozen=True)
@@ -39,34 +66,80 @@ class EngineCode:
 
 
 def detect_engine(cells: Sequence[ExportedCell]) -> str:
-    """``catalyst`` when the training cells call a Catalyst runner's ``train(loaders=...)``.
+    """The engine the training cells call for, from what the cells import and call.
 
-    Catalyst's ``Runner.train`` is keyword-only and ``loaders`` is required, so
-    a ``.train(..., loaders=...)`` call in code that imports catalyst is one.
+    ``catalyst``: a runner's ``.train(..., loaders=...)`` (Catalyst's ``Runner.train`` is keyword-only
+    and ``loaders`` is required). ``accelerate``: ``notebook_launcher(...)``, ``debug_launcher(...)`` or
+    ``Accelerator(...)``. ``lightning``: a ``Trainer(...)`` and its ``.fit(...)``. ``transformers``: a
+    ``...Trainer(...)`` and its ``.train()``. Each also needs its package imported; else ``torch``.
     """
-    imports_catalyst = any(_imports_catalyst(c.code) for c in cells)
-    calls_train = any(_calls_runner_train(c.code) for c in cells if c.role == TRAIN)
-    return "catalyst" if imports_catalyst and calls_train else "torch"
+    imported = set().union(*(_imported_packages(c.code) for c in cells)) if cells else set()
+    training = [_called_names(c.code) for c in cells if c.role == TRAIN]
+    every = set().union(*(_called_names(c.code) for c in cells)) if cells else set()
+    trained = set().union(*training) if training else set()
+    if "catalyst" in imported and any(_calls_runner_train(c.code) for c in cells if c.role == TRAIN):
+        return "catalyst"
+    if "accelerate" in imported and trained & {"notebook_launcher", "debug_launcher", "Accelerator"}:
+        return "accelerate"
+    if imported & set(FRAMEWORKS["lightning"]) and "fit" in trained and "Trainer" in every:
+        return "lightning"
+    if "transformers" in imported and "train" in trained and any(n.endswith("Trainer") for n in every):
+        return "transformers"
+    return "torch"
 
 
-def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False) -> EngineCode:
-    """``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch engine; Catalyst has no FSDP2 engine).
+def framework_packages(cells: Sequence[ExportedCell], engine: str) -> tuple[str, ...]:
+    """Which of ``engine``'s packages the cells import (``lightning`` and/or ``pytorch_lightning``):
+    the ranks adapt only those, so a rank never imports a package the notebook doesn't use."""
+    imported = set().union(*(_imported_packages(c.code) for c in cells)) if cells else set()
+    packages = FRAMEWORKS.get(engine, ())
+    return tuple(p for p in packages if p in imported) or packages[:1]
+
+
+def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
+    """The process count the training cells ask their library for, when it is a literal:
+    ``notebook_launcher(..., num_processes=N)`` or ``Trainer(devices=N)``. It becomes the run's
+    process count unless a launch option (``--gpus``, ``--nproc``) says otherwise."""
+    keyword = {"accelerate": "num_processes", "lightning": "devices"}.get(engine)
+    positional = {"accelerate": 2}.get(engine)  # notebook_launcher(function, args, num_processes)
+    for cell in cells if keyword else ():
+        tree = _parse(cell.code)
+        for node in ast.walk(tree) if tree else ():
+            if not (isinstance(node, ast.Call) and _name_of(node.func) in ("notebook_launcher", "Trainer")):
+                continue
+            values = [k.value for k in node.keywords if k.arg == keyword]
+            if positional is not None and len(node.args) > positional:
+                values.append(node.args[positional])
+            for value in values:
+                if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
+                    return value.value
+    return None
+
+
+def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
+                packages: Sequence[str] = ()) -> EngineCode:
+    """``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch engine only).
+    ``packages``: for a library's engine, the packages of it the cells import (:func:`framework_packages`).
 
     Raises:
-        UsageError: ``shard`` with the Catalyst engine.
+        UsageError: ``shard`` with another engine.
     """
+    if shard and engine != "torch":
+        from nbddp.errors import UsageError
+
+        raise UsageError(shard_refusal(engine))
     if engine == "torch":
         from nbddp.engines.torch import code
 
         return code(tuple(returns), script_name, shard)
     if engine == "catalyst":
-        if shard:
-            from nbddp.errors import UsageError
-
-            raise UsageError(SHARD_NEEDS_TORCH)
         from nbddp.engines.catalyst import code
 
         return code(tuple(returns), script_name)
+    if engine in FRAMEWORKS:
+        from nbddp.engines.frameworks import code
+
+        return code(engine, tuple(packages) or FRAMEWORKS[engine][:1], tuple(returns), script_name)
     raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
 
 
@@ -77,14 +150,27 @@ def _parse(code: str) -> ast.AST | None:
         return None
 
 
-def _imports_catalyst(code: str) -> bool:
+def _imported_packages(code: str) -> set[str]:
+    """The top-level packages ``code`` imports."""
     tree = _parse(code)
+    packages: set[str] = set()
     for node in ast.walk(tree) if tree else ():
-        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "catalyst" for a in node.names):
-            return True
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "catalyst":
-            return True
-    return False
+        if isinstance(node, ast.Import):
+            packages |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            packages.add((node.module or "").split(".")[0])
+    return packages
+
+
+def _name_of(func: ast.expr) -> str:
+    """``f`` for ``f(...)`` and ``x.f(...)``."""
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _called_names(code: str) -> set[str]:
+    """The names ``code`` calls, as ``f`` for ``f(...)`` and ``x.y.f(...)``."""
+    tree = _parse(code)
+    return {_name_of(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)} if tree else set()
 
 
 def _calls_runner_train(code: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 from nbddp.job import registry
 from nbddp.devices import Devices
+from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launchers import Launch, Launcher, launcher_for
 from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest
@@ -231,7 +232,7 @@ class Job:
         node could wait up to twice the timeout; this keeps the promise. The roster (``nodes.json``)
         is written once every node has joined; torchrun starts a node's ranks once its agents have met.
         """
-        if self.spec.nodes is None or self.script.engine != "torch" or self.paths.nodes.exists():
+        if self.spec.nodes is None or spawns_its_own_ranks(self.script.engine) or self.paths.nodes.exists():
             return False  # (Catalyst's ranks meet inside runner.train; their own init timeout bounds it)
         if self.paths.ranks.is_dir() and any(self.paths.ranks.glob("rank-*.json")):
             return False  # torchrun starts ranks only once the nodes have met

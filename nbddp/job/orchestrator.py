@@ -214,7 +214,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     """
     launch = request.launch
     started = time.monotonic()
-    devices = devices_for(launch)
+    devices = devices_for(launch, asked=request.script.processes)
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)

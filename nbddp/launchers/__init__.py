@@ -22,6 +22,7 @@ use this to watch every front door's runs go through the seam.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from importlib import import_module
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from nbddp.devices import Devices, resolve
+from nbddp.engines import spawns_its_own_ranks
+from nbddp.errors import DeviceError
 from nbddp.job.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -133,17 +136,27 @@ class Launcher:
         return None
 
 
-def devices_for(launch: "LaunchOptions", visible: int | None = None) -> Devices:
+def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
     """The devices of one node of the run: this machine's, or what a Slurm job asks for per node.
+
+    ``asked``: the process count the notebook asks its library for (``Script.processes``), taken as
+    ``--nproc`` when no launch option counts the devices.
 
     Raises:
         UsageError, DeviceError: before anything starts.
     """
-    if launch.slurm is not None:
+    if launch.slurm is not None:  # (a job's per-node devices are the partition's: Slurm's own defaults)
         from nbddp.launchers.slurm import slurm_devices
 
         return slurm_devices(launch.slurm, launch.cpu, launch.nproc)
-    return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
+    if asked is None or launch.nproc is not None or launch.gpus is not None:
+        return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
+    try:
+        devices = resolve(None, launch.cpu, asked, visible)
+    except DeviceError as exc:
+        raise DeviceError(f"the notebook asks for {asked} processes: {exc} Choose with --gpus N or --cpu.") from None
+    kind = "GPUs" if devices.kind == "cuda" else "CPU processes (gloo)"
+    return dataclasses.replace(devices, note=f"{asked} {kind}, as the notebook asks (--gpus / --nproc choose otherwise).")
 
 
 def launcher_name(spec: "JobSpec") -> str:
@@ -152,7 +165,7 @@ def launcher_name(spec: "JobSpec") -> str:
         return "slurm"
     if spec.pool is not None:
         return "warm"
-    return "catalyst-spawn" if spec.script.engine == "catalyst" else "torchrun"
+    return "catalyst-spawn" if spawns_its_own_ranks(spec.script.engine) else "torchrun"
 
 
 def launcher_for(spec: "JobSpec") -> Launcher:

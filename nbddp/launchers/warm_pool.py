@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from nbddp.atomic import write_json
 from nbddp.devices import Devices
+from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers import Launch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
 from nbddp.launchers.pool_dir import FOLDER_PREFIX, PoolDir
@@ -55,8 +56,8 @@ _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES")
 
 def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
     """Why warm ranks can't serve a run of ``engine`` with ``launch`` (``""``: they can). The one rule."""
-    if engine != "torch":
-        return "warm ranks serve the torch engine only (Catalyst spawns its own ranks)"
+    if spawns_its_own_ranks(engine):
+        return f"warm ranks can't serve the {engine} engine (it spawns its own ranks)"
     if launch.nodes is not None or launch.slurm is not None:
         return "warm ranks are for one machine"
     if launch.max_restarts:

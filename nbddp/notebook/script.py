@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from nbddp import __version__
 from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, ExportedCell, select_cells
-from nbddp.engines import ENGINES, detect_engine, engine_code
+from nbddp.engines import ENGINES, detect_engine, engine_code, framework_packages, processes_asked
 from nbddp.errors import NbddpError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides
@@ -33,7 +33,7 @@ class ExportOptions:
     """What the user chose: built once from argv or magic arguments."""
 
     engine: str | None = None
-    """``torch``, ``catalyst``, or ``None`` to detect from the training cells."""
+    """An engine of :data:`nbddp.engines.ENGINES`, or ``None`` to detect it from the training cells."""
     parameters: dict[str, Any] = field(default_factory=dict)
     returns: tuple[str, ...] = ("model",)
     shard: bool = False
@@ -63,6 +63,9 @@ class Script:
     source_map: SourceMap
     engine: str
     cells: tuple[ExportedCell, ...]
+    processes: int | None = None
+    """The process count the cells ask their library for (``notebook_launcher(num_processes=N)``,
+    ``Trainer(devices=N)``): the run's unless a launch option says otherwise."""
 
 
 def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Script:
@@ -89,7 +92,8 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     source = Path(source)
     markdown = markdown or {}
     engine = options.engine or detect_engine(cells)
-    engine_lines = engine_code(engine, options.returns, options.script_name, options.shard)
+    engine_lines = engine_code(engine, options.returns, options.script_name, options.shard,
+                               framework_packages(cells, engine))
     writer = _Writer()
     if any(c.cell.label for c in cells):
         numbers = ", ".join(c.cell.name for c in cells)
@@ -135,7 +139,7 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     for line in engine_lines.train_epilogue:
         writer.line(INDENT + line)
     source_map = SourceMap(str(source), options.script_name, tuple(writer.segments))
-    return Script(writer.text(), source_map, engine, tuple(cells))
+    return Script(writer.text(), source_map, engine, tuple(cells), processes_asked(cells, engine))
 
 
 def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:

@@ -69,7 +69,8 @@ def _use_cuda() -> bool:
 # ---------------------------------------------------------------- lifecycle
 
 
-def start(engine: str = "torch", *, shard: bool = False) -> None:
+def start(engine: str = "torch", *, shard: bool = False, framework: str | None = None,
+          packages: tuple[str, ...] = ()) -> None:
     """Called by the torch engine's script at import time, in every process that imports it.
 
     Under torchrun: send output to the rank's log, record an uncaught exception, join the process
@@ -96,6 +97,10 @@ def start(engine: str = "torch", *, shard: bool = False) -> None:
             per_node = int(os.environ["LOCAL_WORLD_SIZE"])
             node = int(os.environ["GROUP_RANK"])
             exchange_roster(node, nnodes, rank(), range(node * per_node, (node + 1) * per_node))
+    if framework is not None:
+        from nbddp.rank_side.frameworks import adapt
+
+        adapt(framework, packages)
 
 
 def join_group(store: Any, rank_: int | None = None, size: int | None = None) -> None:

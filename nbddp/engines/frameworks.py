@@ -1,0 +1,52 @@
+"""The Accelerate, Lightning and Hugging Face Trainer engines: a notebook written for the library, unchanged.
+
+Each library already knows how to be one rank of several when torchrun starts it (it reads ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``); what breaks in a notebook is that each also tries to *start* the
+ranks itself, by forking the kernel (Accelerate's ``notebook_launcher``, Lightning's ``ddp_notebook``
+and ``ddp_fork``), which fails once the kernel has touched CUDA and leaves the kernel's objects
+untrained. So the script is the torch engine's, launched by torchrun like it, and its first lines ask
+the rank side (:mod:`nbddp.rank_side.frameworks`) to adapt the library: the launcher runs the function
+in the rank, the fork strategy becomes the matching torchrun one, and the library's logs reach
+``nbddp.log``. What the rank changes it prints, so nothing happens behind the user's back.
+"""
+
+from __future__ import annotations
+
+from nbddp.devices import CPU_PROCESSES
+from nbddp.engines import EngineCode
+from nbddp.launchers.torchrun import by_hand, torchrun_options
+
+#: What each library's adaptation does, for the script's header: the code the user would otherwise write.
+ADAPTATIONS = {
+    "accelerate": (
+        "Accelerate: notebook_launcher(function, args, num_processes=N, mixed_precision=M) runs",
+        "function(*args) in this rank (torchrun started the N ranks; mixed_precision as",
+        "ACCELERATE_MIXED_PRECISION), and on CPU ranks ACCELERATE_USE_CPU=true, as `accelerate launch --cpu`",
+        "sets it, so Accelerator() sees several gloo processes.",
+    ),
+    "lightning": (
+        "Lightning: Trainer(strategy='ddp_notebook' | 'ddp_fork' | 'ddp_spawn' | 'auto', devices=...) runs as",
+        "strategy='ddp' with devices/num_nodes/accelerator of this torchrun job (Lightning then joins the",
+        "ranks torchrun started instead of forking); trainer.callback_metrics go to nbddp.log.",
+    ),
+    "transformers": (
+        "Hugging Face Trainer: TrainingArguments picks up torchrun's ranks (on CPU ranks",
+        "ACCELERATE_USE_CPU=true, as `accelerate launch --cpu` sets it); the Trainer's logs (loss,",
+        "learning rate, epoch) go to nbddp.log.",
+    ),
+}
+
+
+def code(engine: str, packages: tuple[str, ...], returns: tuple[str, ...], script_name: str) -> EngineCode:
+    """The torch engine's script with the library ``engine`` (its ``packages``) adapted at import time."""
+    return EngineCode(
+        imports=(
+            "import nbddp.rank_side.torch_engine as _nbddp",
+            f"_nbddp.start(framework={engine!r}, packages={packages!r})  # joins torchrun's group; "
+            f"adapts {engine} to it (see above)",
+        ),
+        train_prologue=(),
+        train_epilogue=(f"_nbddp.finish(globals(), returns={list(returns)!r})  # rank 0 saves the returned state",),
+        launch_hint=by_hand(torchrun_options(CPU_PROCESSES), script_name),
+        notes=ADAPTATIONS[engine],
+    )

@@ -1,0 +1,234 @@
+"""Notebooks written for Accelerate, Lightning and the Hugging Face Trainer run unchanged as DDP jobs.
+
+The slow tests run the real libraries in real ranks (torchrun, 2 gloo CPU processes) through ``nbddp
+run`` and ``%%ddp_train`` in a real kernel, and compare the weights with the same training in one plain
+Python process (:mod:`tests.framework_notebooks`); the rest test detection and the adaptations' policies
+in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_notebook
+
+from nbddp.devices import Devices
+from nbddp.engines import detect_engine, processes_asked, shard_refusal
+from nbddp.errors import DeviceError, NbddpError, UsageError
+from nbddp.launchers import devices_for
+from nbddp.notebook.cells import select_cells
+from nbddp.notebook.reader import read_notebook
+from nbddp.notebook.script import ExportOptions, generate
+from nbddp.options import LaunchOptions
+from tests.conftest import code, write_notebook
+from tests.framework_notebooks import NOTEBOOKS
+
+ENGINES = sorted(NOTEBOOKS)
+
+
+def exported(tmp_path, cells, **options):
+    path = write_notebook(tmp_path / "nb.ipynb", cells)
+    return generate(read_notebook(path), ExportOptions(**options))
+
+
+# ---------------------------------------------------------------- in this process
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_librarys_notebook_is_detected_and_its_script_adapts_the_library(tmp_path, engine):
+    script = exported(tmp_path, NOTEBOOKS[engine].cells())
+    assert script.engine == engine
+    package = {"lightning": "lightning"}.get(engine, engine)
+    assert f"_nbddp.start(framework={engine!r}, packages=({package!r},))" in script.text
+    assert "torch.distributed.run --standalone --nproc-per-node=2" in script.text  # launched by torchrun
+    assert script.processes == {"accelerate": 2, "lightning": 2, "transformers": None}[engine]
+    compile(script.text, "train.py", "exec")
+
+
+def test_detection_needs_the_import_and_the_call_and_engine_overrides_it(tmp_path):
+    def engine_of(*sources):
+        path = write_notebook(tmp_path / "d.ipynb", [code(s) for s in sources])
+        return detect_engine(select_cells(read_notebook(path)))
+
+    assert engine_of("#| ddp\nimport accelerate", "#| ddp-train\nprint(1)") == "torch"
+    assert engine_of("#| ddp\nfrom accelerate import Accelerator", "#| ddp-train\nacc = Accelerator()") == "accelerate"
+    assert engine_of("#| ddp\nimport pytorch_lightning as pl", "#| ddp-train\npl.Trainer().fit(m)") == "lightning"
+    assert engine_of("#| ddp\nimport lightning as L", "#| ddp-train\nm.fit(x)") == "torch"  # (no Trainer: sklearn's fit)
+    assert engine_of("#| ddp\nfrom transformers import AutoModel, Seq2SeqTrainer\nt = Seq2SeqTrainer()",
+                     "#| ddp-train\nt.train()") == "transformers"
+    assert engine_of("#| ddp\nfrom transformers import AutoModel\nimport nbddp",  # a raw loop over a HF model
+                     "#| ddp-train\nmodel = nbddp.prepare(AutoModel())\nmodel.train()") == "torch"
+    script = exported(tmp_path, NOTEBOOKS["lightning"].cells(), engine="torch")
+    assert script.engine == "torch" and "framework=" not in script.text
+
+
+def test_lightning_packages_are_the_ones_the_notebook_imports(tmp_path):
+    cells = [code("#| ddp\nimport pytorch_lightning as pl\nmodel = 1"), code("#| ddp-train\npl.Trainer(devices=3).fit(model)")]
+    script = exported(tmp_path, cells)
+    assert "packages=('pytorch_lightning',)" in script.text and script.processes == 3
+
+
+def test_the_notebooks_process_count_is_the_runs_unless_a_launch_option_says_otherwise():
+    asked = devices_for(LaunchOptions(), visible=0, asked=3)
+    assert asked == Devices("cpu", 3, asked.note) and "as the notebook asks" in asked.note
+    assert devices_for(LaunchOptions(nproc=2), visible=0, asked=3).nproc == 2
+    on_cpu = devices_for(LaunchOptions(cpu=True), visible=4, asked=3)
+    assert (on_cpu.kind, on_cpu.nproc) == ("cpu", 3)
+    assert devices_for(LaunchOptions(), visible=4, asked=2).kind == "cuda"
+    with pytest.raises(DeviceError, match="the notebook asks for 8 processes: .* Choose with --gpus N or --cpu"):
+        devices_for(LaunchOptions(), visible=4, asked=8)
+    assert processes_asked([], "transformers") is None
+
+
+@pytest.mark.parametrize("engine", ["accelerate", "lightning", "transformers", "catalyst"])
+def test_shard_is_refused_for_a_library_engine_saying_what_shards_there(tmp_path, engine):
+    with pytest.raises(UsageError, match="--shard needs the torch engine"):
+        LaunchOptions(engine=engine, shard=True)
+    assert {"accelerate": "fsdp_plugin", "lightning": "strategy=\"fsdp\"", "transformers": "fsdp=",
+            "catalyst": "no FSDP2 engine"}[engine] in shard_refusal(engine)
+    if engine in NOTEBOOKS:
+        with pytest.raises(UsageError, match="--shard needs the torch engine"):
+            exported(tmp_path, NOTEBOOKS[engine].cells(), shard=True)
+
+
+def test_lightnings_forking_strategies_become_torchruns():
+    from nbddp.rank_side.frameworks import lightning_strategy
+
+    assert lightning_strategy("ddp_notebook", 2) == "ddp"
+    assert lightning_strategy("ddp_fork_find_unused_parameters_true", 2) == "ddp_find_unused_parameters_true"
+    assert lightning_strategy("ddp_spawn", 2) == "ddp"
+    assert lightning_strategy("auto", 2) == "ddp" and lightning_strategy(None, 1) == "auto"
+    assert lightning_strategy("fsdp", 2) == "fsdp" and lightning_strategy("deepspeed_stage_2", 2) == "deepspeed_stage_2"
+
+    class Forking:
+        _start_method = "fork"
+
+    assert lightning_strategy(Forking(), 2)._start_method == "popen"
+
+
+def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides(monkeypatch):
+    accelerate = pytest.importorskip("accelerate")
+    from nbddp.rank_side import frameworks
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    seen = []
+    frameworks.notebook_launcher(lambda a, b: seen.append((a, b, os.environ["ACCELERATE_MIXED_PRECISION"])),
+                                 args=(1, 2), num_processes=1, mixed_precision="BF16", use_port="29501")
+    assert seen == [(1, 2, "bf16")] and "ACCELERATE_MIXED_PRECISION" not in os.environ
+    with pytest.raises(NbddpError, match=r"notebook_launcher\(num_nodes=2\): .* run with --nnodes 2"):
+        frameworks.notebook_launcher(print, num_nodes=2)
+    with pytest.raises(NbddpError, match=r"notebook_launcher\(max_restarts=3\): .* --max-restarts 3"):
+        frameworks.notebook_launcher(print, max_restarts=3)
+    with pytest.raises(ValueError, match=r"mixed_precision='fp64'\): choose one of"):
+        frameworks.notebook_launcher(print, mixed_precision="fp64")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_gpus'"):
+        frameworks.notebook_launcher(print, num_gpus=2)
+    assert accelerate.notebook_launcher is not frameworks.notebook_launcher  # (adapted only in a rank)
+
+
+def test_import_nbddp_imports_none_of_the_libraries():
+    probe = ("import sys, nbddp, nbddp.doors.cli, nbddp.engines.frameworks; "
+             "print(sorted(m for m in ('torch', 'accelerate', 'lightning', 'pytorch_lightning', 'transformers') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------- real ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_weights(tmp_path, cli_run, engine):
+    notebook = NOTEBOOKS[engine]
+    write_notebook(tmp_path / "nb.ipynb", notebook.cells())
+    run = cli_run(["run", "nb.ipynb"], tmp_path)
+    assert run.wait() == 0, run.output
+    assert not run.leftovers()
+    said = {"accelerate": "[nbddp] notebook_launcher: training_loop() runs in each of the 2 ranks torchrun started",
+            "lightning": "[nbddp] Trainer(strategy='ddp_notebook', devices=2) runs as strategy='ddp' on 2 process(es)",
+            "transformers": "[rank 0] {'loss'"}[engine]
+    assert said in run.output, run.output
+    if engine == "accelerate":
+        assert "on 2 processes, DistributedType.MULTI_CPU" in run.output  # Accelerator saw torchrun's ranks
+    [run_dir] = sorted((tmp_path / "runs").iterdir())
+    weights = torch.load(run_dir / "weights.pt", weights_only=True)["returns"]["model"]
+    expected = notebook.reference(tmp_path)
+    assert weights.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert "[cell 3] kernel loss" in run.output  # the kernel evaluated the returned model on the CPU
+    if engine != "accelerate":  # the library's own metrics drive the view
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert records and {"epoch", "epochs", "step"} <= records[-1].keys()
+        assert any(k in records[0] for k in ("train_loss", "loss"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_failing_rank_names_the_cell_and_line_and_leaves_no_process(tmp_path, cli_run, engine):
+    write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(fail="True"))
+    run = cli_run(["run", "nb.ipynb"], tmp_path)
+    assert run.wait() == 1, run.output
+    assert not run.leftovers()
+    assert "ValueError: rank 1 fails on purpose" in run.output
+    line = next(i for i, text in enumerate(NOTEBOOKS[engine].setup.splitlines(), 2)  # (line 1: the directive)
+                if "rank 1 fails on purpose" in text)
+    assert f"nb.ipynb, cell 1, line {line}" in run.output, run.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ctrl_c_and_a_timeout_stop_the_library_and_leave_no_process(tmp_path, cli_run, engine):
+    write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(slow="1"))
+    run = cli_run(["run", "nb.ipynb"], tmp_path)
+    run.wait_for("[rank 1]", timeout=120)
+    time.sleep(2)  # inside the library's training loop
+    run.proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    assert run.wait(timeout=60) == 130, run.output
+    assert time.monotonic() - sent < 15 and not run.leftovers()
+    timed = cli_run(["run", "nb.ipynb", "--timeout", "25"], tmp_path)
+    assert timed.wait(timeout=120) == 124, timed.output
+    assert "kernel loss" not in timed.output and not timed.leftovers()
+    statuses = sorted(json.loads((d / "result.json").read_text())["status"] for d in (tmp_path / "runs").iterdir())
+    assert statuses == ["interrupted", "timeout"]
+
+
+@pytest.mark.slow
+def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the_peers(tmp_path):
+    """The kernel "has touched CUDA" (simulated on CPU: torch's own bad-fork check says so, as it does
+    once a kernel initialised CUDA): Lightning's ddp_notebook refuses to fork from it, as users report
+    (Lightning#21389); ``%%ddp_train`` runs the same cell in fresh ranks, and each library's weights come back."""
+    from nbclient import NotebookClient
+
+    cells = [new_code_cell("%load_ext nbddp\nimport torch\ntorch.cuda._is_in_bad_fork = lambda: True")]
+    for engine in ENGINES:
+        notebook = NOTEBOOKS[engine]
+        train = notebook.train.format(batch=notebook.batch, fail="False", slow="0")
+        cells += [new_code_cell(notebook.setup), new_code_cell("%%ddp_train\n" + train), new_code_cell(notebook.evaluate)]
+        if engine == "lightning":  # the peer's own way, from the same kernel
+            cells.append(new_code_cell(train.replace("trainer.fit", "try:\n    trainer.fit") +
+                                       "\nexcept RuntimeError as exc:\n    print('LIGHTNING REFUSED:', exc)"))
+    nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                            "language": "python"}})
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    texts = ["\n".join(o.get("text", "") for o in cell.outputs) for cell in nb.cells]
+    for engine, index in zip(ENGINES, (2, 5, 9)):
+        assert "[nbddp] succeeded in" in texts[index], (engine, texts[index])
+        assert "kernel loss" in texts[index + 1]
+    assert "LIGHTNING REFUSED: Cannot re-initialize CUDA in forked subprocess" in texts[7], texts[7]
+    runs = sorted((tmp_path / "runs").iterdir())
+    assert len(runs) == 3
+    for run_dir, engine in zip(runs, ENGINES):
+        expected = NOTEBOOKS[engine].reference(tmp_path)
+        weights = torch.load(run_dir / "weights.pt", weights_only=True)["returns"]["model"]
+        for name, value in expected.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=f"{engine} {name}")
