@@ -3,8 +3,8 @@
 The launcher (torchrun, or the Catalyst script) is a child of the CLI or of
 the Jupyter kernel. If that parent dies without stopping it (kernel restart,
 SIGKILL), Linux's parent-death signal delivers SIGTERM to it; torchrun then
-stops its ranks, and each rank has the same signal tied to torchrun (see
-:mod:`nbddp.rank_side.torch_engine`). The setting survives ``exec``, so this costs one
+stops its ranks, and each rank has a SIGKILL tied to torchrun's death (see
+:mod:`nbddp.rank_side.process`). The setting survives ``exec``, so this costs one
 short-lived Python start and no ``preexec_fn`` in a threaded kernel.
 
 Caveat: Linux ties the signal to the parent *thread* that started the

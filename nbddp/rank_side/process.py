@@ -137,14 +137,20 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this rank when its parent (torchrun / Catalyst) dies."""
+    """Ask Linux to SIGKILL this rank when its parent (torchrun / Catalyst) dies.
+
+    torch starts each rank in a session of its own, so stopping the launcher's group doesn't reach the
+    ranks: the launcher forwards a SIGTERM, and this is the rest. SIGKILL, not SIGTERM: libraries catch
+    SIGTERM to save a checkpoint at their next step (Lightning does), and once the launcher is gone a
+    rank that waits for that would outlive its run.
+    """
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
