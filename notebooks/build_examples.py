@@ -1,4 +1,4 @@
-"""Write the example notebooks (without outputs): ``python notebooks/build_examples.py``.
+"""Write the example notebooks (without outputs): ``python notebooks/build_examples.py [NAME.ipynb...]``.
 
 They are kept as code here so a change to them is a readable diff; the
 committed ``.ipynb`` files are the executed versions (``nbddp run ... -o`` for
@@ -138,9 +138,142 @@ def magic_notebook():
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
 
 
+KERNELSPEC = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
+def accelerate_notebook():
+    """Written as Accelerate's notebook_launcher tutorial shows; nbddp runs it unchanged."""
+    return new_notebook(cells=[
+        new_markdown_cell(
+            "# Digits with Accelerate's `notebook_launcher`, unchanged\n\n"
+            "Written as Accelerate's docs show: a training function and `notebook_launcher(..., num_processes=2)`. "
+            "`nbddp run notebooks/digits_accelerate.ipynb` runs the function in 2 ranks started by torchrun "
+            "(no fork of the kernel, so a kernel that touched CUDA is no problem), streams them, and loads the "
+            "trained `model` back here, where the last cell evaluates it on the CPU. The only addition: the "
+            "`#| ddp` directives say which cells the ranks need."
+        ),
+        new_code_cell("epochs = 12\nlr = 0.05\nbatch_size = 32\nseed = 0", metadata={"tags": ["parameters"]}),
+        new_code_cell("#| ddp\nfrom accelerate import Accelerator, notebook_launcher\n" + DATA),
+        new_code_cell(
+            "#| ddp\n"
+            "def training_loop(model, epochs, lr, batch_size, mixed_precision=\"no\"):\n"
+            "    accelerator = Accelerator(mixed_precision=mixed_precision)\n"
+            "    loader = DataLoader(TensorDataset(X_train, y_train), batch_size=batch_size, shuffle=True)\n"
+            "    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)\n"
+            "    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+            "    for epoch in range(epochs):\n"
+            "        for xb, yb in loader:\n"
+            "            optimizer.zero_grad()\n"
+            "            loss = nn.functional.cross_entropy(model(xb), yb)\n"
+            "            accelerator.backward(loss)\n"
+            "            optimizer.step()\n"
+            "        accelerator.print(f\"epoch {epoch + 1} loss {loss.item():.4f} \"\n"
+            "                          f\"({accelerator.num_processes} processes, {accelerator.distributed_type})\")"
+        ),
+        new_code_cell("#| ddp-train\nnotebook_launcher(training_loop, args=(model, epochs, lr, batch_size), num_processes=2)"),
+        new_code_cell(EVALUATE),
+    ], metadata=KERNELSPEC)
+
+
+def lightning_notebook():
+    """A LightningModule and Trainer(strategy="ddp_notebook", devices=2), as Lightning's docs show."""
+    return new_notebook(cells=[
+        new_markdown_cell(
+            "# Digits with PyTorch Lightning's `ddp_notebook`, unchanged\n\n"
+            "A `LightningModule` and `Trainer(strategy=\"ddp_notebook\", devices=2)`, as Lightning's docs show. "
+            "`nbddp run notebooks/digits_lightning.ipynb` runs `trainer.fit` in 2 ranks started by torchrun "
+            "(as `strategy=\"ddp\"`: Lightning then joins those ranks instead of forking the kernel), the logged "
+            "metrics drive nbddp's progress and plot, and the trained module comes back here."
+        ),
+        new_code_cell("epochs = 12\nlr = 0.05\nbatch_size = 32\nseed = 0", metadata={"tags": ["parameters"]}),
+        new_code_cell("#| ddp\nimport lightning as L\n" + DATA.replace(
+            "model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))", "") +
+            "train_loader = DataLoader(TensorDataset(X_train, y_train), batch_size=batch_size, shuffle=True)\n\n\n"
+            "class Classifier(L.LightningModule):\n"
+            "    def __init__(self, lr):\n"
+            "        super().__init__()\n"
+            "        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))\n"
+            "        self.lr = lr\n\n"
+            "    def forward(self, x):\n"
+            "        return self.net(x)\n\n"
+            "    def training_step(self, batch, batch_idx):\n"
+            "        xb, yb = batch\n"
+            "        loss = nn.functional.cross_entropy(self(xb), yb)\n"
+            "        self.log(\"train_loss\", loss, on_epoch=True, on_step=False, sync_dist=True)\n"
+            "        return loss\n\n"
+            "    def configure_optimizers(self):\n"
+            "        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)\n\n\n"
+            "model = Classifier(lr)"),
+        new_code_cell(
+            "#| ddp-train\n"
+            "trainer = L.Trainer(strategy=\"ddp_notebook\", devices=2, accelerator=\"cpu\", max_epochs=epochs,\n"
+            "                    enable_progress_bar=False, enable_model_summary=False, logger=False,\n"
+            "                    enable_checkpointing=False)\n"
+            "trainer.fit(model, train_loader)"
+        ),
+        new_code_cell(EVALUATE),
+    ], metadata=KERNELSPEC)
+
+
+def transformers_notebook():
+    """A tiny GPT-2 built from its config, trained with the Hugging Face Trainer."""
+    return new_notebook(cells=[
+        new_markdown_cell(
+            "# A tiny GPT-2 with the Hugging Face `Trainer`, unchanged\n\n"
+            "A GPT-2 built from a small `GPT2Config` (nothing downloaded) learns to continue arithmetic "
+            "sequences (`s, s+k, s+2k, ...` modulo 32). `nbddp run notebooks/tiny_gpt2_transformers.ipynb` "
+            "runs `trainer.train()` in 2 ranks started by torchrun (`TrainingArguments` picks them up), the "
+            "Trainer's logs drive nbddp's progress and plot, and the trained `model` comes back here."
+        ),
+        new_code_cell("epochs = 30\nlr = 3e-3\nbatch_size = 16\nseed = 0", metadata={"tags": ["parameters"]}),
+        new_code_cell(
+            "#| ddp\n"
+            "import torch\n"
+            "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments\n\n"
+            "torch.manual_seed(seed)\n"
+            "VOCAB, LENGTH = 32, 12\n"
+            "starts, steps = torch.meshgrid(torch.arange(VOCAB), torch.arange(1, 5), indexing=\"ij\")\n"
+            "sequences = (starts.reshape(-1, 1) + steps.reshape(-1, 1) * torch.arange(LENGTH)) % VOCAB  # 128 sequences\n"
+            "shuffled = sequences[torch.randperm(len(sequences))]\n"
+            "train_sequences, test_sequences = shuffled[:96], shuffled[96:]\n\n\n"
+            "class Sequences(torch.utils.data.Dataset):\n"
+            "    def __init__(self, rows):\n"
+            "        self.rows = rows\n\n"
+            "    def __len__(self):\n"
+            "        return len(self.rows)\n\n"
+            "    def __getitem__(self, i):\n"
+            "        return {\"input_ids\": self.rows[i], \"labels\": self.rows[i]}\n\n\n"
+            "config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=4)\n"
+            "model = GPT2LMHeadModel(config)"
+        ),
+        new_code_cell(
+            "#| ddp-train\n"
+            "args = TrainingArguments(output_dir=\"gpt2-out\", per_device_train_batch_size=batch_size,\n"
+            "                         num_train_epochs=epochs, learning_rate=lr, logging_steps=10,\n"
+            "                         save_strategy=\"no\", report_to=\"none\", disable_tqdm=True, seed=seed)\n"
+            "trainer = Trainer(model=model, args=args, train_dataset=Sequences(train_sequences))\n"
+            "trainer.train()"
+        ),
+        new_code_cell(
+            "# Runs in the kernel, on the CPU, with the weights the ranks trained.\n"
+            "model.eval()\n"
+            "with torch.no_grad():\n"
+            "    predicted = model(input_ids=test_sequences).logits[:, 1:-1].argmax(-1)\n"
+            "accuracy = (predicted == test_sequences[:, 2:]).float().mean().item()\n"
+            "print(f\"next-token accuracy on unseen sequences (after 2 tokens): {accuracy:.3f}\")"
+        ),
+    ], metadata=KERNELSPEC)
+
+
 if __name__ == "__main__":
+    import sys
+
     for name, nb in [("digits_torch.ipynb", torch_notebook()), ("digits_catalyst.ipynb", catalyst_notebook()),
-                     ("digits_magic.ipynb", magic_notebook())]:
+                     ("digits_magic.ipynb", magic_notebook()), ("digits_accelerate.ipynb", accelerate_notebook()),
+                     ("digits_lightning.ipynb", lightning_notebook()),
+                     ("tiny_gpt2_transformers.ipynb", transformers_notebook())]:
+        if sys.argv[1:] and name not in sys.argv[1:]:  # (only the named ones)
+            continue
         nbformat.validate(nb)
         nbformat.write(nb, HERE / name)
         print("wrote", HERE / name)

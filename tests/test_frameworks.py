@@ -31,6 +31,11 @@ from tests.conftest import code, write_notebook
 from tests.framework_notebooks import NOTEBOOKS
 
 ENGINES = sorted(NOTEBOOKS)
+#: What rank 0 says once the library is adapted, before its training starts.
+ADAPTED = {"accelerate": "[rank 0] [nbddp] notebook_launcher: training_loop() runs in each of the 2 ranks torchrun started",
+           "lightning": "[rank 0] [nbddp] Trainer(strategy='ddp_notebook', devices=2) runs as strategy='ddp' on 2 "
+                        "process(es)",
+           "transformers": "[rank 0] [nbddp] Trainer: trains on 2 process(es) started by torchrun (distributed, cpu)"}
 
 
 def exported(tmp_path, cells, **options):
@@ -98,6 +103,18 @@ def test_shard_is_refused_for_a_library_engine_saying_what_shards_there(tmp_path
             exported(tmp_path, NOTEBOOKS[engine].cells(), shard=True)
 
 
+def test_a_training_function_defined_only_in_an_untagged_cell_is_refused_naming_the_cell(tmp_path):
+    from nbddp.errors import CellError
+    from nbddp.notebook.freevars import check_defined
+
+    setup, function = NOTEBOOKS["accelerate"].setup.split("\ndef training_loop", 1)
+    cells = [code("#| ddp\n" + setup), code("def training_loop" + function),  # (no directive: the kernel's only)
+             code("#| ddp-train\nnotebook_launcher(training_loop, args=(model, 3, 8), num_processes=2)")]
+    with pytest.raises(CellError, match=r"nb.ipynb, cell 3, line 2: the training code uses 'training_loop'.*"
+                                        r"cells without a tag run only in the kernel"):
+        check_defined(exported(tmp_path, cells))
+
+
 def test_lightnings_forking_strategies_become_torchruns():
     from nbddp.rank_side.frameworks import lightning_strategy
 
@@ -152,10 +169,7 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
     run = cli_run(["run", "nb.ipynb"], tmp_path)
     assert run.wait() == 0, run.output
     assert not run.leftovers()
-    said = {"accelerate": "[nbddp] notebook_launcher: training_loop() runs in each of the 2 ranks torchrun started",
-            "lightning": "[nbddp] Trainer(strategy='ddp_notebook', devices=2) runs as strategy='ddp' on 2 process(es)",
-            "transformers": "[rank 0] {'loss'"}[engine]
-    assert said in run.output, run.output
+    assert ADAPTED[engine] in run.output, run.output
     if engine == "accelerate":
         assert "on 2 processes, DistributedType.MULTI_CPU" in run.output  # Accelerator saw torchrun's ranks
     [run_dir] = sorted((tmp_path / "runs").iterdir())
@@ -189,13 +203,13 @@ def test_a_failing_rank_names_the_cell_and_line_and_leaves_no_process(tmp_path, 
 def test_ctrl_c_and_a_timeout_stop_the_library_and_leave_no_process(tmp_path, cli_run, engine):
     write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(slow="10"))  # each step 10 s: still training
     run = cli_run(["run", "nb.ipynb"], tmp_path)
-    run.wait_for("[rank 1]", timeout=120)
-    time.sleep(2)  # inside the library's training loop
+    run.wait_for(ADAPTED[engine], timeout=120)  # the library's training starts
+    time.sleep(2)
     run.proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     assert run.wait(timeout=60) == 130, run.output
     assert time.monotonic() - sent < 15 and not run.leftovers()
-    timed = cli_run(["run", "nb.ipynb", "--timeout", "25"], tmp_path)
+    timed = cli_run(["run", "nb.ipynb", "--timeout", "20"], tmp_path)
     assert timed.wait(timeout=120) == 124, timed.output
     assert "kernel loss" not in timed.output and not timed.leftovers()
     statuses = sorted(json.loads((d / "result.json").read_text())["status"] for d in (tmp_path / "runs").iterdir())

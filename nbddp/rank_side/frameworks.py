@@ -204,6 +204,10 @@ def _log_lightning(trainer: Any, epoch: int) -> None:
 # ---------------------------------------------------------------- Hugging Face Trainer
 
 
+#: The Trainer's end-of-training speed figures: not measures of the model (its ``train_loss`` is kept).
+_TRAINER_SUMMARY = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"})
+
+
 def _adapt_transformers() -> None:
     import transformers
 
@@ -215,7 +219,8 @@ def _adapt_transformers() -> None:
         def on_log(self, args, state, control, logs=None, **kwargs: Any) -> None:  # noqa: ANN001
             if not state.is_world_process_zero or not logs:
                 return
-            values = {k: v for k, v in logs.items() if isinstance(v, (int, float)) and k not in COUNTERS}
+            values = {k: v for k, v in logs.items()
+                      if isinstance(v, (int, float)) and k not in COUNTERS and k not in _TRAINER_SUMMARY}
             torch_engine.log(epoch=logs.get("epoch", state.epoch), epochs=args.num_train_epochs,
                              step=state.global_step, steps=state.max_steps, **values)
 
@@ -224,6 +229,8 @@ def _adapt_transformers() -> None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             self.add_callback(NbddpLogs())
+            say(f"{type(self).__name__}: trains on {self.args.world_size} process(es) started by torchrun "
+                f"({self.args.parallel_mode.value}, {self.args.device.type}); its logs go to nbddp.log")
         return __init__
 
     _wrap(transformers.Trainer, "__init__", make)
