@@ -141,6 +141,9 @@ def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides
     assert seen == [(1, 2, "bf16")] and "ACCELERATE_MIXED_PRECISION" not in os.environ
     with pytest.raises(NbddpError, match=r"notebook_launcher\(num_nodes=2\): .* run with --nnodes 2"):
         frameworks.notebook_launcher(print, num_nodes=2)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # a run on two nodes: left out, num_nodes is the run's
+    frameworks.notebook_launcher(seen.append, args=("two nodes",))
+    assert seen[-1] == "two nodes"
     with pytest.raises(NbddpError, match=r"notebook_launcher\(max_restarts=3\): .* --max-restarts 3"):
         frameworks.notebook_launcher(print, max_restarts=3)
     with pytest.raises(ValueError, match=r"mixed_precision='fp64'\): choose one of"):

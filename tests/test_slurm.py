@@ -221,3 +221,20 @@ def test_nbddp_kill_cancels_a_slurm_run_and_waits_for_the_queue(tmp_path, cli_ru
     assert run.wait(60) == 143, run.output
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
     assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_a_lightning_notebook_trains_on_slurm_as_torchruns_ranks(tmp_path, cli_run, slurm_env):
+    """On a Slurm node Slurm's variables are there beside torchrun's (one task per node: SLURM_PROCID counts
+    nodes); Lightning's ranks must be torchrun's, and give the weights of one process with the global batch."""
+    import torch
+
+    from tests.framework_notebooks import LIGHTNING
+
+    write_notebook(tmp_path / "lit.ipynb", LIGHTNING.cells())
+    run = cli_run(["run", "lit.ipynb", *CPU2], tmp_path)
+    assert run.wait() == 0, run.output
+    assert "runs as strategy='ddp' on 2 process(es)" in run.output and "[cell 3] kernel loss" in run.output
+    weights = torch.load(only_run_dir(tmp_path) / "weights.pt", weights_only=True)["returns"]["model"]
+    for name, value in LIGHTNING.reference(tmp_path).items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))

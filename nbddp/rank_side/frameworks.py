@@ -83,13 +83,14 @@ def _adapt_accelerate() -> None:
 
 
 def notebook_launcher(function: Callable, args: tuple = (), num_processes: int | None = None,
-                      mixed_precision: str = "no", *, node_rank: int = 0, num_nodes: int = 1,
-                      max_restarts: int = 0, **rendezvous: Any) -> None:
+                      mixed_precision: str = "no", *, node_rank: int = 0, num_nodes: int | None = None,
+                      max_restarts: int | None = None, **rendezvous: Any) -> None:
     """Accelerate's ``notebook_launcher`` in a rank torchrun started: ``function(*args)``, here.
 
     ``num_processes`` chose the run's process count before launch (unless ``--gpus``/``--nproc`` did);
     ``mixed_precision`` means what it means to ``accelerate launch``; the nodes and restarts are
-    nbddp's (``--nnodes``, ``--slurm``, ``--max-restarts``), so values that disagree with them are refused.
+    nbddp's (``--nnodes``, ``--slurm``, ``--max-restarts``), so values given that disagree with them
+    are refused (left out, they are the run's). ``node_rank`` is each node's own, given by nbddp.
     """
     from accelerate.utils import PrecisionType, patch_environment
 
@@ -102,11 +103,11 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
         raise ValueError(f"notebook_launcher(mixed_precision={mixed_precision!r}): choose one of "
                          f"{PrecisionType.list()}.") from None
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
-    if num_nodes != nodes:
+    if num_nodes is not None and num_nodes != nodes:
         raise NbddpError(f"notebook_launcher(num_nodes={num_nodes}): this run has {nodes} node(s); nbddp starts the "
                          f"nodes: run with --nnodes {num_nodes} (or --slurm --nodes {num_nodes}) and drop num_nodes.")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    if max_restarts != restarts:
+    if max_restarts is not None and max_restarts != restarts:
         raise NbddpError(f"notebook_launcher(max_restarts={max_restarts}): nbddp restarts the ranks: run with "
                          f"--max-restarts {max_restarts} and drop max_restarts.")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -158,10 +159,13 @@ def _adapt_lightning(package: str) -> None:
         def on_train_epoch_end(self, trainer, *args: Any) -> None:  # noqa: ANN001
             _log_lightning(trainer, trainer.current_epoch + 1)
 
+    environments = importlib.import_module(f"{module.__name__}.plugins.environments")
+
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             _lightning_kwargs(kwargs)
+            _use_torchrun_environment(kwargs, environments)
             callbacks = kwargs.get("callbacks")
             callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
             kwargs["callbacks"] = [*callbacks, NbddpMetrics()]
@@ -187,6 +191,17 @@ def _lightning_kwargs(kwargs: dict[str, Any]) -> None:
     shown = ", ".join(f"{k}={v!r}" for k, v in asked.items() if k != "num_nodes" or v != 1)
     say(f"Trainer({shown}) runs as strategy={strategy!r} on {world} process(es) "
         f"({local} per node, {kwargs['accelerator']}), started by torchrun")
+
+
+def _use_torchrun_environment(kwargs: dict[str, Any], environments: Any) -> None:
+    """Ranks, world size and the rendezvous from torchrun's variables, whatever order this Lightning
+    detects cluster environments in: on a Slurm node Slurm's variables are there too, and there one task
+    per node runs torchrun, so ``SLURM_PROCID`` counts nodes, not ranks (Lightning 2.6 checks torchrun's
+    first; nothing here depends on that)."""
+    plugins = kwargs.get("plugins")
+    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    if not any(isinstance(p, environments.ClusterEnvironment) for p in plugins):
+        kwargs["plugins"] = [*plugins, environments.TorchElasticEnvironment()]
 
 
 def _is_lightning_accelerator(value: Any) -> bool:
