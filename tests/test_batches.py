@@ -263,7 +263,8 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     pool, said = adopt_batch_pool(devices, tmp_path, 300.0)
     assert pool is None and "(the warm ranks had exited (idle, or stopped))" in said
     # The one rule: what warm ranks can't serve at all is never offered a pool (the batch sets none for it).
-    assert "torch engine only" in why_not_warm("catalyst", LaunchOptions())
+    assert "spawns its own ranks" in why_not_warm("catalyst", LaunchOptions())
+    assert why_not_warm("lightning", LaunchOptions()) == ""  # torchrun starts its ranks: warm ones serve it
     assert "one machine" in why_not_warm("torch", LaunchOptions(nodes=__import__("nbddp.options").options.Nodes(2, 0, "h:1")))
     assert "--max-restarts" in why_not_warm("torch", LaunchOptions(max_restarts=1))
     assert why_not_warm("torch", LaunchOptions()) == ""
