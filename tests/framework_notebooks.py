@@ -33,10 +33,9 @@ class FrameworkNotebook:
     """An untagged cell after the training: the kernel evaluates the returned model on the CPU."""
     batch: int
 
-    def cells(self, fail: str = "False", slow: str = "0", magic: str = "") -> list:
+    def cells(self, fail: str = "False", slow: str = "0") -> list:
         train = self.train.format(batch=self.batch, fail=fail, slow=slow)
-        return [code("#| ddp\n" + self.setup), code(f"{magic}\n{train}" if magic else "#| ddp-train\n" + train),
-                code(self.evaluate)]
+        return [code("#| ddp\n" + self.setup), code("#| ddp-train\n" + train), code(self.evaluate)]
 
     def reference(self, tmp_path: Path, world_size: int = 2) -> dict[str, torch.Tensor]:
         """The model's weights after the same training in one process with the global batch."""

@@ -40,10 +40,6 @@ def shard_refusal(engine: str) -> str:
             "Drop --shard, or train with nbddp.prepare(model) in a plain PyTorch loop (--engine torch).")
 
 
-#: Kept for scripts and tests that name it: the Catalyst refusal.
-SHARD_NEEDS_TORCH = shard_refusal("catalyst")
-
-
 def spawns_its_own_ranks(engine: str) -> bool:
     """Whether the script starts its ranks itself (Catalyst) rather than being started by torchrun on each."""
     return engine in SPAWN_THEIR_OWN_RANKS
@@ -68,18 +64,19 @@ class EngineCode:
 def detect_engine(cells: Sequence[ExportedCell]) -> str:
     """The engine the training cells call for, from what the cells import and call.
 
-    ``catalyst``: a runner's ``.train(..., loaders=...)`` (Catalyst's ``Runner.train`` is keyword-only
-    and ``loaders`` is required). ``accelerate``: ``notebook_launcher(...)``, ``debug_launcher(...)`` or
-    ``Accelerator(...)``. ``lightning``: a ``Trainer(...)`` and its ``.fit(...)``. ``transformers``: a
-    ``...Trainer(...)`` and its ``.train()``. Each also needs its package imported; else ``torch``.
+    ``catalyst``: a runner's ``.train(..., loaders=...)`` in a training cell (Catalyst's ``Runner.train``
+    is keyword-only and ``loaders`` is required). ``accelerate``: ``notebook_launcher(...)``,
+    ``debug_launcher(...)`` or ``Accelerator(...)`` in any exported cell (an ``Accelerator`` built in a
+    setup cell must see the ranks too). ``lightning``: a ``Trainer(...)`` and, in a training cell, its
+    ``.fit(...)``. ``transformers``: a ``...Trainer(...)`` and, in a training cell, its ``.train()``.
+    Each also needs its package imported; else ``torch``.
     """
-    imported = set().union(*(_imported_packages(c.code) for c in cells)) if cells else set()
-    training = [_called_names(c.code) for c in cells if c.role == TRAIN]
-    every = set().union(*(_called_names(c.code) for c in cells)) if cells else set()
-    trained = set().union(*training) if training else set()
+    imported = set().union(*(_imported_packages(c.code) for c in cells))
+    every = set().union(*(_called_names(c.code) for c in cells))
+    trained = set().union(*(_called_names(c.code) for c in cells if c.role == TRAIN))
     if "catalyst" in imported and any(_calls_runner_train(c.code) for c in cells if c.role == TRAIN):
         return "catalyst"
-    if "accelerate" in imported and trained & {"notebook_launcher", "debug_launcher", "Accelerator"}:
+    if "accelerate" in imported and every & {"notebook_launcher", "debug_launcher", "Accelerator"}:
         return "accelerate"
     if imported & set(FRAMEWORKS["lightning"]) and "fit" in trained and "Trainer" in every:
         return "lightning"
@@ -91,7 +88,7 @@ def detect_engine(cells: Sequence[ExportedCell]) -> str:
 def framework_packages(cells: Sequence[ExportedCell], engine: str) -> tuple[str, ...]:
     """Which of ``engine``'s packages the cells import (``lightning`` and/or ``pytorch_lightning``):
     the ranks adapt only those, so a rank never imports a package the notebook doesn't use."""
-    imported = set().union(*(_imported_packages(c.code) for c in cells)) if cells else set()
+    imported = set().union(*(_imported_packages(c.code) for c in cells))
     packages = FRAMEWORKS.get(engine, ())
     return tuple(p for p in packages if p in imported) or packages[:1]
 

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
 SETTLE_SECONDS = 3.0
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
-#: Environment variables that differ between runs by design, or that nbddp sets per run.
+#: Environment variables that differ between runs by design, that nbddp sets per run, or that a library
+#: sets in the kernel when imported there: none of them makes warm ranks stale.
 _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES",
             # Set by a library on import (Lightning): a rank that imports it sets them too.
             "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")

@@ -78,8 +78,8 @@ def _adapt_accelerate() -> None:
 
     _use_accelerate_on_cpu()
     for owner in (accelerate, accelerate.launchers):
-        _wrap(owner, "notebook_launcher", lambda original: functools.wraps(original)(notebook_launcher))
-        _wrap(owner, "debug_launcher", lambda original: functools.wraps(original)(debug_launcher))
+        _wrap(owner, "notebook_launcher", lambda original: notebook_launcher)
+        _wrap(owner, "debug_launcher", lambda original: debug_launcher)
 
 
 def notebook_launcher(function: Callable, args: tuple = (), num_processes: int | None = None,
