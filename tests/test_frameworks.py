@@ -133,6 +133,20 @@ def test_lightnings_forking_strategies_become_torchruns():
     assert lightning_strategy(Forking(), 2)._start_method == "popen"
 
 
+def test_a_lightning_trainer_gets_this_runs_devices_and_says_so(monkeypatch, capsys):
+    from nbddp.rank_side.frameworks import _lightning_kwargs
+
+    for name, value in {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    kwargs = {"strategy": "ddp_notebook", "devices": 8, "accelerator": "gpu", "max_epochs": 3}
+    _lightning_kwargs(kwargs)
+    assert kwargs == {"strategy": "ddp", "devices": 2, "num_nodes": 2, "accelerator": "cpu", "max_epochs": 3}
+    assert ("[nbddp] Trainer(strategy='ddp_notebook', devices=8) runs as strategy='ddp' on 4 process(es) (2 per "
+            "node, cpu), started by torchrun") in capsys.readouterr().out
+    with pytest.raises(NbddpError, match=r"Trainer\(strategy='fsdp'\) trains on GPUs only .* use strategy='ddp' here"):
+        _lightning_kwargs({"strategy": "fsdp"})
+
+
 def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides(monkeypatch):
     accelerate = pytest.importorskip("accelerate")
     from nbddp.rank_side import frameworks

@@ -27,6 +27,9 @@ def test_on_a_terminal_epochs_drive_a_progress_bar_under_the_lines(capsys):
     sink(MetricsEvent({"step": 5, "loss": 0.1}))  # no epoch count: no bar, no echo
     sink(MetricsEvent({"epoch": "3/10", "epochs": 10}))  # not a count: ignored, never a crash
     assert lines == ["[rank 0] between\n"]
+    sink(MetricsEvent({"epoch": 1.5, "epochs": 4.0, "loss": 0.2}))  # the Hugging Face Trainer's fractions
+    assert (sink.bar.n, sink.bar.total) == (1.5, 4.0)
+    sink.close()
 
 
 def test_progress_bars_of_ranks_are_thinned_and_kept_out_of_the_notebook(tmp_path):

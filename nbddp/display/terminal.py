@@ -19,6 +19,11 @@ def stdout_write(text: str) -> None:
     sys.stdout.flush()
 
 
+def _count(value: object) -> bool:
+    """An epoch count: a whole number, or a fraction (the Hugging Face Trainer logs ``epoch=1.5``)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class TerminalSink:
     """Rank output as ``[rank N] line``. Metrics that count epochs (``nbddp.log(epoch=..., epochs=...)``)
     become tqdm's epoch bar under the lines on a terminal; they are never echoed as lines (the ranks
@@ -40,7 +45,7 @@ class TerminalSink:
             self.line(f"{rank_prefix(event.rank, event.every_rank)}{event.text}\n")
         elif isinstance(event, MetricsEvent):
             epoch, epochs = event.values.get("epoch"), event.values.get("epochs")
-            if self.tty and isinstance(epochs, int) and isinstance(epoch, int) and 0 <= epoch <= epochs:
+            if self.tty and _count(epochs) and _count(epoch) and 0 <= epoch <= epochs:
                 self._epoch_bar(event.values)
 
     def line(self, text: str) -> None:
@@ -57,7 +62,7 @@ class TerminalSink:
         if self.bar is None:
             self.bar = tqdm(total=values["epochs"], unit="epoch", file=sys.stdout, dynamic_ncols=True)
         self.bar.set_postfix_str(format_metrics(measures(values)), refresh=False)
-        self.bar.update(values["epoch"] - self.bar.n)
+        self.bar.update(round(values["epoch"] - self.bar.n, 6))
 
     def close(self) -> None:
         if self.bar is not None:
