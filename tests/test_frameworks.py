@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -69,6 +70,8 @@ def test_detection_needs_the_import_and_the_call_and_engine_overrides_it(tmp_pat
                      "#| ddp-train\nacc.backward(loss)") == "accelerate"
     assert engine_of("#| ddp\nimport pytorch_lightning as pl", "#| ddp-train\npl.Trainer().fit(m)") == "lightning"
     assert engine_of("#| ddp\nimport lightning as L", "#| ddp-train\nm.fit(x)") == "torch"  # (no Trainer: sklearn's fit)
+    assert engine_of("#| ddp\nfrom accelerate import Accelerator\ndef loop():\n    Accelerator()",  # a kernel's
+                     "#| ddp\nimport lightning as L", "#| ddp-train\nL.Trainer().fit(m)") == "lightning"  # other cells
     assert engine_of("#| ddp\nfrom transformers import AutoModel, Seq2SeqTrainer\nt = Seq2SeqTrainer()",
                      "#| ddp-train\nt.train()") == "transformers"
     assert engine_of("#| ddp\nfrom transformers import AutoModel\nimport nbddp",  # a raw loop over a HF model
@@ -222,10 +225,11 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ENGINES)
-def test_ctrl_c_stops_the_library_and_leaves_no_process(tmp_path, cli_run, engine):
-    """``nbddp run``'s Ctrl-C stops the launcher (SIGTERM); Lightning's ranks catch SIGTERM and would wait for
-    their next step (10 s away here): they must go with torchrun all the same."""
+def test_ctrl_c_stops_lightnings_ranks_although_they_catch_sigterm(tmp_path, cli_run):
+    """``nbddp run``'s Ctrl-C stops the launcher (SIGTERM, forwarded to the ranks); Lightning's ranks catch
+    SIGTERM and would wait for their next step (10 s away here): they must go with torchrun all the same.
+    (Ctrl-C in a notebook, the stop button, is tested for every library in the kernel test below.)"""
+    engine = "lightning"
     write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(slow="10"))  # each step 10 s: still training
     run = cli_run(["run", "nb.ipynb"], tmp_path)
     run.wait_for(ADAPTED[engine], timeout=120)  # the library's training starts
@@ -243,13 +247,15 @@ def _rank_pids(run_dir) -> set[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the_peers(tmp_path, reference):
     """The kernel "has touched CUDA" (simulated on CPU: torch's own bad-fork check says so, as it does
     once a kernel initialised CUDA): Lightning's ddp_notebook refuses to fork from it, as users report
     (Lightning#21389); ``%%ddp_train`` runs the same cells in fresh ranks. For each library, one after
     another on the kernel's warm ranks: the weights of one process come back, a failing rank names the
-    cell and line, and ``--timeout`` stops the job; nothing is left once the kernel is gone."""
+    cell and line, and ``--timeout`` and the stop button stop the job; nothing is left once the kernel is gone."""
     from nbclient import NotebookClient
+    from nbclient.util import run_sync
 
     cells = [new_code_cell("%load_ext nbddp\nimport torch\ntorch.cuda._is_in_bad_fork = lambda: True")]
     where: dict[str, dict[str, int]] = {}
@@ -265,12 +271,22 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
                                        "\nexcept RuntimeError as exc:\n    print('LIGHTNING REFUSED:', exc)"))
         where[engine]["fail"] = len(cells)
         cells.append(new_code_cell("%%ddp_train\n" + notebook.train.format(batch=notebook.batch, fail="True", slow="0")))
+        slow = notebook.train.format(batch=notebook.batch, fail="False", slow="10")  # 10 s a step
         where[engine]["timeout"] = len(cells)
-        cells.append(new_code_cell("%%ddp_train --timeout 8\n" +
-                                   notebook.train.format(batch=notebook.batch, fail="False", slow="10")))
+        cells.append(new_code_cell("%%ddp_train --timeout 8\n" + slow))
+        where[engine]["interrupt"] = len(cells)
+        cells.append(new_code_cell("%%ddp_train\n" + slow))
     nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                             "language": "python"}})
-    NotebookClient(nb, timeout=400, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    client = NotebookClient(nb, timeout=400, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}})
+    interrupted = {where[engine]["interrupt"] for engine in ENGINES}
+
+    def press_stop_soon(cell, cell_index, **_):  # noqa: ANN001 - nbclient's hook
+        if cell_index in interrupted:  # the stop button (SIGINT to the kernel), 6 s into the training
+            threading.Timer(6, run_sync(client.km.interrupt_kernel)).start()
+
+    client.on_cell_execute = press_stop_soon
+    client.execute()
 
     def text(index: int) -> str:
         parts = []
@@ -281,9 +297,9 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
 
     assert "LIGHTNING REFUSED: Cannot re-initialize CUDA in forked subprocess" in text(where["lightning"]["peer"])
     runs = sorted((tmp_path / "runs").iterdir())
-    assert len(runs) == 3 * len(ENGINES)
+    assert len(runs) == 4 * len(ENGINES)
     for number, engine in enumerate(ENGINES):
-        ok, failed, timed_out = runs[3 * number: 3 * number + 3]
+        ok, failed, timed_out, stopped = runs[4 * number: 4 * number + 4]
         assert "[nbddp] succeeded in" in text(where[engine]["train"]), (engine, text(where[engine]["train"]))
         assert "kernel loss" in text(where[engine]["train"] + 1)
         assert_weights(ok, reference(engine), engine)
@@ -296,8 +312,9 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
         assert "rank 1 raised ValueError: rank 1 fails on purpose" in failure, (engine, failure)
         assert f"In [{setup_count}], line {line}" in failure, (engine, failure)
         assert "--timeout" in text(where[engine]["timeout"]), (engine, text(where[engine]["timeout"]))
-        statuses = [json.loads((d / "result.json").read_text())["status"] for d in (ok, failed, timed_out)]
-        assert statuses == ["succeeded", "failed", "timeout"], (engine, statuses)
+        assert "KeyboardInterrupt" in text(where[engine]["interrupt"]), (engine, text(where[engine]["interrupt"]))
+        statuses = [json.loads((d / "result.json").read_text())["status"] for d in (ok, failed, timed_out, stopped)]
+        assert statuses == ["succeeded", "failed", "timeout", "interrupted"], (engine, statuses)
     pids = set().union(*(_rank_pids(d) for d in runs))
     deadline = time.monotonic() + 10  # the kernel is gone: so are its warm ranks
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):

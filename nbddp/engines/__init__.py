@@ -66,22 +66,26 @@ def detect_engine(cells: Sequence[ExportedCell]) -> str:
 
     ``catalyst``: a runner's ``.train(..., loaders=...)`` in a training cell (Catalyst's ``Runner.train``
     is keyword-only and ``loaders`` is required). ``accelerate``: ``notebook_launcher(...)``,
-    ``debug_launcher(...)`` or ``Accelerator(...)`` in any exported cell (an ``Accelerator`` built in a
-    setup cell must see the ranks too). ``lightning``: a ``Trainer(...)`` and, in a training cell, its
-    ``.fit(...)``. ``transformers``: a ``...Trainer(...)`` and, in a training cell, its ``.train()``.
-    Each also needs its package imported; else ``torch``.
+    ``debug_launcher(...)`` or ``Accelerator(...)`` in a training cell. ``lightning``: a ``Trainer(...)``
+    and, in a training cell, its ``.fit(...)``. ``transformers``: a ``...Trainer(...)`` and, in a training
+    cell, its ``.train()``. Each also needs its package imported. The training cells decide first (a
+    kernel's ``#| ddp`` cells may serve notebooks of several libraries); then an ``Accelerator`` built in
+    a setup cell makes it ``accelerate`` (it must see the ranks too); else ``torch``.
     """
     imported = set().union(*(_imported_packages(c.code) for c in cells))
     every = set().union(*(_called_names(c.code) for c in cells))
     trained = set().union(*(_called_names(c.code) for c in cells if c.role == TRAIN))
+    accelerate_calls = {"notebook_launcher", "debug_launcher", "Accelerator"}
     if "catalyst" in imported and any(_calls_runner_train(c.code) for c in cells if c.role == TRAIN):
         return "catalyst"
-    if "accelerate" in imported and every & {"notebook_launcher", "debug_launcher", "Accelerator"}:
+    if "accelerate" in imported and trained & accelerate_calls:
         return "accelerate"
     if imported & set(FRAMEWORKS["lightning"]) and "fit" in trained and "Trainer" in every:
         return "lightning"
     if "transformers" in imported and "train" in trained and any(n.endswith("Trainer") for n in every):
         return "transformers"
+    if "accelerate" in imported and every & accelerate_calls:
+        return "accelerate"
     return "torch"
 
 

@@ -3,8 +3,8 @@
 Runs in each rank, after :func:`nbddp.rank_side.torch_engine.start` joined the process group and before
 the notebook's cells. Each adaptation is the smallest change that makes the library behave as it does
 under its own multi-process launcher (``accelerate launch``, Lightning's ``ddp`` under torchrun), and
-prints what it changed on rank 0. The patches are idempotent and undone by nothing: a rank runs one
-job (or, warm, re-applies them for the next one).
+prints what it changed on rank 0. A patch is applied once per process and never undone: a rank runs
+one job, or, warm, its next jobs find the patch in place (the libraries' shared state is reset per job).
 """
 
 from __future__ import annotations
