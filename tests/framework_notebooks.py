@@ -30,7 +30,9 @@ class FrameworkNotebook:
     train: str
     """The training cell, formatted with ``batch`` (per process), ``fail`` and ``slow``."""
     evaluate: str
-    """An untagged cell after the training: the kernel evaluates the returned model on the CPU."""
+    """An untagged cell after the training: the kernel evaluates the returned model on the CPU and prints
+    ``kernel weights S``, the sum of its weights (:func:`weights_sum`), so a test sees the kernel's model
+    was trained (Lightning's ``ddp_notebook`` leaves it untouched: Lightning#2092)."""
     batch: int
 
     def cells(self, fail: str = "False", slow: str = "0") -> list:
@@ -42,6 +44,11 @@ class FrameworkNotebook:
         train = self.train.format(batch=self.batch * world_size, fail="False", slow="0")
         train = train.replace("num_processes=2", "num_processes=1").replace("devices=2", "devices=1")
         return one_process(self.setup + "\n" + train, tmp_path)
+
+
+def weights_sum(state: dict[str, torch.Tensor]) -> float:
+    """What the evaluation cell prints as ``kernel weights``."""
+    return round(sum(float(v.double().sum()) for v in state.values()), 4)
 
 
 def one_process(source: str, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -79,7 +86,8 @@ ACCELERATE = FrameworkNotebook(
                 accelerator.print(f"epoch {epoch} loss {loss.item():.4f} on {accelerator.num_processes} "
                                   f"processes, {accelerator.distributed_type}")'''),
     train="notebook_launcher(training_loop, args=(model, 3, {batch}, {fail}, {slow}), num_processes=2)",
-    evaluate="print('kernel loss', round(nn.functional.mse_loss(model(X), Y).item(), 5))",
+    evaluate="print('kernel loss', round(nn.functional.mse_loss(model(X), Y).item(), 5))"
+             "\nprint('kernel weights', round(sum(float(v.double().sum()) for v in model.state_dict().values()), 4))",
     batch=8,
 )
 
@@ -111,7 +119,8 @@ LIGHTNING = FrameworkNotebook(
            "trainer = L.Trainer(strategy=\"ddp_notebook\", devices=2, accelerator=\"cpu\", max_epochs=3,\n"
            "                    logger=False, enable_checkpointing=False, enable_progress_bar=False)\n"
            "trainer.fit(model, loader)"),
-    evaluate="print('kernel loss', round(nn.functional.mse_loss(model.net(X), Y).item(), 5))",
+    evaluate="print('kernel loss', round(nn.functional.mse_loss(model.net(X), Y).item(), 5))"
+             "\nprint('kernel weights', round(sum(float(v.double().sum()) for v in model.state_dict().values()), 4))",
     batch=8,
 )
 
@@ -146,7 +155,8 @@ TRANSFORMERS = FrameworkNotebook(
            "trainer = Trainer(model=model, args=args, train_dataset=Sequences(), callbacks=[Hooks({fail}, {slow})])\n"
            "trainer.train()"),
     evaluate=("with torch.no_grad():\n"
-              "    print('kernel loss', round(model(input_ids=tokens, labels=tokens).loss.item(), 5))"),
+              "    print('kernel loss', round(model(input_ids=tokens, labels=tokens).loss.item(), 5))"
+              "\nprint('kernel weights', round(sum(float(v.double().sum()) for v in model.state_dict().values()), 4))"),
     batch=8,
 )
 

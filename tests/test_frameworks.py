@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
 from nbddp.options import LaunchOptions
 from tests.conftest import code, write_notebook
-from tests.framework_notebooks import NOTEBOOKS
+from tests.framework_notebooks import NOTEBOOKS, weights_sum
 
 ENGINES = sorted(NOTEBOOKS)
 #: What rank 0 says once the library is adapted, before its training starts.
@@ -197,6 +198,13 @@ def reference(tmp_path_factory):
     return of
 
 
+def kernel_weights(output: str) -> float:
+    """The sum of the kernel's model's weights, as its evaluation cell printed it."""
+    found = re.search(r"kernel weights (-?[0-9.e+-]+)", output)
+    assert found, output
+    return float(found.group(1))
+
+
 def assert_weights(run_dir, expected: dict[str, torch.Tensor], engine: str) -> None:
     weights = torch.load(run_dir / "weights.pt", weights_only=True)["returns"]["model"]
     assert weights.keys() == expected.keys()
@@ -217,7 +225,8 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
         assert "on 2 processes, DistributedType.MULTI_CPU" in run.output  # Accelerator saw torchrun's ranks
     [run_dir] = sorted((tmp_path / "runs").iterdir())
     assert_weights(run_dir, reference(engine), engine)
-    assert "[cell 3] kernel loss" in run.output  # the kernel evaluated the returned model on the CPU
+    assert "[cell 3] kernel loss" in run.output  # the kernel evaluated the returned model on the CPU: the trained one
+    assert kernel_weights(run.output) == pytest.approx(weights_sum(reference(engine)), abs=2e-3), run.output
     if engine != "accelerate":  # the library's own metrics drive the view
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert records and {"epoch", "epochs", "step"} <= records[-1].keys()
@@ -301,7 +310,8 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
     for number, engine in enumerate(ENGINES):
         ok, failed, timed_out, stopped = runs[4 * number: 4 * number + 4]
         assert "[nbddp] succeeded in" in text(where[engine]["train"]), (engine, text(where[engine]["train"]))
-        assert "kernel loss" in text(where[engine]["train"] + 1)
+        assert "kernel loss" in text(where[engine]["train"] + 1)  # on the trained weights, not the kernel's own
+        assert kernel_weights(text(where[engine]["train"] + 1)) == pytest.approx(weights_sum(reference(engine)), abs=2e-3)
         assert_weights(ok, reference(engine), engine)
         if number:  # the libraries' notebooks share the kernel's warm ranks, after each other's failures
             assert "on a warm rank" in (ok / "logs" / "rank-0.log").read_text()
