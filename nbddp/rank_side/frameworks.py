@@ -176,7 +176,7 @@ def _adapt_lightning(package: str) -> None:
 
 
 def _lightning_kwargs(kwargs: dict[str, Any]) -> None:
-    """A ``Trainer``'s device arguments made those of this torchrun job, said once on rank 0."""
+    """A ``Trainer``'s device arguments made those of this torchrun job, and what changed said on rank 0."""
     world, local = torch_engine.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
     asked = {k: kwargs.get(k, "auto" if k != "num_nodes" else 1) for k in ("strategy", "devices", "num_nodes")}
