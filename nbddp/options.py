@@ -160,8 +160,9 @@ class LaunchOptions:
             _as_usage(check_name, name, "-p")
         if self.shard and self.engine not in (None, "torch"):
             raise UsageError(shard_refusal(self.engine))
-        if self.max_restarts and self.engine is not None and spawns_its_own_ranks(self.engine):
-            raise UsageError("--max-restarts needs the torch engine (torchrun restarts ranks; Catalyst's spawn can't).")
+        if self.max_restarts and spawns_its_own_ranks(self.engine):
+            raise UsageError("--max-restarts needs the torch engine or a library's (torchrun restarts their ranks); "
+                             "Catalyst's spawn can't.")
         if not (self.rdzv_timeout > 0 and math.isfinite(self.rdzv_timeout)):
             raise UsageError(f"--rdzv-timeout {self.rdzv_timeout:g}: give a positive number of seconds.")
         self._check_topology()

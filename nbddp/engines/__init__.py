@@ -11,6 +11,7 @@ or any of those libraries: this runs in the notebook kernel and the CLI, before 
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -40,7 +41,7 @@ def shard_refusal(engine: str) -> str:
             "Drop --shard, or train with nbddp.prepare(model) in a plain PyTorch loop (--engine torch).")
 
 
-def spawns_its_own_ranks(engine: str) -> bool:
+def spawns_its_own_ranks(engine: str | None) -> bool:
     """Whether the script starts its ranks itself (Catalyst) rather than being started by torchrun on each."""
     return engine in SPAWN_THEIR_OWN_RANKS
 
@@ -151,27 +152,34 @@ def _parse(code: str) -> ast.AST | None:
         return None
 
 
-def _imported_packages(code: str) -> set[str]:
-    """The top-level packages ``code`` imports."""
+@functools.lru_cache(maxsize=1024)
+def _cell_facts(code: str) -> tuple[frozenset[str], frozenset[str]]:
+    """The top-level packages ``code`` imports and the names it calls (``f`` for ``f(...)`` and
+    ``x.y.f(...)``), from one parse; cached, as detection asks of every cell more than once."""
     tree = _parse(code)
     packages: set[str] = set()
+    called: set[str] = set()
     for node in ast.walk(tree) if tree else ():
         if isinstance(node, ast.Import):
             packages |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             packages.add((node.module or "").split(".")[0])
-    return packages
+        elif isinstance(node, ast.Call):
+            called.add(_name_of(node.func))
+    return frozenset(packages), frozenset(called)
+
+
+def _imported_packages(code: str) -> frozenset[str]:
+    return _cell_facts(code)[0]
+
+
+def _called_names(code: str) -> frozenset[str]:
+    return _cell_facts(code)[1]
 
 
 def _name_of(func: ast.expr) -> str:
     """``f`` for ``f(...)`` and ``x.f(...)``."""
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
-
-
-def _called_names(code: str) -> set[str]:
-    """The names ``code`` calls, as ``f`` for ``f(...)`` and ``x.y.f(...)``."""
-    tree = _parse(code)
-    return {_name_of(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)} if tree else set()
 
 
 def _calls_runner_train(code: str) -> bool:

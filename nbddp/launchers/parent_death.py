@@ -23,10 +23,20 @@ from nbddp.job.status import signal_exit_code
 PR_SET_PDEATHSIG = 1
 
 
+def arm(sig: int) -> None:
+    """Have Linux send ``sig`` to this process when its parent dies (elsewhere: nothing). The one place
+    nbddp asks for it: here for the launcher, and in each rank (:mod:`nbddp.rank_side.process`)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str]) -> None:
     parent, command = int(argv[0]), argv[argv.index("--") + 1:]
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    arm(signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the signal was armed
         sys.exit(signal_exit_code(signal.SIGTERM))
     os.execvp(command[0], command)

@@ -166,9 +166,7 @@ def _adapt_lightning(package: str) -> None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             _lightning_kwargs(kwargs)
             _use_torchrun_environment(kwargs, environments)
-            callbacks = kwargs.get("callbacks")
-            callbacks = [] if callbacks is None else list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-            kwargs["callbacks"] = [*callbacks, NbddpMetrics()]
+            kwargs["callbacks"] = [*_as_list(kwargs.get("callbacks")), NbddpMetrics()]
             original(self, *args, **kwargs)
         return __init__
 
@@ -198,10 +196,14 @@ def _use_torchrun_environment(kwargs: dict[str, Any], environments: Any) -> None
     detects cluster environments in: on a Slurm node Slurm's variables are there too, and there one task
     per node runs torchrun, so ``SLURM_PROCID`` counts nodes, not ranks (Lightning 2.6 checks torchrun's
     first; nothing here depends on that)."""
-    plugins = kwargs.get("plugins")
-    plugins = [] if plugins is None else list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    plugins = _as_list(kwargs.get("plugins"))
     if not any(isinstance(p, environments.ClusterEnvironment) for p in plugins):
         kwargs["plugins"] = [*plugins, environments.TorchElasticEnvironment()]
+
+
+def _as_list(value: Any) -> list[Any]:
+    """A ``Trainer`` argument that takes one object, a list of them, or ``None``, as a list."""
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _is_lightning_accelerator(value: Any) -> bool:

@@ -144,15 +144,9 @@ def _die_with_parent() -> None:
     SIGTERM to save a checkpoint at their next step (Lightning does), and once the launcher is gone a
     rank that waits for that would outlive its run.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
+    from nbddp.launchers.parent_death import arm
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    arm(signal.SIGKILL)
 
 
 def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: range) -> list[dict[str, Any]]:
