@@ -198,3 +198,48 @@ def test_a_warm_rank_killed_mid_run_is_named_and_fresh_ranks_start_as_the_run_en
     again = train(kernel)
     assert "the last run failed and its warm ranks could not be kept: on fresh ones, started as it ended" in again
     assert not set(pids(again).values()) & set(first.values()) and weight(kernel) == reference
+
+
+def test_the_pool_folder_goes_although_its_killed_owner_keeps_signalling(tmp_path):
+    """A SIGKILLed kernel may send its warm agent several parent-death SIGTERMs (Linux re-parents the
+    agent to each of the kernel's dying threads in turn). One that landed while the agent removed the
+    pool folder once left it behind (the full tier's flake): a storm of them must not."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid nobody holds: the pool's "owner" is gone
+    pool = tmp_path / f"nbddp-warm-{dead.pid}-storm"
+    for index in range(40):  # enough files that removing them takes a while
+        folder = pool / "ended" / str(index)
+        folder.mkdir(parents=True)
+        for name in range(100):
+            (folder / f"{name}.json").write_text("{}")
+    rank = "import time, pathlib, os; pathlib.Path(os.environ['READY'] + os.environ['RANK']).write_text(str(os.getpid()))\n" \
+           "time.sleep(600)"
+    (tmp_path / "rank.py").write_text(rank)
+    env = {**os.environ, "READY": str(tmp_path / "ready-"), "TMPDIR": str(tmp_path)}  # torchelastic's folder too
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "nbddp.launchers.warm_agent", str(pool), "--nproc-per-node", "2", "--standalone",
+         "--monitor-interval", "0.1", str(tmp_path / "rank.py")],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), "the ranks never started"
+        while agent.poll() is None and time.monotonic() < deadline:
+            agent.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert agent.wait(30) is not None
+        assert not pool.exists(), sorted(str(p.relative_to(pool)) for p in pool.rglob("*"))[:5]
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+        for ready in tmp_path.glob("ready-*"):  # plain scripts: no parent-death signal of their own
+            try:
+                os.kill(int(ready.read_text()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 
 from nbddp.launchers.pool_dir import PoolDir
@@ -29,8 +30,21 @@ def main(argv: list[str]) -> None:
         torchrun(argv[1:])
         idle = True  # every rank returned: none had a job for its idle limit
     finally:
+        _ignore_stop_signals()
         if idle or pool.stop_mark.exists() or _owner_gone(pool.owner()):
             shutil.rmtree(pool.path, ignore_errors=True)
+
+
+def _ignore_stop_signals() -> None:
+    """Let nothing interrupt the last cleanup: this process is ending anyway.
+
+    A SIGKILLed owner can send more than one parent-death SIGTERM: Linux re-parents this process to
+    another of the owner's threads while they die one by one, and each such parent's death signals
+    again. torchrun's handler turns each into an exception; one that lands inside ``rmtree`` left
+    the folder half removed (seen in the full test tier, and reproduced on a loaded machine).
+    """
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def _owner_gone(owner: int | None) -> bool:
