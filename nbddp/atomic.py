@@ -58,6 +58,14 @@ def write_json(path: str | Path, data: Any, indent: int | None = None) -> Path:
     return write_text(path, json.dumps(data, indent=indent, default=repr))
 
 
+def read_json(path: str | Path) -> Any:
+    """What :func:`write_json` wrote to ``path``; ``None`` when there is nothing (yet) or it isn't JSON."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def _remove_orphans(path: Path) -> None:
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*{_SUFFIX}"):
         pid = stale.name[len(path.name) + 2:].split(".", 1)[0]

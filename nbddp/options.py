@@ -36,7 +36,9 @@ _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
 #: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
 _SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait", "array",
               "export", "requeue", "no-requeue", "test-only", "parsable", "hold", "clusters", "M", "wrap",
-              "job-name", "cpus-per-task")
+              "job-name", "cpus-per-task", "signal", "open-mode")
+#: ``--max-requeues``' default: as submitit's ``max_num_timeout``.
+DEFAULT_MAX_REQUEUES = 3
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,14 @@ class SlurmRequest:
     account: str | None = None
     extra: tuple[tuple[str, str], ...] = ()
     """``--slurm-arg KEY=VALUE``: any other sbatch option, passed on as ``--KEY=VALUE``."""
+    requeue: bool | None = None
+    """``--requeue`` / ``--no-requeue``; ``None``: requeue when the training code calls ``nbddp.save_checkpoint``."""
+    max_requeues: int = DEFAULT_MAX_REQUEUES
+    """``--max-requeues``: how many times the job may be requeued (by itself, or by Slurm) before it fails."""
 
     def __post_init__(self) -> None:
+        if self.max_requeues < 0:
+            raise UsageError(f"--max-requeues {self.max_requeues}: give 0 or more.")
         if self.nodes < 1:
             raise UsageError(f"--nodes {self.nodes}: need at least 1 node.")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
@@ -102,7 +110,16 @@ class SlurmRequest:
                 argv += [flag, str(value)]
         for key, value in self.extra:
             argv += ["--slurm-arg", f"{key}={value}"]
+        if self.requeue is not None:
+            argv.append("--requeue" if self.requeue else "--no-requeue")
+        if self.max_requeues != DEFAULT_MAX_REQUEUES:
+            argv += ["--max-requeues", str(self.max_requeues)]
         return argv
+
+    def requeues(self, saves_checkpoints: bool) -> bool:
+        """Whether the job requeues itself when Slurm signals it: as asked, else when there is a checkpoint
+        to resume from."""
+        return saves_checkpoints if self.requeue is None else self.requeue
 
 
 @dataclass(frozen=True)
@@ -301,6 +318,12 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     slurm.add_argument("--account", default=None, metavar="A")
     slurm.add_argument("--slurm-arg", action="append", default=[], metavar="KEY=VALUE",
                        help="any other sbatch option, e.g. qos=high (repeatable)")
+    slurm.add_argument("--requeue", action=argparse.BooleanOptionalAction, default=None,
+                       help="before the time limit and on preemption, stop every rank at its next "
+                            "nbddp.save_checkpoint and requeue the job, which resumes there (default: on when the "
+                            "training code calls nbddp.save_checkpoint)")
+    slurm.add_argument("--max-requeues", type=int, default=None, metavar="N",
+                       help=f"fail instead of a requeue beyond the N-th (default {DEFAULT_MAX_REQUEUES})")
 
 
 def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | None]:
@@ -311,7 +334,8 @@ def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | Non
             raise UsageError("several nodes need --nnodes N, --node-rank R and --rdzv-endpoint HOST:PORT together.")
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
     slurm_only = {"--nodes": args.nodes, "--gpus-per-node": args.gpus_per_node, "--partition": args.partition,
-                  "--time": args.time, "--account": args.account, "--slurm-arg": args.slurm_arg or None}
+                  "--time": args.time, "--account": args.account, "--slurm-arg": args.slurm_arg or None,
+                  "--requeue/--no-requeue": args.requeue, "--max-requeues": args.max_requeues}
     if not args.slurm:
         given = [flag for flag, value in slurm_only.items() if value is not None]
         if given:
@@ -324,7 +348,8 @@ def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | Non
             raise UsageError(f"--slurm-arg {item!r}: give KEY=VALUE (e.g. qos=high).")
         extra.append((key.strip().lstrip("-"), value))
     return nodes, SlurmRequest(args.nodes or 1, args.gpus_per_node, args.partition, args.time, args.account,
-                               tuple(extra))
+                               tuple(extra), args.requeue,
+                               DEFAULT_MAX_REQUEUES if args.max_requeues is None else args.max_requeues)
 
 
 def parse_returns(text: str) -> tuple[str, ...]:

@@ -48,3 +48,21 @@ def assert_matches(weights_path, batch: int) -> None:
     trained = torch.load(weights_path, weights_only=True)["returns"]["model"]
     for key, value in reference(batch).items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)
+
+
+def resumable_train_cell(batch_per_rank: int, seconds_per_epoch: float) -> str:
+    """:func:`train_cell`, resuming from ``nbddp.restore`` and saving a checkpoint after every epoch
+    (slowed down, so a test can requeue or time out a job between two saves)."""
+    return ("#| ddp-train\n"
+            "ddp_model = nbddp.prepare(model)\n"
+            f"loader = nbddp.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size={batch_per_rank}))\n"
+            "opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)\n"
+            "done = nbddp.restore(model=model, optimizer=opt)\n"
+            f"for epoch in range(done.get('epoch', -1) + 1, {EPOCHS}):\n"
+            "    for x, y in loader:\n"
+            "        opt.zero_grad()\n"
+            "        ((ddp_model(x).squeeze(1) - y) ** 2).mean().backward()\n"
+            "        opt.step()\n"
+            f"    time.sleep({seconds_per_epoch})\n"
+            "    print('epoch', epoch, 'rank', nbddp.rank(), 'attempt', nbddp.restart_count(), flush=True)\n"
+            "    nbddp.save_checkpoint(model=model, optimizer=opt, epoch=epoch)")

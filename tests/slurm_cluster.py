@@ -55,7 +55,7 @@ class SlurmCluster:
         self.conf.write_text("\n".join([
             "ClusterName=nbddptest",
             f"SlurmctldHost={self.host}(127.0.0.1)",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "SlurmUser=root", "SlurmdUser=root",
             f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",
             f"StateSaveLocation={root / 'state'}", f"SlurmdSpoolDir={root / 'spool'}",

@@ -290,7 +290,7 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_wo
     write_notebook(tmp_path / "r.ipynb", training(save=save, fail="r == 1 and nbddp.restart_count() == 0"))
     run = cli_run(["run", "r.ipynb", "--shard", "--max-restarts", "1"], tmp_path)
     assert run.wait() == 0, run.output
-    assert "[rank 1] [nbddp] restart 1: resumed from resume.dcp/save-" in run.output
+    assert "[rank 1] [nbddp] attempt 2: resumed from resume.dcp/save-" in run.output
     assert "[rank 0] kind FSDPSequential attempt 1" in run.output
     (run_dir,) = run_dirs(tmp_path)
     trained = weights(run_dir)

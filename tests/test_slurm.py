@@ -15,7 +15,7 @@ from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_notebook
 
 from tests.conftest import code, md, write_notebook
-from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
+from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 pytestmark = pytest.mark.slow
@@ -129,6 +129,7 @@ def test_slurms_time_limit_is_reported_as_such(tmp_path, cli_run, slurm_env):
     run = cli_run(["run", "long.ipynb", *CPU2, "--time", "1"], tmp_path)  # Slurm counts whole minutes
     assert run.wait(300) == 1, run.output
     assert "Slurm stopped job" in run.output and "at its time limit (00:01:00)" in run.output
+    assert "It was not requeued: the training saves no checkpoint to resume from" in run.output
     result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
     assert result["slurm_job"]["state"] == "TIMEOUT"
     assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
@@ -238,3 +239,66 @@ def test_a_lightning_notebook_trains_on_slurm_as_torchruns_ranks(tmp_path, cli_r
     for name, value in LIGHTNING.reference(tmp_path).items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["ddp", "sharded"])
+def test_a_job_requeued_by_slurm_resumes_from_its_checkpoint_as_one_run(tmp_path, cli_run, slurm_env, shard):
+    """``scontrol requeue`` (an administrator, or preemption on a cluster that requeues): Slurm kills the
+    ranks wherever they are; the same run follows the next attempt, which resumes from the last save
+    (a sharded model's too: every rank's shard, through torch.distributed.checkpoint)."""
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 4)), code(EVALUATE)])
+    run = cli_run(["run", "fit.ipynb", *CPU2, *(["--shard"] if shard else [])], tmp_path)
+    saved = "resume.dcp/latest.json" if shard else "resume.pt"
+    run_dir = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (run_dir and (run_dir / saved).exists()):
+        run_dir = next(iter((tmp_path / "runs").glob("*")), None) if (tmp_path / "runs").exists() else None
+        time.sleep(0.2)
+    (job,) = slurm_env.queue()
+    slurm_env.command(["scontrol", "requeue", job])
+    assert run.wait(300) == 0, run.output
+    output = run.output
+    assert f"slurm job {job}: requeued by Slurm (scontrol requeue" in output and "→ attempt 2" in output
+    assert f"slurm job {job}: running on" in output and "(attempt 2)" in output
+    assert f"[rank 0] [nbddp] attempt 2: resumed from {'resume.dcp/save-' if shard else 'resume.pt ('}" in output
+    assert "[cell 3] kernel sees weight sum" in output
+    assert_matches(run_dir / "weights.pt", batch=16)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["restarts"] == 1
+    attempts = result["slurm_job"]["attempts"]
+    assert [a["attempt"] for a in attempts] == [1, 2] and attempts[0]["how"].startswith("requeued by Slurm")
+    assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_near_its_time_limit_a_job_stops_at_a_checkpoint_requeues_itself_and_finishes(tmp_path, cli_run, slurm_env):
+    """--time 1: Slurm signals the job (B:USR2, 120 s before the limit: at once), every rank stops at its
+    next save, the job requeues itself; each attempt trains on until the weights are an uninterrupted run's."""
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 15)), code(EVALUATE)])
+    run = cli_run(["run", "fit.ipynb", *CPU2, "--time", "1"], tmp_path)
+    assert run.wait(420) == 0, run.output
+    output, run_dir = run.output, only_run_dir(tmp_path)
+    assert "Slurm signalled the job (time limit near, or preemption): every rank saved at this checkpoint (epoch=0)" \
+        in output
+    assert "requeued after Slurm's signal: every rank saved at its checkpoint (epoch=0) → attempt 2" in output
+    assert "[rank 1] [nbddp] attempt 2: resumed from resume.pt (epoch=0)" in output
+    assert_matches(run_dir / "weights.pt", batch=16)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["slurm_job"]["state"] == "COMPLETED"
+    assert len(result["slurm_job"]["attempts"]) == result["restarts"] + 1 >= 2
+    assert "#SBATCH --signal=B:USR2@120" in (run_dir / "slurm" / "job.sbatch").read_text()
+    assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_the_requeue_bound_is_kept_and_the_run_fails_saying_so(tmp_path, cli_run, slurm_env):
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 15))])
+    run = cli_run(["run", "fit.ipynb", *CPU2, "--time", "1", "--max-requeues", "1"], tmp_path)
+    assert run.wait(300) == 1, run.output
+    run_dir = only_run_dir(tmp_path)
+    job = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert "→ attempt 2" in run.output and "→ attempt 3" not in run.output
+    assert (f"Slurm: job {job['job_id']} stopped at its checkpoint to be requeued, but it had been requeued 1 times, "
+            f"the bound (--max-requeues 1); its last checkpoint stays in {run_dir}") in run.output
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and len(result["slurm_job"]["attempts"]) == 2
+    assert (run_dir / "resume.pt").exists()
+    assert not run.leftovers() and not processes_of(run_dir)

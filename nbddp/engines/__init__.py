@@ -118,6 +118,11 @@ def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
     return None
 
 
+def saves_checkpoints(cells: Sequence[ExportedCell]) -> bool:
+    """The cells call ``nbddp.save_checkpoint``: a Slurm job of them can stop and resume (``--requeue``'s default)."""
+    return any("save_checkpoint" in _called_names(cell.code) for cell in cells)
+
+
 def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
                 packages: Sequence[str] = ()) -> EngineCode:
     """``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch engine only).

@@ -213,13 +213,15 @@ class Job:
                 continue
             if started.get("host", _HOST) != _HOST:
                 continue  # a rank of another node (a shared run dir under Slurm): its node reports it
-            if not process_alive(pid):
+            attempt = int(started.get("attempt", 0))
+            if not process_alive(pid) and not self.launcher.between_attempts(paths, attempt):
                 # Its error report or done mark may be a moment behind its exit; and a launcher that
-                # saw it die (a signal, a crash) exits within its monitor interval with a better report.
+                # saw it die (a signal, a crash) exits within its monitor interval with a better report,
+                # or says the job is being requeued.
                 deadline = time.monotonic() + self.launcher.exit_settle
                 while time.monotonic() < deadline:
                     if (live and self.launch.poll() is not None) or paths.rank_done(rank).exists() \
-                            or paths.rank_error(rank).exists():
+                            or paths.rank_error(rank).exists() or self.launcher.between_attempts(paths, attempt):
                         return None
                     time.sleep(0.05)
                 return rank

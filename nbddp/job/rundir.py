@@ -17,7 +17,9 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       logs/node-N.log               a Slurm run: node N's torchrun (or Catalyst parent) output
       logs/slurm-batch.log          a Slurm run: the batch script's own output
       nodes.json                    a multi-node run: every node that joined (host, ranks, run dir)
-      slurm/job.sbatch, job.json    a Slurm run: the batch script, the job's id and how it ended
+      slurm/job.sbatch, job.json    a Slurm run: the batch script, the job's id, its attempts and how it ended
+      slurm/requeue-request         Slurm signalled the job (time limit near, preemption): the attempt it was
+      slurm/requeue-saved           every rank stopped at a checkpoint to be requeued: the attempt, what it saved
       metrics.jsonl                 rank 0's nbddp.log records
       weights.pt                    the returned variables' trained state (weights only)
       resume.pt                     nbddp.save_checkpoint's training state (--max-restarts)
@@ -90,6 +92,14 @@ class RunDir:
     @property
     def slurm_job(self) -> Path:
         return self.slurm / "job.json"
+
+    @property
+    def requeue_request(self) -> Path:
+        return self.slurm / "requeue-request"
+
+    @property
+    def requeue_saved(self) -> Path:
+        return self.slurm / "requeue-saved"
 
     @property
     def ranks(self) -> Path:

@@ -135,6 +135,11 @@ class Launcher:
         """What ``result.json`` records about a scheduler's job (its id, state, nodes)."""
         return None
 
+    def between_attempts(self, run_dir: RunDir, attempt: int) -> bool:
+        """The ranks of ``attempt`` are gone because the job is being run again (a Slurm requeue), not
+        because one of them left early."""
+        return False
+
 
 def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
     """The devices of one node of the run: this machine's, or what a Slurm job asks for per node.

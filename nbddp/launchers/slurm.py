@@ -14,7 +14,6 @@ the run dir, so the run dir must be on a filesystem the nodes share.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
@@ -23,6 +22,7 @@ import subprocess
 from pathlib import Path
 
 from nbddp import __version__
+from nbddp.atomic import read_json
 from nbddp.devices import CPU_PROCESSES, Devices
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
@@ -49,6 +49,12 @@ CANCEL_SECONDS = 120.0
 _NODE_HEADER = "==> node-{} <=="
 #: A job's task's node number, expanded by the task's own shell.
 NODE_RANK = '"$SLURM_NODEID"'
+#: Seconds before its time limit Slurm signals a job that requeues itself (``--signal=B:USR2@...``): time
+#: for the ranks to reach their next save. Slurm may signal up to a minute earlier than asked.
+REQUEUE_SIGNAL_LEAD = 120
+#: The line the batch shell writes at the start of each attempt, into its own log and every node's:
+#: a requeued job appends to the same logs, and its report is the last attempt's.
+ATTEMPT_MARK = "nbddp: attempt "
 
 
 class Slurm(Launcher):
@@ -57,13 +63,24 @@ class Slurm(Launcher):
     stop_grace = CANCEL_SECONDS
     exit_settle = 8.0  # the watcher polls Slurm every second; a cancelled job's ranks die first
 
-    def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float) -> None:
+    def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float, saves_checkpoints: bool = False) -> None:
+        """``saves_checkpoints``: the training code calls ``nbddp.save_checkpoint`` (the job requeues itself
+        unless ``--no-requeue``).
+
+        Raises:
+            UsageError: ``--requeue`` with an engine that doesn't save through nbddp (Catalyst's).
+        """
         self.engine, self.request, self.rdzv_timeout = engine, request, rdzv_timeout
+        self.saves_checkpoints = saves_checkpoints
+        if request.requeue and spawns_its_own_ranks(engine):
+            raise UsageError(f"--requeue: the {engine} engine's training doesn't stop and resume through "
+                             "nbddp.save_checkpoint/restore, so a requeued job would start over. Drop --requeue.")
+        self.requeue = request.requeues(saves_checkpoints) and not spawns_its_own_ranks(engine)
         self.nproc = 1
 
     @classmethod
     def for_job(cls, spec) -> "Slurm":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
-        return cls(spec.script.engine, spec.slurm, spec.rdzv_timeout)
+        return cls(spec.script.engine, spec.slurm, spec.rdzv_timeout, spec.script.saves_checkpoints)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
@@ -72,16 +89,28 @@ class Slurm(Launcher):
         run_dir.slurm.mkdir(exist_ok=True)
         run_dir.sbatch_script.write_text(sbatch_script(
             self.engine, self.request, devices, str(script), python=python, rdzv_timeout=self.rdzv_timeout,
-            logs=str(run_dir.logs), job_name=f"nbddp-{script.parent.name}"), encoding="utf-8")
+            logs=str(run_dir.logs), job_name=f"nbddp-{script.parent.name}", requeue=run_dir if self.requeue else None),
+            encoding="utf-8")
         # No --chdir: sbatch starts the job where the watcher runs, the notebook's folder (local imports).
-        return [python, "-m", "nbddp.launchers.slurm_watch", str(run_dir.path)]
+        return [python, "-m", "nbddp.launchers.slurm_watch", str(run_dir.path),
+                "--max-requeues", str(self.request.max_requeues)]
 
     def report(self, run_dir: RunDir) -> str:
-        """Each node's launcher output, headed by its node number (a Catalyst node numbers its ranks from 0)."""
-        parts = [read_report(run_dir.slurm_batch_log)]
+        """Each node's launcher output of the job's last attempt, headed by its node number (a Catalyst
+        node numbers its ranks from 0)."""
+        parts = [last_attempt(read_report(run_dir.slurm_batch_log))]
         for node in range(self.request.nodes):
-            parts += [_NODE_HEADER.format(node), read_report(run_dir.node_log(node))]
+            parts += [_NODE_HEADER.format(node), last_attempt(read_report(run_dir.node_log(node)))]
         return "\n".join(parts)
+
+    def between_attempts(self, run_dir: RunDir, attempt: int) -> bool:
+        """The ranks of ``attempt`` stopped at a checkpoint to be requeued, or Slurm requeued the job
+        (``scontrol requeue``, preemption) or otherwise stopped running it."""
+        saved = read_json(run_dir.requeue_saved) or {}
+        if saved.get("attempt") == attempt:
+            return True
+        job = self.job_info(run_dir) or {}
+        return int(job.get("restarts") or 0) > attempt or job.get("state", "RUNNING") != "RUNNING"
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
         from nbddp.launchers.catalyst_spawn import CatalystSpawn
@@ -106,11 +135,14 @@ class Slurm(Launcher):
     def ended_by_scheduler(self, run_dir: RunDir) -> str | None:
         job = self.job_info(run_dir) or {}
         state = job.get("state")
+        if job.get("requeue_bound") is not None:
+            return self._bound_reached(run_dir, job)
         if state is None or job.get("cancelled_by_nbddp"):
             return None
         if state in SCHEDULER_ENDS:
-            return "Slurm: " + SCHEDULER_ENDS[state].format(
+            said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
+            return said + (" " + self._why_not_requeued(run_dir) if state == "TIMEOUT" else "")
         written = [run_dir.slurm_batch_log, *run_dir.logs.glob("node-*.log"), *run_dir.logs.glob("rank-*.log")]
         if state in FINAL_STATES and not any(path.exists() for path in written):
             return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
@@ -118,11 +150,34 @@ class Slurm(Launcher):
                     f"Slurm said: {state} {job.get('reason') or ''}".rstrip())
         return None
 
+    def _why_not_requeued(self, run_dir: RunDir) -> str:
+        if not self.requeue:
+            if not self.saves_checkpoints:
+                return ("It was not requeued: the training saves no checkpoint to resume from. Call "
+                        "nbddp.save_checkpoint(...) each epoch and nbddp.restore(...) at the top of the training cell, "
+                        "and the job requeues itself before its time limit.")
+            return "It was not requeued (--no-requeue)."
+        return ("It was not requeued: no rank reached nbddp.save_checkpoint between Slurm's signal (about "
+                f"{REQUEUE_SIGNAL_LEAD} s before the limit) and the limit. Save more often, or ask for more time with --time.")
+
+    def _bound_reached(self, run_dir: RunDir, job: dict) -> str:
+        bound = job["requeue_bound"]
+        resume = f"its last checkpoint stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it)"
+        if job.get("cancelled_by_nbddp"):
+            return (f"Slurm requeued job {job.get('job_id')} more than {bound} times (--max-requeues {bound}), so nbddp "
+                    f"cancelled it; {resume}.")
+        return (f"Slurm: job {job.get('job_id')} stopped at its checkpoint to be requeued, but it had been requeued "
+                f"{bound} times, the bound (--max-requeues {bound}); {resume}.")
+
     def job_info(self, run_dir: RunDir) -> dict | None:
-        try:
-            return json.loads(run_dir.slurm_job.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
+        return read_json(run_dir.slurm_job)
+
+
+
+def last_attempt(text: str) -> str:
+    """A log of a requeued job: what its last attempt wrote (all of it for a job run once)."""
+    start = text.rfind("\n" + ATTEMPT_MARK)
+    return text[start + 1:] if start >= 0 else text
 
 
 def _node_part(report: str, node: int) -> str:
@@ -131,12 +186,18 @@ def _node_part(report: str, node: int) -> str:
 
 
 def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: str, *, python: str,
-                  rdzv_timeout: float, logs: str | None = None, job_name: str = "nbddp") -> str:
+                  rdzv_timeout: float, logs: str | None = None, job_name: str = "nbddp",
+                  requeue: RunDir | None = None) -> str:
     """The batch script: one task per node, each running this node's launcher.
 
     Every value that comes from the user is quoted with :func:`shlex.quote` (``#SBATCH`` lines are
     read by sbatch, which honours the same quotes), so no name, parameter or path can inject shell.
     ``logs``: where the batch and node outputs go (``None``: beside the submission, for hand use).
+    ``requeue``: the run dir of a job that requeues itself (``None``: ``--no-requeue``). Slurm signals
+    the batch shell (``B:USR2``: not the steps, whose torchrun would die of it) before the time limit
+    and, where the cluster does so, at preemption; the shell tells the ranks through the run dir
+    (:mod:`nbddp.rank_side.requeue`), and once they all stopped at a checkpoint it runs
+    ``scontrol requeue`` on its own job, unless the job was requeued ``--max-requeues`` times already.
     """
     q = shlex.quote
     for value in (script, python, logs or ""):
@@ -145,8 +206,11 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
     job_name = re.sub(r"[^\w.-]", "_", job_name)
     out = f"{logs}/" if logs else ""
     directives = [("job-name", job_name), ("nodes", str(request.nodes)), ("ntasks-per-node", "1"),
-                  ("output", f"{out}slurm-batch.log" if logs else "slurm-%j.out"),
-                  ("no-requeue", None)]  # a requeued job would run again over this run's files
+                  ("output", f"{out}slurm-batch.log" if logs else "slurm-%j.out")]
+    if requeue is None:
+        directives.append(("no-requeue", None))  # it would start over, and run again over this run's files
+    else:  # each attempt appends to the same logs, and resumes from the run's checkpoint
+        directives += [("requeue", None), ("open-mode", "append"), ("signal", f"B:USR2@{REQUEUE_SIGNAL_LEAD}")]
     if devices.kind == "cuda":
         directives.append(("gpus-per-node", str(devices.nproc)))
     else:
@@ -168,6 +232,8 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         "port=$(\"$PYTHON\" -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
         'echo "nbddp: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous at $head:$port"',
     ]
+    if requeue is not None:
+        lines[lines.index(f"PYTHON={q(python)}") + 1:1] = _attempt_lines(requeue, request.max_requeues)
     step = ["srun", "--kill-on-bad-exit=1", f"--output={q(out + 'node-%n.log') if logs else 'node-%n.log'}",
             '${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK}']
     if devices.kind == "cuda":
@@ -187,8 +253,56 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         inner = " ".join(['exec "$0"', *MODULE, *node_rank, '"$@"'])
         step += ["bash", "-c", q(inner), '"$PYTHON"',
                  *(o if '"$' in o else q(o) for o in options if o not in node_rank), q(script)]
-    lines.append(" ".join(step))
+    if requeue is None:
+        lines.append(" ".join(step))
+    else:
+        step.insert(1, "--open-mode=append")
+        lines += [" ".join(step + ["&"]), *_requeue_lines(requeue, request.max_requeues)]
     return "\n".join(lines) + "\n"
+
+
+def _attempt_lines(run_dir: RunDir, max_requeues: int) -> list[str]:
+    """Before the step of a job that requeues itself: mark the attempt, and turn Slurm's signal into the
+    request every rank reads at its next save."""
+    q = shlex.quote
+    request = q(str(run_dir.requeue_request))
+    return [
+        'attempt=${SLURM_RESTART_COUNT:-0}',
+        f'for node in $(seq 0 $((SLURM_NNODES - 1))); do echo "{ATTEMPT_MARK}$((attempt + 1))" >> '
+        f'{q(str(run_dir.logs))}/node-$node.log; done',
+        f'echo "{ATTEMPT_MARK}$((attempt + 1)) of at most {max_requeues + 1}"',
+        "export " + RankEnv.shell(requeue=1, requeues='"$attempt"'),
+        f"rm -f {request}",
+        "trap 'echo \"nbddp: Slurm signalled the job (time limit near, or preemption): every rank stops at its "
+        f"next nbddp.save_checkpoint\"; echo \"$attempt\" > {request}' USR2",
+    ]
+
+
+def _requeue_lines(run_dir: RunDir, max_requeues: int) -> list[str]:
+    """After the step (started in the background, so that the trap runs while it trains): requeue the job
+    when every rank stopped at a checkpoint for it, or say why not."""
+    q = shlex.quote
+    saved = q(str(run_dir.requeue_saved))
+    return [
+        "step=$!",
+        "while :; do",  # Slurm's signal interrupts `wait`: wait again while the step runs
+        '  wait "$step" && code=0 || code=$?',
+        '  if [ "$code" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi',
+        "  break",
+        "done",
+        f"if [ -e {saved} ] && \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))[\"attempt\"] "
+        f"!= int(sys.argv[2]))' {saved} \"$attempt\"; then",
+        f'  if [ "$attempt" -ge {max_requeues} ]; then',
+        f'    echo "nbddp: not requeued: job $SLURM_JOB_ID was requeued $attempt times, the bound (--max-requeues {max_requeues})"',
+        "    exit 1",
+        "  fi",
+        '  echo "nbddp: every rank stopped at its checkpoint: requeueing job $SLURM_JOB_ID"',
+        '  scontrol requeue "$SLURM_JOB_ID" || { echo "nbddp: scontrol requeue failed"; exit 1; }',
+        "  sleep 300 & wait $!",  # the requeue ends this shell
+        "  exit 1",
+        "fi",
+        'exit "$code"',
+    ]
 
 
 def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None, *, require_commands: bool = True) -> Devices:

@@ -1,11 +1,15 @@
-"""``python -m nbddp.launchers.slurm_watch RUN_DIR``: submit a run's Slurm job and watch it to the end.
+"""``python -m nbddp.launchers.slurm_watch RUN_DIR [--max-requeues N]``: submit a run's Slurm job and
+watch it to the end.
 
 This process stands in for the job on the machine that submitted it, so the rest of nbddp owns
 it like any local launcher: it prints the job id and the queue state (with Slurm's reason while
-pending), exits with the job's exit status, and records how the job ended in
-``RUN_DIR/slurm/job.json``. SIGTERM, SIGINT or SIGHUP (Ctrl-C, ``--timeout``, ``nbddp kill``, the
-kernel's stop button, or the parent dying) cancel the job with ``scancel`` and wait until it has
-left the queue before exiting ``128 + signal``: nothing is left running on the cluster.
+pending), exits with the job's exit status, and records the job in ``RUN_DIR/slurm/job.json``
+(its state as it changes, each attempt, how it ended). A requeued job (it requeued itself at a
+checkpoint, or Slurm did: ``scontrol requeue``, preemption) is the same run: the watcher says so
+and follows the next attempt; beyond ``--max-requeues`` requeues it cancels the job.
+SIGTERM, SIGINT or SIGHUP (Ctrl-C, ``--timeout``, ``nbddp kill``, the kernel's stop button, or the
+parent dying) cancel the job with ``scancel`` and wait until it has left the queue before exiting
+``128 + signal``: nothing is left running on the cluster, and a cancelled job is never requeued.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from nbddp.atomic import write_json
+from nbddp.atomic import read_json, write_json
 from nbddp.launchers.slurm import FINAL_STATES
 from nbddp.job.rundir import RunDir
 
@@ -26,16 +30,22 @@ POLL_SECONDS = 1.0
 #: A job neither ``scontrol`` nor ``squeue`` knows for this long has ended without us seeing how.
 FORGOTTEN_SECONDS = 30.0
 _FIELDS = {key: re.compile(rf"\b{key}=(.*?)(?= \w+=|$)") for key in
-           ("JobState", "Reason", "ExitCode", "NodeList", "TimeLimit", "RunTime")}
+           ("JobState", "Reason", "ExitCode", "NodeList", "TimeLimit", "RunTime", "Restarts")}
+#: A job that requeues itself may show PREEMPTED for a moment before Slurm requeues it.
+PREEMPTED_SETTLE_SECONDS = 15.0
 _LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs"}
 
 
 class Watcher:
-    def __init__(self, run_dir: RunDir) -> None:
+    def __init__(self, run_dir: RunDir, max_requeues: int = 0) -> None:
         self.run_dir = run_dir
+        self.max_requeues = max_requeues
         self.job_id: str | None = None
         self.stop_signal: int | None = None
         self.shown = ""
+        self.restarts = 0
+        self.attempts: list[dict] = []
+        self.fields: dict = {}
 
     def on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
         self.stop_signal = self.stop_signal or signum
@@ -47,6 +57,7 @@ class Watcher:
         say(f"slurm job {self.job_id}: submitted ({self.run_dir.sbatch_script})")
         info: dict[str, str] = {}
         unknown_since: float | None = None
+        preempted_since: float | None = None
         while self.stop_signal is None:
             found = query(self.job_id)
             if found is None and not in_queue(self.job_id):
@@ -56,11 +67,48 @@ class Watcher:
             else:
                 unknown_since = None
             info = found or info
+            if self.requeued(info) and self.restarts > self.max_requeues:
+                say(f"slurm job {self.job_id}: requeued {self.restarts} times, more than --max-requeues "
+                    f"{self.max_requeues}: cancelling it")
+                return self.cancel(info, requeue_bound=self.max_requeues)
             self.show(info)
-            if info.get("JobState") in FINAL_STATES:
+            state = info.get("JobState")
+            if state == "PREEMPTED" and self.requeues_itself():
+                preempted_since = preempted_since or time.monotonic()
+                if time.monotonic() - preempted_since < PREEMPTED_SETTLE_SECONDS:
+                    self.sleep(POLL_SECONDS)
+                    continue
+            if state in FINAL_STATES:
                 return self.finish(info)
             self.sleep(POLL_SECONDS)
         return self.cancel(info)
+
+    def requeues_itself(self) -> bool:
+        try:
+            return "#SBATCH --requeue" in self.run_dir.sbatch_script.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return False
+
+    def requeued(self, info: dict[str, str]) -> bool:
+        """Follow the job into its next attempt when Slurm's restart count grew; True when it did."""
+        restarts = int(info["Restarts"]) if info.get("Restarts", "").isdigit() else self.restarts
+        if restarts <= self.restarts:
+            return False
+        saved = read_json(self.run_dir.requeue_saved) or {}
+        if saved.get("attempt") == self.restarts:
+            at = ", ".join(f"{k}={v}" for k, v in (saved.get("saved") or {}).items())
+            why = "after Slurm's signal: every rank saved at its checkpoint" + (f" ({at})" if at else "")
+        else:
+            why = "by Slurm (scontrol requeue, preemption or a node's failure); it resumes from its last checkpoint"
+        self.end_attempt(f"requeued {why}")
+        self.restarts = restarts
+        self.shown = ""
+        say(f"slurm job {self.job_id}: requeued {why} → attempt {restarts + 1}")
+        return True
+
+    def end_attempt(self, how: str) -> None:
+        if self.attempts and "ended" not in self.attempts[-1]:
+            self.attempts[-1] |= {"ended": time.time(), "how": how}
 
     def sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -69,28 +117,36 @@ class Watcher:
 
     def show(self, info: dict[str, str]) -> None:
         state, reason = info.get("JobState", ""), info.get("Reason", "None")
+        attempt = f" (attempt {self.restarts + 1})" if self.restarts else ""
         if state == "PENDING":
             line = "pending" + (f" ({reason})" if reason not in ("None", "") else "")
         elif state == "RUNNING":
-            line = f"running on {info.get('NodeList')}"
+            line = f"running on {info.get('NodeList')}{attempt}"
+            if not self.attempts or "ended" in self.attempts[-1]:
+                self.attempts.append({"attempt": self.restarts + 1, "nodes": info.get("NodeList"), "started": time.time()})
         else:
             return
         if line != self.shown:
             self.shown = line
             say(f"slurm job {self.job_id}: {line}")
+            self.record(state=state, reason=info.get("Reason"), nodes=info.get("NodeList"))
 
     def finish(self, info: dict[str, str]) -> int:
         state = info["JobState"]
         code, sig = (int(x) if x.isdigit() else 0 for x in (info.get("ExitCode", "0:0").split(":") + ["0"])[:2])
         exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (128 + sig if sig else 1))
+        self.end_attempt(state)
+        saved = read_json(self.run_dir.requeue_saved) or {}
+        bound = self.max_requeues if state != "COMPLETED" and saved.get("attempt") == self.restarts else None
         self.record(state=state, reason=info.get("Reason"), exit_code=exit_code, nodes=info.get("NodeList"),
-                    time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"))
+                    time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"), requeue_bound=bound)
         say(f"slurm job {self.job_id}: {state}" + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")
             + f", exit {exit_code}")
         return exit_code
 
-    def cancel(self, info: dict[str, str]) -> int:
-        """scancel, then wait until the job has left the queue (its processes are gone with it)."""
+    def cancel(self, info: dict[str, str], requeue_bound: int | None = None) -> int:
+        """scancel, then wait until the job has left the queue (its processes are gone with it).
+        ``requeue_bound``: cancelled for having been requeued more often than that, not by a signal."""
         signum = self.stop_signal or signal.SIGTERM
         if self.job_id is None:
             return 128 + signum
@@ -101,13 +157,18 @@ class Watcher:
             if info.get("JobState") in FINAL_STATES and not in_queue(self.job_id):
                 break
             time.sleep(0.5)
-        self.record(state=info["JobState"], reason=info.get("Reason"), exit_code=128 + signum,
-                    nodes=info.get("NodeList"), cancelled_by_nbddp=True)
+        exit_code = 1 if requeue_bound is not None else 128 + signum
+        self.end_attempt("cancelled by nbddp")
+        self.record(state=info["JobState"], reason=info.get("Reason"), exit_code=exit_code,
+                    nodes=info.get("NodeList"), cancelled_by_nbddp=True, requeue_bound=requeue_bound)
         say(f"slurm job {self.job_id}: cancelled; it has left the queue")
-        return 128 + signum
+        return exit_code
 
     def record(self, **fields) -> None:  # noqa: ANN003
-        write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **fields}, indent=1)
+        """``job.json``: the job as it is now (rewritten as it changes), with every attempt so far."""
+        self.fields = {k: v for k, v in fields.items() if v is not None}
+        write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **self.fields, "restarts": self.restarts,
+                                            "attempts": self.attempts}, indent=1)
 
 
 def _slurm(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess | None:
@@ -174,13 +235,15 @@ def filesystem_type(path: Path) -> str:
     return fstype
 
 
+
 def say(line: str | None) -> None:
     if line:
         print(line, flush=True)
 
 
 def main(argv: list[str]) -> int:
-    watcher = Watcher(RunDir(Path(argv[0])))
+    max_requeues = int(argv[argv.index("--max-requeues") + 1]) if "--max-requeues" in argv else 0
+    watcher = Watcher(RunDir(Path(argv[0])), max_requeues)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, watcher.on_signal)
     return watcher.run()

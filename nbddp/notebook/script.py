@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 from nbddp import __version__
 from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, ExportedCell, select_cells
-from nbddp.engines import ENGINES, detect_engine, engine_code, framework_packages, processes_asked
+from nbddp.engines import (ENGINES, detect_engine, engine_code, framework_packages, processes_asked,
+                           saves_checkpoints)
 from nbddp.errors import NbddpError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides
@@ -66,6 +67,8 @@ class Script:
     processes: int | None = None
     """The process count the cells ask their library for (``notebook_launcher(num_processes=N)``,
     ``Trainer(devices=N)``): the run's unless a launch option says otherwise."""
+    saves_checkpoints: bool = False
+    """The cells call ``nbddp.save_checkpoint``: a Slurm job requeues itself by default."""
 
 
 def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Script:
@@ -139,7 +142,8 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     for line in engine_lines.train_epilogue:
         writer.line(INDENT + line)
     source_map = SourceMap(str(source), options.script_name, tuple(writer.segments))
-    return Script(writer.text(), source_map, engine, tuple(cells), processes_asked(cells, engine))
+    return Script(writer.text(), source_map, engine, tuple(cells), processes_asked(cells, engine),
+                  saves_checkpoints(cells))
 
 
 def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:

@@ -30,6 +30,8 @@ VARIABLES = {
     "warm": "NBDDP_WARM",
     "warm_idle": "NBDDP_WARM_IDLE",
     "pool_owner": "NBDDP_POOL_OWNER",
+    "requeue": "NBDDP_REQUEUE",
+    "requeues": "NBDDP_REQUEUES",
 }
 
 
@@ -59,6 +61,11 @@ class RankEnv:
     """``NBDDP_WARM_IDLE``: seconds a warm rank waits for its next job before exiting."""
     pool_owner: int | None = None
     """``NBDDP_POOL_OWNER``: the pid of the process that started a warm pool (its kernel, or a batch)."""
+    requeue: bool = False
+    """``NBDDP_REQUEUE``: a Slurm job that requeues itself: when Slurm signals it (time limit near,
+    preemption), every rank stops at its next ``nbddp.save_checkpoint``."""
+    requeues: int | None = None
+    """``NBDDP_REQUEUES``: how many times Slurm requeued this job before (``SLURM_RESTART_COUNT``)."""
 
     def variables(self) -> dict[str, str]:
         """The variables this environment sets (empty fields left out)."""
@@ -102,4 +109,6 @@ class RankEnv:
             warm=get["warm"] == "1",
             warm_idle=float(get["warm_idle"]) if get["warm_idle"] else None,
             pool_owner=int(get["pool_owner"]) if get["pool_owner"] else None,
+            requeue=get["requeue"] == "1",
+            requeues=int(get["requeues"]) if get["requeues"].isdigit() else None,
         )

@@ -331,5 +331,6 @@ def checkpoint_path() -> Path:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted the ranks (``--max-restarts``); 0 on the first attempt."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+    """Which attempt of the run this is, 0 the first: torchrun's restarts (``--max-restarts``) plus
+    Slurm's requeues (``--requeue``; a run has one or the other)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0) + (RankEnv.from_environ().requeues or 0)

@@ -274,7 +274,8 @@ def save_checkpoint(**state: Any) -> None:
     ranks return at once. With a sharded model every rank writes its shard instead
     (:mod:`nbddp.rank_side.sharded_checkpoint`): call it on every rank, never under ``if is_main()``
     (rank 0 would wait for the others until the collective timeout). Pair it with :func:`restore`
-    at the top of the training cell.
+    at the top of the training cell. In a Slurm job that requeues itself (``--requeue``) every rank
+    must call it: after Slurm's signal, every rank stops at the same save (:mod:`nbddp.rank_side.requeue`).
     """
     from nbddp.rank_side import sharding
 
@@ -291,6 +292,10 @@ def save_checkpoint(**state: Any) -> None:
         sharded_checkpoint.save(run_dir(), state, note=f"attempt {restart_count()}")
     elif is_main():
         checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
+    from nbddp.rank_side import requeue
+
+    if requeue.stop_here(restart_count()):
+        requeue.stop(restart_count(), state)
 
 
 def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, Any]:
@@ -307,11 +312,11 @@ def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, An
     """
     from nbddp.rank_side import sharded_checkpoint
 
-    said = f"restart {restart_count()}: " if run_dir() is not None else ""
+    said = f"attempt {restart_count() + 1}: " if run_dir() is not None else ""
     sharded = sharded_checkpoint.latest(Path(source) if source is not None else resume_path().parent)
     if sharded is not None:
         values = sharded_checkpoint.restore(sharded, objects)
-        print(f"[nbddp] {said}resumed from {sharded.parent.name}/{sharded.name}", flush=True)
+        print(f"[nbddp] {said}resumed from {sharded.parent.name}/{sharded.name}{_at(values)}", flush=True)
         return values
     if source is None:
         path = resume_path()
@@ -339,5 +344,12 @@ def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, An
                 for key, tensor in value.items():
                     if isinstance(tensor, torch.Tensor):
                         value[key] = tensor.to(device())
-    print(f"[nbddp] {said}resumed from {path.name}", flush=True)
-    return {k: v for k, v in states.items() if k not in objects}
+    rest = {k: v for k, v in states.items() if k not in objects}
+    print(f"[nbddp] {said}resumed from {path.name}{_at(rest)}", flush=True)
+    return rest
+
+
+def _at(values: dict[str, Any]) -> str:
+    """`` (epoch=3)``: the plain values a checkpoint holds, to say where a run resumed."""
+    plain = [f"{k}={v}" for k, v in values.items() if isinstance(v, (int, float, str, bool))]
+    return f" ({', '.join(plain)})" if plain else ""

@@ -8,10 +8,10 @@ for a failed run, the first line of its error (which names the cell).
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from nbddp.atomic import read_json
 from nbddp.job.metrics import COUNTERS, read_metrics
 from nbddp.job.status import BatchState
 from nbddp.job.rundir import RunDir
@@ -22,7 +22,7 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
     """Write the summary files for ``runs`` (``(planned run, run dir, status)``) and return the rows."""
     rows, curves, metric_names = [], {}, []
     for run, run_dir, status in runs:
-        result = _read_json(RunDir(run_dir).result)
+        result = read_json(RunDir(run_dir).result) or {}
         state = BatchState(status)
         row: dict[str, Any] = {"run": run.name, **run.parameters,
                                "status": str(BatchState.SUCCEEDED if state.ok else state)}
@@ -135,9 +135,3 @@ def _last_line(path: Path, status: str) -> str:
         lines = []
     return lines[-1] if lines else f"no result ({status})"
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
