@@ -1,12 +1,15 @@
 """The launcher seam: commands, and reading each launcher's own failure report."""
 
+import json
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from nbddp.devices import Devices
 from nbddp.errors import UsageError
-import shlex
-
-import pytest
 
 from nbddp.job.lifecycle import node_gone
 from nbddp.job.lifecycle import JobSpec
@@ -150,6 +153,54 @@ def test_slurm_reads_each_nodes_report_and_the_jobs_end(tmp_path):
     run_dir.launcher_log.write_text("slurm job 7: submitted\n")  # the watcher's own lines are written here
     run_dir.slurm_job.write_text('{"job_id": "7", "state": "FAILED", "nodes": "n1"}')
     assert "must be on a filesystem the nodes share" in slurm.ended_by_scheduler(run_dir)
+
+
+def test_a_job_that_requeues_itself_is_submitted_to_be_signalled_and_appends_each_attempt(tmp_path):
+    """The batch script's requeue part, read as text and run as a shell (Slurm's own behaviour: tests/test_slurm.py)."""
+    run_dir = RunDir(tmp_path)
+    own = sbatch_script("torch", SlurmRequest(max_requeues=2), Devices("cpu", 2), "t.py", python="p", rdzv_timeout=1,
+                        logs=str(run_dir.logs), requeue=run_dir)
+    assert {"#SBATCH --requeue", "#SBATCH --open-mode=append", "#SBATCH --signal=B:USR2@120"} <= set(own.splitlines())
+    assert "no-requeue" not in own and "NBDDP_REQUEUE=1" in own and 'the bound (--max-requeues 2)' in own
+    step = next(line for line in own.splitlines() if line.startswith("srun"))
+    assert step.endswith(" &") and "--open-mode=append" in step
+    plain = sbatch_script("torch", SlurmRequest(), Devices("cpu", 2), "t.py", python="p", rdzv_timeout=1)
+    assert "#SBATCH --no-requeue" in plain and "--signal" not in plain and "USR2" not in plain
+    # the shell's decision after its step: requeue only when every rank stopped at this attempt's checkpoint
+    tail = own[own.index("step=$!"):].replace('scontrol requeue "$SLURM_JOB_ID"', "echo REQUEUE")
+    tail = tail.replace("sleep 300 & wait $!", ":")
+    for saved, attempt, said in ((None, 0, "EXIT 0"), ({"attempt": 0}, 0, "REQUEUE"), ({"attempt": 0}, 1, "EXIT 0"),
+                                 ({"attempt": 2}, 2, "the bound (--max-requeues 2)")):
+        run_dir.slurm.mkdir(exist_ok=True)
+        run_dir.requeue_saved.unlink(missing_ok=True)
+        if saved is not None:
+            run_dir.requeue_saved.write_text(json.dumps(saved))
+        script = f"PYTHON={shlex.quote(sys.executable)}; attempt={attempt}; SLURM_JOB_ID=7; true &\n{tail}"
+        done = subprocess.run(["bash", "-c", f"({script}); echo EXIT $?"], capture_output=True, text=True, timeout=30)
+        assert said in done.stdout, (saved, attempt, done.stdout, done.stderr)
+
+
+def test_a_requeued_jobs_report_is_its_last_attempts_and_its_end_says_why_it_was_not_requeued(tmp_path):
+    run_dir = RunDir(tmp_path)
+    run_dir.logs.mkdir()
+    run_dir.slurm.mkdir()
+    run_dir.node_log(0).write_text("nbddp: attempt 1\nTraceback: SignalException\nnbddp: attempt 2\nall well\n")
+    slurm = Slurm("torch", SlurmRequest(time="1"), 60, saves_checkpoints=True)
+    assert slurm.requeue and "SignalException" not in slurm.report(run_dir) and "all well" in slurm.report(run_dir)
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "TIMEOUT", "time_limit": "00:01:00"}')
+    assert "no rank reached nbddp.save_checkpoint between Slurm's signal" in slurm.ended_by_scheduler(run_dir)
+    assert "the training saves no checkpoint" in Slurm("torch", SlurmRequest(), 60).ended_by_scheduler(run_dir)
+    assert "(--no-requeue)" in Slurm("torch", SlurmRequest(requeue=False), 60, True).ended_by_scheduler(run_dir)
+    assert not Slurm("catalyst", SlurmRequest(), 60, saves_checkpoints=True).requeue
+    with pytest.raises(UsageError, match="--requeue: the catalyst engine"):
+        Slurm("catalyst", SlurmRequest(requeue=True), 60)
+    # the ranks of attempt 0 are gone because the job is requeued, not because one left early
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "RUNNING", "restarts": 0}')
+    assert not slurm.between_attempts(run_dir, 0)
+    run_dir.requeue_saved.write_text('{"attempt": 0}')
+    assert slurm.between_attempts(run_dir, 0) and not slurm.between_attempts(run_dir, 1)
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "PENDING", "restarts": 1}')
+    assert slurm.between_attempts(run_dir, 1)
 
 
 def test_filesystem_type_reads_the_longest_mount_point():

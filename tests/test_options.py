@@ -69,6 +69,9 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
     assert parse(options.to_argv()) == options
     slurm = LaunchOptions(cpu=True, nproc=2, slurm=SlurmRequest(2, None, "gpu", "1:00:00", "a", (("qos", "high"),)))
     assert parse(slurm.to_argv()) == slurm
+    for requeue in (True, False):  # a batch's runs get the requeue choice and bound too
+        asked = LaunchOptions(slurm=SlurmRequest(requeue=requeue, max_requeues=5))
+        assert parse(asked.to_argv()) == asked
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -88,6 +91,10 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
     (["--slurm", "--slurm-arg", "array=1-3"], "depends on it for the run's job"),
     (["--slurm", "--slurm-arg", "export=NONE"], "depends on it for the run's job"),
     (["--slurm", "--partition", "a b"], "without spaces"),
+    (["--requeue"], "--requeue/--no-requeue: only with --slurm"),
+    (["--max-requeues", "2"], "--max-requeues: only with --slurm"),
+    (["--slurm", "--max-requeues", "-1"], "--max-requeues -1: give 0 or more"),
+    (["--slurm", "--slurm-arg", "signal=USR1@60"], "nbddp sets --signal itself"),
 ])
 def test_bad_node_and_slurm_options_are_refused_naming_the_option(argv, words):
     with pytest.raises(UsageError, match=re.escape(words)):

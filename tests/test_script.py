@@ -159,3 +159,11 @@ def test_traceback_is_translated_to_notebook_cells(notebook, tmp_path):
     assert ran.returncode == 1
     translated = script.source_map.translate_traceback(ran.stderr)
     assert "[" + str(tmp_path / "nb.ipynb") + ", cell 2, line 3]" in translated
+
+
+def test_a_script_knows_whether_its_training_saves_checkpoints(notebook):
+    """What --requeue defaults to on Slurm: a job can only resume where the training saved."""
+    assert not make(notebook, BASIC).saves_checkpoints
+    saving = [code("#| ddp\nimport nbddp"), code("#| ddp-train\nfor e in range(3):\n    nbddp.save_checkpoint(epoch=e)")]
+    assert make(notebook, saving).saves_checkpoints
+    assert not make(notebook, [code("#| ddp-train\n# nbddp.save_checkpoint(epoch=1)\nx = 1")]).saves_checkpoints

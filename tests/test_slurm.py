@@ -91,7 +91,9 @@ def test_a_failing_rank_on_slurm_names_the_notebook_cell(tmp_path, cli_run, slur
 
 
 def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, cli_run, slurm_env):
-    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW, code("print('EVALUATION RAN')")])
+    """For good: a job that would requeue itself (it saves checkpoints) is cancelled, not requeued."""
+    saving = code(SLOW["source"] + "\n    nbddp.save_checkpoint(step=step)")
+    write_notebook(tmp_path / "long.ipynb", [code(SETUP), saving, code("print('EVALUATION RAN')")])
     run = cli_run(["run", "long.ipynb", "--slurm"], tmp_path)  # no device flags: the partition's (no GPUs)
     run.wait_for("[rank 1] step 3")
     assert "the partition's nodes list no GPUs: 2 CPU processes (gloo) per node" in run.output
@@ -101,6 +103,8 @@ def test_ctrl_c_cancels_the_job_and_leaves_nothing(tmp_path, cli_run, slurm_env)
     assert "cancelled; it has left the queue" in run.output
     run_dir = only_run_dir(tmp_path)
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+    assert "#SBATCH --requeue" in (run_dir / "slurm" / "job.sbatch").read_text().splitlines()
+    assert json.loads((run_dir / "slurm" / "job.json").read_text())["restarts"] == 0
     assert not run.leftovers() and not processes_of(run_dir)
 
 
