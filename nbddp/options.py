@@ -36,7 +36,9 @@ _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
 #: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
 _SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait", "array",
               "export", "requeue", "no-requeue", "test-only", "parsable", "hold", "clusters", "M", "wrap",
-              "job-name", "cpus-per-task", "signal", "open-mode")
+              "job-name", "cpus-per-task")
+#: Options a job that requeues itself sets (``--no-requeue`` leaves them to the user).
+_SLURM_REQUEUE_OWN = ("signal", "open-mode")
 #: ``--max-requeues``' default: as submitit's ``max_num_timeout``.
 DEFAULT_MAX_REQUEUES = 3
 
@@ -95,6 +97,9 @@ class SlurmRequest:
         for key, value in self.extra:
             if not _SLURM_KEY.fullmatch(key):
                 raise UsageError(f"--slurm-arg {key}={value}: KEY is an sbatch option name without dashes (e.g. qos=high).")
+            if key in _SLURM_REQUEUE_OWN and self.requeue is not False:
+                raise UsageError(f"--slurm-arg {key}=...: a job that requeues itself sets --{key} itself; "
+                                 "give --no-requeue to set your own.")
             if key in _SLURM_OWN or key in ("partition", "time", "account"):
                 raise UsageError(f"--slurm-arg {key}=...: nbddp sets --{key} itself, or depends on it for the run's job"
                                  + (f"; use nbddp's --{key}." if key in ("nodes", "partition", "time", "account",

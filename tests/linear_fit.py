@@ -50,15 +50,16 @@ def assert_matches(weights_path, batch: int) -> None:
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)
 
 
-def resumable_train_cell(batch_per_rank: int, seconds_per_epoch: float) -> str:
+def resumable_train_cell(batch_per_rank: int, seconds_per_epoch: float, epochs: int = EPOCHS) -> str:
     """:func:`train_cell`, resuming from ``nbddp.restore`` and saving a checkpoint after every epoch
-    (slowed down, so a test can requeue or time out a job between two saves)."""
+    (slowed down, so a test can requeue or time out a job between two saves). :func:`reference` is
+    the result of the default ``epochs`` only."""
     return ("#| ddp-train\n"
             "ddp_model = nbddp.prepare(model)\n"
             f"loader = nbddp.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size={batch_per_rank}))\n"
             "opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05)\n"
             "done = nbddp.restore(model=model, optimizer=opt)\n"
-            f"for epoch in range(done.get('epoch', -1) + 1, {EPOCHS}):\n"
+            f"for epoch in range(done.get('epoch', -1) + 1, {epochs}):\n"
             "    for x, y in loader:\n"
             "        opt.zero_grad()\n"
             "        ((ddp_model(x).squeeze(1) - y) ** 2).mean().backward()\n"

@@ -212,12 +212,18 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
 
 @pytest.mark.slow
 def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
-    """--max-restarts and the timeouts mean in a batch what they mean in `nbddp run`."""
+    """--max-restarts (resuming from the checkpoint) and the timeouts mean in a batch what they mean in `nbddp run`."""
     write_notebook(tmp_path / "r.ipynb", [
         code("lr = 0.1", "parameters"),
         code("#| ddp\nimport os\nimport torch\nimport nbddp\nmodel = torch.nn.Linear(2, 1)"),
-        code("#| ddp-train\nif nbddp.rank() == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-             "    raise RuntimeError('the first attempt fails')\nnbddp.prepare(model)\nnbddp.log(epoch=1, loss=lr)"),
+        code("#| ddp-train\nnbddp.prepare(model)\ndone = nbddp.restore(model=model)\nstart = done.get('epoch', -1) + 1\n"
+             "print('attempt', nbddp.restart_count(), 'starts at epoch', start, flush=True)\n"
+             "for epoch in range(start, 2):\n"
+             "    if epoch == 1 and nbddp.rank() == 1 and nbddp.restart_count() == 0:\n"
+             "        raise RuntimeError('the first attempt fails')\n"
+             "    torch.distributed.barrier()  # as a training step would: rank 0 can't save ahead of rank 1\n"
+             "    nbddp.save_checkpoint(model=model, epoch=epoch)\n"
+             "nbddp.log(epoch=1, loss=lr)"),
     ])
     (tmp_path / "grid.yaml").write_text("lr: [0.1, 0.2]\n")
     run = cli_run(["batch", "r.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out",
@@ -229,6 +235,8 @@ def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
         assert result["status"] == "succeeded" and result["restarts"] == 1, result
         assert "--max-restarts 1" in result["command"] and "--idle-timeout 120.0" in result["command"]
         assert "--collective-timeout 60.0" in result["command"]
+    for log in sorted((tmp_path / "out").glob("*/logs/rank-0.log")):
+        assert "attempt 1 starts at epoch 1" in log.read_text(), log.read_text()  # resumed from epoch 0's save
     again = cli_run(["batch", "r.ipynb", "--grid", "grid.yaml", "--cpu", "--out", "out", "--resume"], tmp_path)
     assert again.wait() == 0 and "2/2 runs succeeded" in again.output
 

@@ -47,6 +47,8 @@ def test_export_for_slurm_writes_an_sbatch_script_beside_the_training_script(not
     assert "#SBATCH --nodes=2" in sbatch and "#SBATCH --gpus-per-node=8" in sbatch and "#SBATCH --partition=gpu" in sbatch
     assert sbatch.rstrip().endswith(" job.py") and "# Launch: sbatch job.sbatch" in target.read_text()
     assert main(["export", str(path), "-o", "-", "--slurm", "--cpu"]) == 2  # the sbatch script needs a folder
+    assert "#SBATCH --no-requeue" in sbatch  # by hand: no run dir for its ranks to resume from
+    assert main(["export", str(path), "-o", str(target), "--slurm", "--requeue"]) == 2
 
 
 def test_default_output_is_beside_the_notebook(notebook):

@@ -175,7 +175,8 @@ def test_a_job_that_requeues_itself_is_submitted_to_be_signalled_and_appends_eac
         run_dir.requeue_saved.unlink(missing_ok=True)
         if saved is not None:
             run_dir.requeue_saved.write_text(json.dumps(saved))
-        script = f"PYTHON={shlex.quote(sys.executable)}; attempt={attempt}; SLURM_JOB_ID=7; true &\n{tail}"
+        script = (f"PYTHON={shlex.quote(sys.executable)}; attempt={attempt}; SLURM_JOB_ID=7; "
+                  f"requeue_saved={shlex.quote(str(run_dir.requeue_saved))}; true &\n{tail}")
         done = subprocess.run(["bash", "-c", f"({script}); echo EXIT $?"], capture_output=True, text=True, timeout=30)
         assert said in done.stdout, (saved, attempt, done.stdout, done.stderr)
 
@@ -201,6 +202,12 @@ def test_a_requeued_jobs_report_is_its_last_attempts_and_its_end_says_why_it_was
     assert slurm.between_attempts(run_dir, 0) and not slurm.between_attempts(run_dir, 1)
     run_dir.slurm_job.write_text('{"job_id": "7", "state": "PENDING", "restarts": 1}')
     assert slurm.between_attempts(run_dir, 1)
+    # stopped at its checkpoint, then not requeued: the bound, or a requeue that failed
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "FAILED", "restarts": 0}')
+    assert "stopped at its checkpoint to be requeued, but it wasn't requeued (Slurm said FAILED" in \
+        slurm.ended_by_scheduler(run_dir)
+    run_dir.slurm_job.write_text('{"job_id": "7", "state": "FAILED", "restarts": 3, "requeue_bound": 3}')
+    assert "it had been requeued 3 times, the bound (--max-requeues 3)" in slurm.ended_by_scheduler(run_dir)
 
 
 def test_filesystem_type_reads_the_longest_mount_point():

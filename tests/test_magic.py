@@ -353,16 +353,22 @@ def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
 
 
 def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):
-    """-p, --max-restarts, --idle-timeout and bad values: the same names and meanings as in `nbddp run`."""
+    """-p, --max-restarts (resuming from the checkpoint), --idle-timeout and bad values: the same names and
+    meanings as in `nbddp run`."""
     fail_once = ("%%ddp_train --cpu --max-restarts 1 -p lr 0.25\n"
-                 "import os\n"
-                 "if nbddp.rank() == 1 and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
-                 "    raise RuntimeError('the first attempt fails')\n"
+                 "done = nbddp.restore(model=model)\n"
+                 "print('attempt', nbddp.restart_count(), 'starts at epoch', done.get('epoch', -1) + 1, flush=True)\n"
+                 "for epoch in range(done.get('epoch', -1) + 1, 2):\n"
+                 "    if epoch == 1 and nbddp.rank() == 1 and nbddp.restart_count() == 0:\n"
+                 "        raise RuntimeError('the first attempt fails')\n"
+                 "    torch.distributed.barrier()  # as a training step would: rank 0 can't save ahead\n"
+                 "    nbddp.save_checkpoint(model=model, epoch=epoch)\n"
                  "print('trained with', lr, flush=True)")
     nb = notebook(SETUP, "lr = 0.1", fail_once, "%%ddp_train --cpu -p nope 1\nprint(lr)",
                   "%%ddp_train --cpu --nproc 0\nprint(lr)", "%%ddp_train --cpu --idle-timeout 3\ntime.sleep(600)")
     NotebookClient(nb, timeout=300, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert "[rank 1] trained with 0.25" in text_of(nb.cells[3]), text_of(nb.cells[3])
+    assert "[rank 1] attempt 1 starts at epoch 1" in text_of(nb.cells[3])  # resumed from epoch 0's save
     first = json.loads((run_dirs(tmp_path)[0] / "result.json").read_text())
     assert first["status"] == "succeeded" and first["restarts"] == 1
     assert first["overrides"] == {"lr": 0.25} and first["command"].startswith("%%ddp_train --cpu --max-restarts 1")

@@ -94,7 +94,7 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
     (["--requeue"], "--requeue/--no-requeue: only with --slurm"),
     (["--max-requeues", "2"], "--max-requeues: only with --slurm"),
     (["--slurm", "--max-requeues", "-1"], "--max-requeues -1: give 0 or more"),
-    (["--slurm", "--slurm-arg", "signal=USR1@60"], "nbddp sets --signal itself"),
+    (["--slurm", "--slurm-arg", "signal=USR1@60"], "a job that requeues itself sets --signal itself; give --no-requeue"),
 ])
 def test_bad_node_and_slurm_options_are_refused_naming_the_option(argv, words):
     with pytest.raises(UsageError, match=re.escape(words)):

@@ -167,3 +167,10 @@ def test_a_script_knows_whether_its_training_saves_checkpoints(notebook):
     saving = [code("#| ddp\nimport nbddp"), code("#| ddp-train\nfor e in range(3):\n    nbddp.save_checkpoint(epoch=e)")]
     assert make(notebook, saving).saves_checkpoints
     assert not make(notebook, [code("#| ddp-train\n# nbddp.save_checkpoint(epoch=1)\nx = 1")]).saves_checkpoints
+    imported = [code("#| ddp\nfrom nbddp import save_checkpoint as keep"), code("#| ddp-train\nkeep(epoch=1)")]
+    assert make(notebook, imported).saves_checkpoints
+    for other in ("trainer.save_checkpoint('a.ckpt')", "engine.save_checkpoint(folder)",  # Lightning's, DeepSpeed's
+                  "if nbddp.is_main():\n    nbddp.save_checkpoint(epoch=1)",
+                  "if nbddp.rank() == 0:\n    nbddp.save_checkpoint(epoch=1)"):
+        cells = [code("#| ddp\nimport nbddp"), code("#| ddp-train\n" + other)]
+        assert not make(notebook, cells).saves_checkpoints, other

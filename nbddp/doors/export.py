@@ -21,7 +21,7 @@ from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
 from nbddp.launchers.torchrun import by_hand, torchrun_options
 from nbddp.rank_side.env import RankEnv
-from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
+from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | No
 
         if nodes is not None:
             raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint.")
+        if slurm.requeue or slurm.max_requeues != DEFAULT_MAX_REQUEUES:
+            raise UsageError("--requeue, --max-requeues: only for jobs nbddp submits and watches (nbddp run, batch, "
+                             "%%ddp_train --slurm); a batch script exported to submit by hand runs --no-requeue.")
         # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
         sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name, python=sys.executable,
                                rdzv_timeout=args.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")

@@ -119,8 +119,30 @@ def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
 
 
 def saves_checkpoints(cells: Sequence[ExportedCell]) -> bool:
-    """The cells call ``nbddp.save_checkpoint``: a Slurm job of them can stop and resume (``--requeue``'s default)."""
-    return any("save_checkpoint" in _called_names(cell.code) for cell in cells)
+    """The cells call ``nbddp.save_checkpoint`` on every rank: a Slurm job of them can stop at a save and
+    resume (``--requeue``'s default). Not another library's ``save_checkpoint`` (Lightning's, DeepSpeed's),
+    nor one under an ``if`` that asks which rank this is (``if nbddp.is_main():``): every rank must reach
+    the save where they all stop."""
+    trees = [tree for cell in cells if (tree := _parse(cell.code)) is not None]
+    modules, functions = {"nbddp"}, set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules |= {a.asname or a.name for a in node.names if a.name == "nbddp"}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "nbddp":
+                functions |= {a.asname or a.name for a in node.names if a.name == "save_checkpoint"}
+
+    def saves(node: ast.AST) -> bool:
+        if isinstance(node, ast.If) and any(word in ast.unparse(node.test) for word in ("rank", "is_main")):
+            return False  # one rank's save: not where every rank can stop
+        if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "save_checkpoint"
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id in modules)
+                or (isinstance(node.func, ast.Name) and node.func.id in functions)):
+            return True
+        return any(saves(child) for child in ast.iter_child_nodes(node))
+
+    return any(saves(tree) for tree in trees)
 
 
 def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,

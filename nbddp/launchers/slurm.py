@@ -139,6 +139,11 @@ class Slurm(Launcher):
             return self._bound_reached(run_dir, job)
         if state is None or job.get("cancelled_by_nbddp"):
             return None
+        saved = read_json(run_dir.requeue_saved) or {}
+        if state != "COMPLETED" and saved.get("attempt") == int(job.get("restarts") or 0):
+            return (f"Slurm: job {job.get('job_id')} stopped at its checkpoint to be requeued, but it wasn't requeued "
+                    f"(Slurm said {state}; the batch shell's output is {run_dir.slurm_batch_log}); its last checkpoint "
+                    f"stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it).")
         if state in SCHEDULER_ENDS:
             said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
@@ -151,6 +156,8 @@ class Slurm(Launcher):
         return None
 
     def _why_not_requeued(self, run_dir: RunDir) -> str:
+        if spawns_its_own_ranks(self.engine):
+            return f"It was not requeued: the {self.engine} engine doesn't resume through nbddp.save_checkpoint/restore."
         if not self.requeue:
             if not self.saves_checkpoints:
                 return ("It was not requeued: the training saves no checkpoint to resume from. Call "
@@ -162,12 +169,13 @@ class Slurm(Launcher):
 
     def _bound_reached(self, run_dir: RunDir, job: dict) -> str:
         bound = job["requeue_bound"]
+        times = f"{bound} time{'' if bound == 1 else 's'}"
         resume = f"its last checkpoint stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it)"
         if job.get("cancelled_by_nbddp"):
-            return (f"Slurm requeued job {job.get('job_id')} more than {bound} times (--max-requeues {bound}), so nbddp "
+            return (f"Slurm requeued job {job.get('job_id')} more than {times} (--max-requeues {bound}), so nbddp "
                     f"cancelled it; {resume}.")
         return (f"Slurm: job {job.get('job_id')} stopped at its checkpoint to be requeued, but it had been requeued "
-                f"{bound} times, the bound (--max-requeues {bound}); {resume}.")
+                f"{times}, the bound (--max-requeues {bound}); {resume}.")
 
     def job_info(self, run_dir: RunDir) -> dict | None:
         return read_json(run_dir.slurm_job)
@@ -257,7 +265,7 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         lines.append(" ".join(step))
     else:
         step.insert(1, "--open-mode=append")
-        lines += [" ".join(step + ["&"]), *_requeue_lines(requeue, request.max_requeues)]
+        lines += [" ".join(step + ["&"]), *_requeue_lines(request.max_requeues)]
     return "\n".join(lines) + "\n"
 
 
@@ -265,33 +273,36 @@ def _attempt_lines(run_dir: RunDir, max_requeues: int) -> list[str]:
     """Before the step of a job that requeues itself: mark the attempt, and turn Slurm's signal into the
     request every rank reads at its next save."""
     q = shlex.quote
-    request = q(str(run_dir.requeue_request))
     return [
         'attempt=${SLURM_RESTART_COUNT:-0}',
+        f"logs={q(str(run_dir.logs))}",
+        f"requeue_request={q(str(run_dir.requeue_request))}",
+        f"requeue_saved={q(str(run_dir.requeue_saved))}",
         f'for node in $(seq 0 $((SLURM_NNODES - 1))); do echo "{ATTEMPT_MARK}$((attempt + 1))" >> '
-        f'{q(str(run_dir.logs))}/node-$node.log; done',
+        '"$logs/node-$node.log"; done',
         f'echo "{ATTEMPT_MARK}$((attempt + 1)) of at most {max_requeues + 1}"',
         "export " + RankEnv.shell(requeue=1, requeues='"$attempt"'),
-        f"rm -f {request}",
+        'rm -f "$requeue_request"',
+        # (single-quoted: the trap expands the path when it runs, so no path is ever parsed as shell)
         "trap 'echo \"nbddp: Slurm signalled the job (time limit near, or preemption): every rank stops at its "
-        f"next nbddp.save_checkpoint\"; echo \"$attempt\" > {request}' USR2",
+        "next nbddp.save_checkpoint\"; echo \"$attempt\" > \"$requeue_request\"' USR2",
     ]
 
 
-def _requeue_lines(run_dir: RunDir, max_requeues: int) -> list[str]:
+def _requeue_lines(max_requeues: int) -> list[str]:
     """After the step (started in the background, so that the trap runs while it trains): requeue the job
     when every rank stopped at a checkpoint for it, or say why not."""
-    q = shlex.quote
-    saved = q(str(run_dir.requeue_saved))
     return [
         "step=$!",
-        "while :; do",  # Slurm's signal interrupts `wait`: wait again while the step runs
+        "while :; do",  # Slurm's signal interrupts `wait` (status > 128): wait again while the step runs
         '  wait "$step" && code=0 || code=$?',
-        '  if [ "$code" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi',
+        '  [ "$code" -gt 128 ] || break',
+        '  kill -0 "$step" 2>/dev/null && continue',
+        '  wait "$step" && code=0 || { again=$?; [ "$again" -eq 127 ] || code=$again; }',  # it ended meanwhile
         "  break",
         "done",
-        f"if [ -e {saved} ] && \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))[\"attempt\"] "
-        f"!= int(sys.argv[2]))' {saved} \"$attempt\"; then",
+        "if [ -e \"$requeue_saved\" ] && \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))"
+        "[\"attempt\"] != int(sys.argv[2]))' \"$requeue_saved\" \"$attempt\"; then",
         f'  if [ "$attempt" -ge {max_requeues} ]; then',
         f'    echo "nbddp: not requeued: job $SLURM_JOB_ID was requeued $attempt times, the bound (--max-requeues {max_requeues})"',
         "    exit 1",

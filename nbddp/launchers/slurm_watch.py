@@ -73,7 +73,9 @@ class Watcher:
                 return self.cancel(info, requeue_bound=self.max_requeues)
             self.show(info)
             state = info.get("JobState")
-            if state == "PREEMPTED" and self.requeues_itself():
+            if state != "PREEMPTED":
+                preempted_since = None
+            elif self.requeues_itself():
                 preempted_since = preempted_since or time.monotonic()
                 if time.monotonic() - preempted_since < PREEMPTED_SETTLE_SECONDS:
                     self.sleep(POLL_SECONDS)
@@ -137,7 +139,8 @@ class Watcher:
         exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (128 + sig if sig else 1))
         self.end_attempt(state)
         saved = read_json(self.run_dir.requeue_saved) or {}
-        bound = self.max_requeues if state != "COMPLETED" and saved.get("attempt") == self.restarts else None
+        stopped_to_requeue = state != "COMPLETED" and saved.get("attempt") == self.restarts
+        bound = self.max_requeues if stopped_to_requeue and self.restarts >= self.max_requeues else None
         self.record(state=state, reason=info.get("Reason"), exit_code=exit_code, nodes=info.get("NodeList"),
                     time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"), requeue_bound=bound)
         say(f"slurm job {self.job_id}: {state}" + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")

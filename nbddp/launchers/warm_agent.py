@@ -30,7 +30,12 @@ def main(argv: list[str]) -> None:
         torchrun(argv[1:])
         idle = True  # every rank returned: none had a job for its idle limit
     finally:
-        _ignore_stop_signals()
+        for _ in range(3):  # a signal landing before they are all ignored interrupts this, once
+            try:
+                _ignore_stop_signals()
+                break
+            except BaseException:  # noqa: BLE001 - torchrun's SignalException
+                continue
         if idle or pool.stop_mark.exists() or _owner_gone(pool.owner()):
             shutil.rmtree(pool.path, ignore_errors=True)
 

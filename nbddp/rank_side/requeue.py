@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -30,7 +31,15 @@ _saves = 0
 
 
 def stop_here(attempt: int) -> bool:
-    """After a complete save, on every rank: whether every rank stops here for a requeue."""
+    """At a save, before it is written, on every rank: whether every rank stops after it for a requeue.
+
+    Rank 0 decides before writing, so the others wait for its decision, not for its write (they wait
+    for the write in :func:`stop`'s barrier, and only when stopping).
+
+    Raises:
+        NbddpError: rank 0 never reached this save (it calls ``save_checkpoint`` fewer times, or only
+            on some ranks), within the collective timeout.
+    """
     global _saves
     env = RankEnv.from_environ()
     if not env.requeue or env.run_dir is None or not (dist.is_available() and dist.is_initialized()):
@@ -40,7 +49,24 @@ def stop_here(attempt: int) -> bool:
     key = f"nbddp/requeue/{attempt}/{_saves}"
     if dist.get_rank() == 0:
         store.set(key, "1" if requested(attempt) else "0")
+    else:
+        _wait_for(store, key)
     return store.get(key) == b"1"
+
+
+def _wait_for(store: Any, key: str) -> None:
+    from nbddp.errors import NbddpError
+    from nbddp.rank_side.process import collective_timeout
+
+    timeout = collective_timeout() or timedelta(minutes=30)
+    try:
+        store.wait([key], timeout)
+    except (RuntimeError, dist.DistStoreError) as exc:  # the store's own timeout error
+        raise NbddpError(
+            f"nbddp.save_checkpoint: rank {dist.get_rank()} waited {timeout.total_seconds():g} s for rank 0 at save "
+            f"#{_saves}: in a Slurm job that requeues itself every rank calls save_checkpoint, the same number of "
+            "times (not only on rank 0, nor only when its own loss improved). Call it on every rank, or submit "
+            f"with --no-requeue. ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
 
 def requested(attempt: int) -> bool:

@@ -277,13 +277,14 @@ def save_checkpoint(**state: Any) -> None:
     at the top of the training cell. In a Slurm job that requeues itself (``--requeue``) every rank
     must call it: after Slurm's signal, every rank stops at the same save (:mod:`nbddp.rank_side.requeue`).
     """
-    from nbddp.rank_side import sharding
+    from nbddp.rank_side import requeue, sharding
 
     if any(isinstance(v, dict) and sharding.sharded_modules(v.values()) for v in state.values()):
         from nbddp.errors import NbddpError
 
         raise NbddpError("nbddp.save_checkpoint: pass each sharded model by its own name "
                          "(save_checkpoint(encoder=encoder, decoder=decoder, ...)), not in a dict.")
+    stop = requeue.stop_here(restart_count())  # decided before the write: see nbddp.rank_side.requeue
     if dist.is_available() and dist.is_initialized() and any(
             sharding.holds_shards(v) for v in state.values()):
         from nbddp.rank_side import sharded_checkpoint
@@ -292,9 +293,7 @@ def save_checkpoint(**state: Any) -> None:
         sharded_checkpoint.save(run_dir(), state, note=f"attempt {restart_count()}")
     elif is_main():
         checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
-    from nbddp.rank_side import requeue
-
-    if requeue.stop_here(restart_count()):
+    if stop:
         requeue.stop(restart_count(), state)
 
 
