@@ -69,7 +69,13 @@ class SlurmCluster:
             "SchedulerParameters=sched_interval=1,bf_interval=1",
             "MpiDefault=none", "ReturnToService=2", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
             f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
+            # Preemption as clusters with a "scavenger" partition do it: an urgent job takes the node, the
+            # preempted job gets its --signal at once and GraceTime to save, then Slurm requeues it.
+            "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+            "SlurmctldParameters=preempt_send_user_signal",
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 PriorityTier=1 "
+            "GraceTime=60",
+            "PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10",
         ]) + "\n")
         self._run(["slurmctld", "-f", str(self.conf)])
         self._run(["slurmd", "-f", str(self.conf)])

@@ -275,6 +275,27 @@ def test_a_job_requeued_by_slurm_resumes_from_its_checkpoint_as_one_run(tmp_path
     assert not run.leftovers() and not processes_of(run_dir)
 
 
+def test_a_preempted_job_stops_at_its_next_checkpoint_and_resumes_after_the_urgent_job(tmp_path, cli_run, slurm_env):
+    """The cluster preempts with PreemptMode=REQUEUE and preempt_send_user_signal (GraceTime 60 s): an
+    --exclusive job in a higher partition takes the node; ours gets its USR2 at once, every rank stops at
+    the next save, the job requeues, waits while the urgent job runs, and resumes from that save."""
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 6)), code(EVALUATE)])
+    run = cli_run(["run", "fit.ipynb", *CPU2], tmp_path)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(tmp_path.glob("runs/*/resume.pt")):
+        time.sleep(0.2)
+    urgent = slurm_env.command(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "--wrap", "sleep 8"]).stdout.strip()
+    assert run.wait(300) == 0, run.output
+    output, run_dir = run.output, only_run_dir(tmp_path)
+    stopped = re.search(r"every rank saved at this checkpoint \(epoch=(\d)\) and stops", output)
+    assert stopped, output
+    assert f"[rank 0] [nbddp] attempt 2: resumed from resume.pt (epoch={stopped.group(1)})" in output
+    assert "→ attempt 2" in output and "(attempt 2)" in output
+    assert_matches(run_dir / "weights.pt", batch=16)
+    assert "JobState=COMPLETED" in slurm_env.command(["scontrol", "show", "job", urgent]).stdout
+    assert not run.leftovers() and not processes_of(run_dir)
+
+
 def test_near_its_time_limit_a_job_stops_at_a_checkpoint_requeues_itself_and_finishes(tmp_path, cli_run, slurm_env):
     """--time 1: Slurm signals the job (B:USR2, 120 s before the limit: at once), every rank stops at its
     next save, the job requeues itself; each attempt trains on until the weights are an uninterrupted run's."""

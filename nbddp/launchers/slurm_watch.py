@@ -45,7 +45,6 @@ class Watcher:
         self.shown = ""
         self.restarts = 0
         self.attempts: list[dict] = []
-        self.fields: dict = {}
 
     def on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
         self.stop_signal = self.stop_signal or signum
@@ -169,8 +168,8 @@ class Watcher:
 
     def record(self, **fields) -> None:  # noqa: ANN003
         """``job.json``: the job as it is now (rewritten as it changes), with every attempt so far."""
-        self.fields = {k: v for k, v in fields.items() if v is not None}
-        write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **self.fields, "restarts": self.restarts,
+        known = {k: v for k, v in fields.items() if v is not None}
+        write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **known, "restarts": self.restarts,
                                             "attempts": self.attempts}, indent=1)
 
 
@@ -236,7 +235,6 @@ def filesystem_type(path: Path) -> str:
         if (path == point or point in path.parents) and len(str(point)) > best:
             best, fstype = len(str(point)), fields[2]
     return fstype
-
 
 
 def say(line: str | None) -> None:

@@ -61,7 +61,7 @@ def _wait_for(store: Any, key: str) -> None:
     timeout = collective_timeout() or timedelta(minutes=30)
     try:
         store.wait([key], timeout)
-    except (RuntimeError, dist.DistStoreError) as exc:  # the store's own timeout error
+    except RuntimeError as exc:  # the store's own timeout (DistStoreError is one)
         raise NbddpError(
             f"nbddp.save_checkpoint: rank {dist.get_rank()} waited {timeout.total_seconds():g} s for rank 0 at save "
             f"#{_saves}: in a Slurm job that requeues itself every rank calls save_checkpoint, the same number of "
