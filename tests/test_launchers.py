@@ -188,6 +188,9 @@ def test_a_requeued_jobs_report_is_its_last_attempts_and_its_end_says_why_it_was
     run_dir.node_log(0).write_text("nbddp: attempt 1\nTraceback: SignalException\nnbddp: attempt 2\nall well\n")
     slurm = Slurm("torch", SlurmRequest(time="1"), 60, saves_checkpoints=True)
     assert slurm.requeue and "SignalException" not in slurm.report(run_dir) and "all well" in slurm.report(run_dir)
+    assert "--requeue" in slurm.command(tmp_path / "t.py", Devices("cpu", 2), run_dir, python="py")  # the watcher's
+    assert "--requeue" not in Slurm("torch", SlurmRequest(), 60).command(tmp_path / "t.py", Devices("cpu", 2), run_dir,
+                                                                       python="py")
     run_dir.slurm_job.write_text('{"job_id": "7", "state": "TIMEOUT", "time_limit": "00:01:00"}')
     assert "no rank reached nbddp.save_checkpoint between Slurm's signal" in slurm.ended_by_scheduler(run_dir)
     assert "the training saves no checkpoint" in Slurm("torch", SlurmRequest(), 60).ended_by_scheduler(run_dir)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -50,6 +51,17 @@ def slurm_env(slurm, monkeypatch):
 def only_run_dir(folder):
     (run_dir,) = (folder / "runs").iterdir()
     return run_dir
+
+
+def first_save(folder, saved: str, timeout: float = 120):
+    """The run dir of ``folder``'s run once its first checkpoint (``saved``, in the run dir) is written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(folder.glob(f"runs/*/{saved}"))
+        if found:
+            return found[0].parents[len(Path(saved).parts) - 1]
+        time.sleep(0.2)
+    raise AssertionError(f"no run in {folder} wrote {saved} within {timeout:g} s")
 
 
 def processes_of(run_dir) -> list[psutil.Process]:
@@ -253,12 +265,7 @@ def test_a_job_requeued_by_slurm_resumes_from_its_checkpoint_as_one_run(tmp_path
     (a sharded model's too: every rank's shard, through torch.distributed.checkpoint)."""
     write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 4)), code(EVALUATE)])
     run = cli_run(["run", "fit.ipynb", *CPU2, *(["--shard"] if shard else [])], tmp_path)
-    saved = "resume.dcp/latest.json" if shard else "resume.pt"
-    run_dir = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (run_dir and (run_dir / saved).exists()):
-        run_dir = next(iter((tmp_path / "runs").glob("*")), None) if (tmp_path / "runs").exists() else None
-        time.sleep(0.2)
+    run_dir = first_save(tmp_path, "resume.dcp/latest.json" if shard else "resume.pt")
     (job,) = slurm_env.queue()
     slurm_env.command(["scontrol", "requeue", job])
     assert run.wait(300) == 0, run.output
@@ -281,12 +288,11 @@ def test_a_preempted_job_stops_at_its_next_checkpoint_and_resumes_after_the_urge
     the next save, the job requeues, waits while the urgent job runs, and resumes from that save."""
     write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 6)), code(EVALUATE)])
     run = cli_run(["run", "fit.ipynb", *CPU2], tmp_path)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not list(tmp_path.glob("runs/*/resume.pt")):
-        time.sleep(0.2)
-    urgent = slurm_env.command(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "--wrap", "sleep 8"]).stdout.strip()
+    run_dir = first_save(tmp_path, "resume.pt")
+    urgent = slurm_env.command(["sbatch", "--parsable", "-p", "urgent", "--exclusive", "--output",
+                                str(tmp_path / "urgent.out"), "--wrap", "sleep 8"]).stdout.strip()
     assert run.wait(300) == 0, run.output
-    output, run_dir = run.output, only_run_dir(tmp_path)
+    output = run.output
     stopped = re.search(r"every rank saved at this checkpoint \(epoch=(\d)\) and stops", output)
     assert stopped, output
     assert f"[rank 0] [nbddp] attempt 2: resumed from resume.pt (epoch={stopped.group(1)})" in output

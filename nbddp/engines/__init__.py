@@ -172,7 +172,9 @@ def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bo
     raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
 
 
+@functools.lru_cache(maxsize=1024)
 def _parse(code: str) -> ast.AST | None:
+    """A cell's tree, parsed once for every question asked of it here (callers only read it)."""
     try:
         return ast.parse(code)
     except SyntaxError:
@@ -182,7 +184,7 @@ def _parse(code: str) -> ast.AST | None:
 @functools.lru_cache(maxsize=1024)
 def _cell_facts(code: str) -> tuple[frozenset[str], frozenset[str]]:
     """The top-level packages ``code`` imports and the names it calls (``f`` for ``f(...)`` and
-    ``x.y.f(...)``), from one parse; cached, as detection asks of every cell more than once."""
+    ``x.y.f(...)``), from one walk; cached, as detection asks of every cell more than once."""
     tree = _parse(code)
     packages: set[str] = set()
     called: set[str] = set()

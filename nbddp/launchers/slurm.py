@@ -93,7 +93,7 @@ class Slurm(Launcher):
             encoding="utf-8")
         # No --chdir: sbatch starts the job where the watcher runs, the notebook's folder (local imports).
         return [python, "-m", "nbddp.launchers.slurm_watch", str(run_dir.path),
-                "--max-requeues", str(self.request.max_requeues)]
+                "--max-requeues", str(self.request.max_requeues), *(["--requeue"] if self.requeue else [])]
 
     def report(self, run_dir: RunDir) -> str:
         """Each node's launcher output of the job's last attempt, headed by its node number (a Catalyst
@@ -106,8 +106,7 @@ class Slurm(Launcher):
     def between_attempts(self, run_dir: RunDir, attempt: int) -> bool:
         """The ranks of ``attempt`` stopped at a checkpoint to be requeued, or Slurm requeued the job
         (``scontrol requeue``, preemption) or otherwise stopped running it."""
-        saved = read_json(run_dir.requeue_saved) or {}
-        if saved.get("attempt") == attempt:
+        if stopped_to_requeue(run_dir, attempt) is not None:
             return True
         job = self.job_info(run_dir) or {}
         return int(job.get("restarts") or 0) > attempt or job.get("state", "RUNNING") != "RUNNING"
@@ -139,11 +138,9 @@ class Slurm(Launcher):
             return self._bound_reached(run_dir, job)
         if state is None or job.get("cancelled_by_nbddp"):
             return None
-        saved = read_json(run_dir.requeue_saved) or {}
-        if state != "COMPLETED" and saved.get("attempt") == int(job.get("restarts") or 0):
+        if state != "COMPLETED" and stopped_to_requeue(run_dir, int(job.get("restarts") or 0)) is not None:
             return (f"Slurm: job {job.get('job_id')} stopped at its checkpoint to be requeued, but it wasn't requeued "
-                    f"(Slurm said {state}; the batch shell's output is {run_dir.slurm_batch_log}); its last checkpoint "
-                    f"stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it).")
+                    f"(Slurm said {state}; the batch shell's output is {run_dir.slurm_batch_log}); {_resume_hint(run_dir)}.")
         if state in SCHEDULER_ENDS:
             said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
@@ -170,7 +167,7 @@ class Slurm(Launcher):
     def _bound_reached(self, run_dir: RunDir, job: dict) -> str:
         bound = job["requeue_bound"]
         times = f"{bound} time{'' if bound == 1 else 's'}"
-        resume = f"its last checkpoint stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it)"
+        resume = _resume_hint(run_dir)
         if job.get("cancelled_by_nbddp"):
             return (f"Slurm requeued job {job.get('job_id')} more than {times} (--max-requeues {bound}), so nbddp "
                     f"cancelled it; {resume}.")
@@ -180,6 +177,16 @@ class Slurm(Launcher):
     def job_info(self, run_dir: RunDir) -> dict | None:
         return read_json(run_dir.slurm_job)
 
+
+def stopped_to_requeue(run_dir: RunDir, attempt: int) -> dict | None:
+    """What ``attempt``'s ranks saved when they all stopped at a checkpoint to be requeued (``{"epoch": 3}``),
+    or ``None`` when that attempt didn't stop for a requeue (``slurm/requeue-saved``, written by rank 0)."""
+    saved = read_json(run_dir.requeue_saved) or {}
+    return (saved.get("saved") or {}) if saved.get("attempt") == attempt else None
+
+
+def _resume_hint(run_dir: RunDir) -> str:
+    return f"its last checkpoint stays in {run_dir} (nbddp.restore({str(run_dir)!r}, model=...) loads it)"
 
 
 def last_attempt(text: str) -> str:

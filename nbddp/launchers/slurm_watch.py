@@ -1,4 +1,4 @@
-"""``python -m nbddp.launchers.slurm_watch RUN_DIR [--max-requeues N]``: submit a run's Slurm job and
+"""``python -m nbddp.launchers.slurm_watch RUN_DIR [--max-requeues N] [--requeue]``: submit a run's Slurm job and
 watch it to the end.
 
 This process stands in for the job on the machine that submitted it, so the rest of nbddp owns
@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from nbddp.atomic import read_json, write_json
-from nbddp.launchers.slurm import FINAL_STATES
+from nbddp.atomic import write_json
+from nbddp.launchers.slurm import FINAL_STATES, stopped_to_requeue
 from nbddp.job.rundir import RunDir
 
 POLL_SECONDS = 1.0
@@ -37,9 +37,9 @@ _LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay"
 
 
 class Watcher:
-    def __init__(self, run_dir: RunDir, max_requeues: int = 0) -> None:
+    def __init__(self, run_dir: RunDir, max_requeues: int = 0, requeues_itself: bool = False) -> None:
         self.run_dir = run_dir
-        self.max_requeues = max_requeues
+        self.max_requeues, self.requeues_itself = max_requeues, requeues_itself
         self.job_id: str | None = None
         self.stop_signal: int | None = None
         self.shown = ""
@@ -74,7 +74,7 @@ class Watcher:
             state = info.get("JobState")
             if state != "PREEMPTED":
                 preempted_since = None
-            elif self.requeues_itself():
+            elif self.requeues_itself:
                 preempted_since = preempted_since or time.monotonic()
                 if time.monotonic() - preempted_since < PREEMPTED_SETTLE_SECONDS:
                     self.sleep(POLL_SECONDS)
@@ -84,20 +84,14 @@ class Watcher:
             self.sleep(POLL_SECONDS)
         return self.cancel(info)
 
-    def requeues_itself(self) -> bool:
-        try:
-            return "#SBATCH --requeue" in self.run_dir.sbatch_script.read_text(encoding="utf-8").splitlines()
-        except OSError:
-            return False
-
     def requeued(self, info: dict[str, str]) -> bool:
         """Follow the job into its next attempt when Slurm's restart count grew; True when it did."""
         restarts = int(info["Restarts"]) if info.get("Restarts", "").isdigit() else self.restarts
         if restarts <= self.restarts:
             return False
-        saved = read_json(self.run_dir.requeue_saved) or {}
-        if saved.get("attempt") == self.restarts:
-            at = ", ".join(f"{k}={v}" for k, v in (saved.get("saved") or {}).items())
+        saved = stopped_to_requeue(self.run_dir, self.restarts)
+        if saved is not None:
+            at = ", ".join(f"{k}={v}" for k, v in saved.items())
             why = "after Slurm's signal: every rank saved at its checkpoint" + (f" ({at})" if at else "")
         else:
             why = "by Slurm (scontrol requeue, preemption or a node's failure); it resumes from its last checkpoint"
@@ -137,9 +131,8 @@ class Watcher:
         code, sig = (int(x) if x.isdigit() else 0 for x in (info.get("ExitCode", "0:0").split(":") + ["0"])[:2])
         exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (128 + sig if sig else 1))
         self.end_attempt(state)
-        saved = read_json(self.run_dir.requeue_saved) or {}
-        stopped_to_requeue = state != "COMPLETED" and saved.get("attempt") == self.restarts
-        bound = self.max_requeues if stopped_to_requeue and self.restarts >= self.max_requeues else None
+        stopped = state != "COMPLETED" and stopped_to_requeue(self.run_dir, self.restarts) is not None
+        bound = self.max_requeues if stopped and self.restarts >= self.max_requeues else None
         self.record(state=state, reason=info.get("Reason"), exit_code=exit_code, nodes=info.get("NodeList"),
                     time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"), requeue_bound=bound)
         say(f"slurm job {self.job_id}: {state}" + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")
@@ -244,7 +237,7 @@ def say(line: str | None) -> None:
 
 def main(argv: list[str]) -> int:
     max_requeues = int(argv[argv.index("--max-requeues") + 1]) if "--max-requeues" in argv else 0
-    watcher = Watcher(RunDir(Path(argv[0])), max_requeues)
+    watcher = Watcher(RunDir(Path(argv[0])), max_requeues, requeues_itself="--requeue" in argv)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, watcher.on_signal)
     return watcher.run()

@@ -284,17 +284,17 @@ def save_checkpoint(**state: Any) -> None:
 
         raise NbddpError("nbddp.save_checkpoint: pass each sharded model by its own name "
                          "(save_checkpoint(encoder=encoder, decoder=decoder, ...)), not in a dict.")
-    stop = requeue.stop_here(restart_count())  # decided before the write: see nbddp.rank_side.requeue
+    attempt = restart_count()
+    stop = requeue.stop_here(attempt)  # decided before the write: see nbddp.rank_side.requeue
     if dist.is_available() and dist.is_initialized() and any(
             sharding.holds_shards(v) for v in state.values()):
         from nbddp.rank_side import sharded_checkpoint
 
-
-        sharded_checkpoint.save(run_dir(), state, note=f"attempt {restart_count()}")
+        sharded_checkpoint.save(run_dir(), state, note=f"attempt {attempt}")
     elif is_main():
-        checkpoint.save_returns(state, resume_path(), note=f"attempt {restart_count()}")
+        checkpoint.save_returns(state, resume_path(), note=f"attempt {attempt}")
     if stop:
-        requeue.stop(restart_count(), state)
+        requeue.stop(attempt, state)
 
 
 def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, Any]:
