@@ -116,6 +116,13 @@ class RunInterrupted(RunError):
     exit_code = Status.INTERRUPTED.exit_code
 
 
+def error_for(status: str, message: str, exit_code: int | None = None, run_dir: str | None = None) -> RunError:
+    """The error of a run that ended with ``status`` (``failed``, ``timeout``, ``interrupted``) when only its
+    record is known (a detached run's ``result.json``), not the judged outcome that says which rank and cell."""
+    cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(Status(status), RunFailed)
+    return cls(message, exit_code=exit_code, run_dir=run_dir)
+
+
 class CheckpointError(NbddpError):
     """The returned weights could not be written, read or loaded into the kernel."""
 

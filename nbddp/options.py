@@ -303,6 +303,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, run_dir: bool = Tru
     add_topology_arguments(parser)
 
 
+def add_detach_argument(parser: argparse.ArgumentParser) -> None:
+    """``--detach`` (``nbddp run``, ``%%ddp_train``): a door's option, not the run's (the supervisor runs it attached)."""
+    parser.add_argument("--detach", action="store_true",
+                        help="a supervisor owns the run: closing the terminal or notebook, or restarting the kernel, "
+                             "leaves it going; follow it again with `nbddp attach RUN` (%%ddp_attach RUN)")
+
+
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     """Several nodes (torchrun's flags, same meaning) and Slurm."""
     nodes = parser.add_argument_group("several nodes (run the same command on every node)")

@@ -338,3 +338,24 @@ def test_the_requeue_bound_is_kept_and_the_run_fails_saying_so(tmp_path, cli_run
     assert result["status"] == "failed" and len(result["slurm_job"]["attempts"]) == 2
     assert (run_dir / "resume.pt").exists()
     assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_a_detached_slurm_run_outlives_its_killed_nbddp_run_and_is_attached_again(tmp_path, cli_run, slurm_env):
+    """``--detach``: the job's watcher belongs to the run's supervisor, not to the terminal; a new ``nbddp attach``
+    shows the whole run (the queue's lines too) and its ending."""
+    slow = train_cell(8).replace("    print('epoch'", "    time.sleep(3)\n    print('epoch'")
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(slow), code(EVALUATE)])
+    front = cli_run(["run", "fit.ipynb", *CPU2, "--detach"], tmp_path)
+    front.wait_for("[rank 1] epoch 0")
+    os.killpg(front.proc.pid, signal.SIGKILL)  # the SSH session is gone
+    front.wait()
+    run_dir = only_run_dir(tmp_path)
+    (job,) = slurm_env.queue()
+    attached = subprocess.run(["nbddp", "attach", str(run_dir)], capture_output=True, text=True, timeout=300)
+    output = attached.stdout + attached.stderr
+    assert attached.returncode == 0, output
+    assert f"slurm job {job}: running on" in output and "[rank 1] epoch 0" in output and "[rank 1] epoch 2" in output
+    assert "succeeded in" in output and "kernel sees weight sum" in (run_dir / "output.ipynb").read_text()
+    assert_matches(run_dir / "weights.pt", batch=16)
+    assert json.loads((run_dir / "result.json").read_text())["slurm_job"]["state"] == "COMPLETED"
+    assert not processes_of(run_dir)

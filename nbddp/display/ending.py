@@ -23,7 +23,7 @@ from nbddp.job.metrics import format_metrics, measures
 from nbddp.job.rank_memory import describe as describe_memory
 
 _VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
-          "timeout": "timed out after"}
+          "timeout": "timed out after", "detached": "stopped following after"}
 NO_WEIGHTS = "no weights came back"
 
 

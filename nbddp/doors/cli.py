@@ -17,8 +17,8 @@ from typing import Iterator, Sequence
 from nbddp import __version__
 from nbddp.errors import NbddpError, SignalReceived, UsageError
 from nbddp.job.status import BatchState, Status
-from nbddp.options import (add_device_arguments, add_launch_arguments, add_script_arguments, add_topology_arguments,
-                           launch_options, script_arguments)
+from nbddp.options import (add_detach_argument, add_device_arguments, add_launch_arguments, add_script_arguments,
+                           add_topology_arguments, launch_options, script_arguments)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-o", "--output", type=Path, default=None,
                      help="executed notebook (default: RUN_DIR/output.ipynb)")
     add_launch_arguments(run)
+    add_detach_argument(run)
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--fresh", action="store_true",
                        help="start every run's ranks anew (default: a device slot's runs share warm ranks)")
     batch.set_defaults(handler=_batch)
+
+    attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
+    attach.add_argument("run", metavar="RUN", help="its run dir (or its name, from nbddp ps)")
+    attach.set_defaults(handler=_attach)
 
     ps = commands.add_parser("ps", help="list the runs alive now")
     ps.set_defaults(handler=_ps)
@@ -109,8 +114,57 @@ def _run(args: argparse.Namespace) -> int:
     from nbddp.doors.notebook_run import RunOptions, run_notebook
 
     options = RunOptions(args.notebook, launch_options(args), args.output, command=_command())
-    with _signals_interrupt():
+    if args.detach:
+        return _run_detached(options)
+    with signals_interrupt():
         return run_notebook(options).exit_code
+
+
+def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
+    """Check what can be checked here, hand the run to a supervisor, then follow it as ``nbddp attach`` does."""
+    import dataclasses
+
+    from nbddp.doors import detached
+    from nbddp.doors.notebook_run import check_notebook
+    from nbddp.job.lifecycle import create_run_dir
+
+    check_notebook(options)
+    run_dir = create_run_dir(options.notebook, options.launch.run_dir)
+    options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir), owner="detached")
+    pid = detached.start(options, run_dir, Path.cwd())
+    print(f"nbddp: detached (supervisor pid {pid}): closing this terminal leaves the run going; "
+          f"`nbddp attach {run_dir}` follows it again, `nbddp kill {run_dir}` stops it", file=sys.stderr, flush=True)
+    return _follow(run_dir)
+
+
+def _attach(args: argparse.Namespace) -> int:
+    from nbddp.doors import detached
+
+    return _follow(detached.find_run(args.run, Path.cwd()))
+
+
+def _follow(run_dir: Path) -> int:
+    """Every line of a detached run, the earlier first, until it ends; its ending; its exit code.
+
+    Ctrl-C (or SIGTERM, SIGHUP: a closed terminal) stops the following only, never the run."""
+    from nbddp.display.terminal import TerminalSink
+    from nbddp.doors import detached
+    from nbddp.doors.notebook_run import ending_summary
+    from nbddp.job.rundir import RunDir
+
+    terminal = TerminalSink()
+    try:
+        with signals_interrupt():
+            record = detached.follow(run_dir, [terminal])
+    except (KeyboardInterrupt, SignalReceived):
+        terminal.close()
+        print(f"\nnbddp: stopped following; {detached.how_to_return(run_dir, in_kernel=False)}", file=sys.stderr)
+        return 0
+    terminal.close()
+    output = RunDir(run_dir).output
+    print(ending_summary(record.error or "", detached.ending(record, run_dir), output if output.exists() else None),
+          file=sys.stderr)
+    return record.exit_code
 
 
 def _batch(args: argparse.Namespace) -> int:
@@ -119,7 +173,7 @@ def _batch(args: argparse.Namespace) -> int:
     options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
                            args.out, args.resume, args.fresh)
     try:
-        with _signals_interrupt():
+        with signals_interrupt():
             rows, code = run_batch(options, progress=_BatchProgress())
     except KeyboardInterrupt:
         print("\nnbddp: batch interrupted; every running run was stopped. Resume with --resume.", file=sys.stderr)
@@ -190,7 +244,7 @@ def _kill(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
+def signals_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP interrupt the run as Ctrl-C does (every rank stopped, exit 128+N).
 
     Only the CLI installs handlers, and only for the command's duration (never in a kernel)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.display.ending import NO_WEIGHTS, shown_path
+from nbddp.display.ending import NO_WEIGHTS, Ending, shown_path
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
@@ -38,6 +38,8 @@ class RunOptions:
     """The executed notebook (default: ``RUN_DIR/output.ipynb``), saved after every cell."""
     command: str = ""
     """How the run was started, for ``result.json``."""
+    owner: str = "cli"
+    """Who stops the job when ``nbddp kill`` asks (:attr:`nbddp.job.orchestrator.RunRequest.owner`)."""
 
 
 class BatchSlotPool:
@@ -53,34 +55,54 @@ class BatchSlotPool:
 
 
 def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: Callable[[str], None] | None = None,
-                 notebook: Notebook | None = None) -> orchestrator.RunResult:
+                 notebook: Notebook | None = None, on_start: Callable[[Any], Any] | None = None) -> orchestrator.RunResult:
     """Run the notebook; returns the result (never raises for a failed *run*, only for bad input).
 
-    ``sinks``: where rank output goes (default: this terminal); ``notebook``: already read.
+    ``sinks``: where rank output goes (default: this terminal); ``notebook``: already read;
+    ``on_start(job)``: once the ranks are starting (a detached run's supervisor tells its attachers).
     The result's ``extra`` holds ``output`` (the executed notebook's path) and ``executed`` (the node).
     """
     say = say or _stderr
     launch = options.launch
     notebook = notebook or read_notebook(options.notebook)
-    script = generate(notebook, launch.export_options())
-    check_defined(script)
+    script = _script(notebook, launch)
     request = orchestrator.RunRequest(
         script, launch, notebook.path, notebook.path.resolve().parent,
         effective_parameters(declared_parameters(notebook), launch.parameters), dict(launch.parameters),
-        options.command, warm=BatchSlotPool() if POOL_ENV in os.environ else None)
+        options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None)
     terminal = TerminalSink() if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
     try:
         if launch.nodes is not None and launch.nodes.rank != 0:
-            return _other_node(request, shown, say)
-        return _node_zero(request, notebook, options.output, shown, say, terminal)
+            return _other_node(request, shown, say, on_start)
+        return _node_zero(request, notebook, options.output, shown, say, terminal, on_start)
     finally:
         if terminal is not None:
             terminal.close()
 
 
+def check_notebook(options: RunOptions) -> None:
+    """Everything about a run that can be checked before it starts (the notebook, its script, the devices):
+    what a detached run checks in front of its user before a supervisor takes it.
+
+    Raises:
+        NotebookError, CellError, UsageError, DeviceError: what :func:`run_notebook` would raise first.
+    """
+    from nbddp.launchers import devices_for
+
+    script = _script(read_notebook(options.notebook), options.launch)
+    devices_for(options.launch, asked=script.processes)
+
+
+def _script(notebook: Notebook, launch: LaunchOptions):  # noqa: ANN202 - Script
+    script = generate(notebook, launch.export_options())
+    check_defined(script)
+    return script
+
+
 def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Path | None, sinks: list[Sink],
-               say: Callable[[str], None], terminal: TerminalSink | None) -> orchestrator.RunResult:
+               say: Callable[[str], None], terminal: TerminalSink | None,
+               started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
     """The notebook's kernel beside the job; the executed notebook written after every cell."""
     executed, numbers = kernel_notebook(notebook, request.launch.parameters)
     collector = NotebookOutputSink()
@@ -94,6 +116,8 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
         collector.run_dir = job.run_dir
         where["output"] = Path(output or RunDir(job.run_dir).output)
         say(f"nbddp: {orchestrator.describe(job)}")
+        if started is not None:
+            started(job)
 
     kernel = NotebookKernel(executed, numbers, notebook, request.cwd, collector, [collector, *sinks],
                             request.launch.returns, save=save,
@@ -106,12 +130,15 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
     return result
 
 
-def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callable[[str], None]) -> orchestrator.RunResult:
+def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callable[[str], None],
+                started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
     """Node 1 and up of a multi-node run: only this node's ranks (node 0 runs the kernel, gets the weights)."""
     nodes = request.launch.nodes
 
     def on_start(job) -> None:  # noqa: ANN001
         say(f"nbddp: node {nodes.rank} of {nodes.count}: {orchestrator.describe(job)}")
+        if started is not None:
+            started(job)
 
     result = orchestrator.run(request, orchestrator.NoKernel("node 0 holds the weights"), sinks, _prefixed(say),
                               on_start=on_start)
@@ -129,12 +156,17 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
     replace_atomically(path, lambda tmp: nbformat.write(nb, tmp))
 
 
-def summary(result: orchestrator.RunResult, output: Path) -> str:
+def summary(result: orchestrator.RunResult, output: Path | None) -> str:
     """The run's ending: its error (if any), then one line, then the final metrics."""
-    weights = RunDir(result.run_dir).weights
-    ending = replace(result.ending(), weights=f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS)
-    lines = [f"nbddp: error: {result.message}"] if result.message else []
-    lines.append(f"nbddp: {ending.line()} · notebook {shown_path(output)}")
+    return ending_summary(result.message, result.ending(), output)
+
+
+def ending_summary(message: str, ending: Ending, output: Path | None) -> str:
+    """``summary`` of a run known by its ending (a detached run's, from ``result.json``)."""
+    weights = RunDir(ending.run_dir).weights
+    ending = replace(ending, weights=f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS)
+    lines = [f"nbddp: error: {message}"] if message else []
+    lines.append(f"nbddp: {ending.line()}" + (f" · notebook {shown_path(output)}" if output else ""))
     if ending.metrics_line():
         lines.append(f"nbddp: {ending.metrics_line()}")
     return "\n".join(lines)

@@ -70,8 +70,9 @@ class RunRequest:
     source: str | None = None
     """How ``result.json`` names where the code came from (default: the notebook's path)."""
     owner: str = "cli"
-    """``cli``: a process that stops its own job when ``nbddp kill`` signals it; ``kernel``: a process
-    that must never be signalled (a Jupyter kernel, papermill), whose job ``nbddp kill`` stops itself."""
+    """``cli``: a process that stops its own job when ``nbddp kill`` signals it (``detached``: a detached
+    run's supervisor, the same); ``kernel``: a process that must never be signalled (a Jupyter kernel,
+    papermill), whose job ``nbddp kill`` stops itself."""
     warm: WarmSource | None = None
     """Where warm ranks come from, when this door uses them."""
 
@@ -188,10 +189,9 @@ class RunResult:
             return run_error(self.outcome, self.run_dir)
         if self.ended_by == "kernel" and self.kernel.error is not None:
             return self.kernel.error
-        from nbddp.errors import RunInterrupted, RunTimeout
+        from nbddp.errors import error_for
 
-        cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(self.status, RunFailed)
-        return cls(self.message, exit_code=self.exit_code, run_dir=str(self.run_dir))
+        return error_for(self.status, self.message, self.exit_code, str(self.run_dir))
 
     def raise_for_status(self) -> None:
         """Raise why the run didn't succeed: the judged :class:`~nbddp.errors.RunError` (it carries the

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from nbddp.atomic import write_json
+from nbddp.atomic import read_json, write_json
 from nbddp.notebook.sourcemap import SourceMap
 from nbddp.job.rundir import RunDir
 
@@ -121,6 +121,15 @@ class RunRecord:
 
     def write(self, run_dir: Path) -> Path:
         return write_json(RunDir(run_dir).result, asdict(self), indent=1)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "RunRecord | None":
+        """The run dir's ``result.json`` (``None`` before the run has ended); fields it doesn't know are ignored."""
+        data = read_json(RunDir(run_dir).result)
+        if not isinstance(data, dict):
+            return None
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def versions() -> dict[str, str]:

@@ -21,6 +21,8 @@ from nbddp.launchers.process_groups import group_alive, process_alive, stop_grou
 from nbddp.job.rundir import RunDir
 
 
+#: Owners that stop their own job on SIGTERM (recording it as interrupted): ``nbddp run``, a detached run's supervisor.
+SIGNALLED_OWNERS = ("cli", "detached")
 #: An entry that can't be read this long after it was written is damaged, and removed.
 DAMAGED_AFTER_SECONDS = 60.0
 
@@ -42,8 +44,9 @@ class LiveRun:
     engine: str
     world_size: int
     owner: str = "cli"
-    """``cli``: an ``nbddp run`` process, asked to stop its own job. ``kernel``: a Jupyter kernel,
-    which is never signalled; its job's processes are stopped directly."""
+    """``cli``: an ``nbddp run`` process, asked to stop its own job (``detached``: a detached run's
+    supervisor, the same). ``kernel``: a Jupyter kernel, which is never signalled; its job's processes
+    are stopped directly."""
 
     @property
     def entry(self) -> Path:
@@ -111,7 +114,7 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
     slurm = paths.sbatch_script.exists()  # its watcher cancels the job and waits for it to leave the queue
     if slurm:
         grace = max(grace, SLURM_CANCEL_SECONDS)
-    if run.owner == "cli" and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
+    if run.owner in SIGNALLED_OWNERS and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
         deadline = time.monotonic() + grace
         while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why

@@ -29,6 +29,9 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       result.json                   how the run ended, with what, by whom
       output.ipynb                  the executed notebook (nbddp run), saved after every cell
       batch.log                     a batch run's own terminal output (nbddp batch)
+      detached/request.pickle       a detached run (--detach): what its supervisor runs
+      detached/supervisor.json      its supervisor's pid, then the job's ranks and whether its launcher log is shown
+      detached/supervisor.log       the supervisor's own output (what a terminal would have shown)
 """
 
 from __future__ import annotations
@@ -159,6 +162,23 @@ class RunDir:
     @property
     def batch_log(self) -> Path:
         return self.path / "batch.log"
+
+    @property
+    def detached(self) -> Path:
+        """``detached/``: a run owned by a supervisor process, not by the kernel or terminal that started it."""
+        return self.path / "detached"
+
+    @property
+    def detached_request(self) -> Path:
+        return self.detached / "request.pickle"
+
+    @property
+    def supervisor(self) -> Path:
+        return self.detached / "supervisor.json"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.detached / "supervisor.log"
 
     def holds_a_run(self) -> bool:
         return any(p.exists() for p in (self.result, self.script, self.logs))

@@ -20,7 +20,8 @@ from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
 from nbddp.launchers.warm_pool import kernel_pool
-from nbddp.options import DEFAULT_WARM_IDLE, ArgumentParser, add_launch_arguments, launch_options, parse_line
+from nbddp.options import (DEFAULT_WARM_IDLE, ArgumentParser, add_detach_argument, add_launch_arguments,
+                           launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
 
@@ -30,6 +31,10 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
     parser.add_argument("--fresh", action="store_true",
                         help="start fresh ranks for this run instead of the kernel's warm ones (%%ddp_ranks shows them)")
+    add_detach_argument(parser)
+    parser.add_argument("--attach", nargs="?", const="", default=None, metavar="RUN",
+                        help="follow a detached run instead of starting one: RUN's run dir, or this notebook's latest; "
+                             "its weights come back here when it ends")
     return parser
 
 
@@ -45,6 +50,17 @@ def _ranks_parser() -> ArgumentParser:
 
 
 _RANKS_PARSER = _ranks_parser()
+
+
+def _attach_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%ddp_attach", description="Follow a detached run (--detach) until it ends; "
+                            "its weights come back here as a normal run's do.")
+    parser.add_argument("run", nargs="?", default="", metavar="RUN",
+                        help="its run dir, or its name under runs/ (default: this notebook's latest detached run)")
+    return parser
+
+
+_ATTACH_PARSER = _attach_parser()
 
 
 @magics_class
@@ -96,6 +112,8 @@ class DdpMagics(Magics):
         args = parse_line(_PARSER, line)
         if args is None:  # --help
             return None
+        if args.attach is not None:
+            return self._attach(args.attach)
         if not (cell or "").strip():
             raise UsageError("%%ddp_train: the cell has no training code: put it under the %%ddp_train line.")
         options = launch_options(args)
@@ -109,7 +127,85 @@ class DdpMagics(Magics):
             script, options, orchestrator.session_notebook(cwd), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
             source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
+        if args.detach:
+            return self._detach(request)
         return self._train(request)
+
+    @line_magic
+    def ddp_attach(self, line: str):
+        """Follow a detached run (``%%ddp_train --detach``, ``nbddp run --detach``) until it ends, with the live
+        view; its weights come back into this kernel as a normal run's do. Stopping the cell leaves the run going."""
+        args = parse_line(_ATTACH_PARSER, line)
+        return None if args is None else self._attach(args.run)
+
+    def _detach(self, request: orchestrator.RunRequest) -> None:
+        """Hand the run to a supervisor (its own ranks: warm ones would die with this kernel), then follow it."""
+        from dataclasses import replace
+
+        from nbddp.doors import detached
+        from nbddp.job.lifecycle import create_run_dir
+
+        run_dir = create_run_dir(request.notebook, request.launch.run_dir)
+        request = replace(request, launch=replace(request.launch, run_dir=run_dir), owner="detached", warm=None)
+        pid = detached.start(request, run_dir, request.cwd)
+        print(f"[nbddp] detached (supervisor pid {pid}): restarting this kernel or closing the notebook leaves the "
+              f"run going; %ddp_attach {run_dir} follows it again, `nbddp kill {run_dir}` stops it")
+        return self._attach(str(run_dir))
+
+    def _attach(self, which: str) -> None:
+        """Follow a detached run with the live view; load its weights here when it ends (as ``_train`` does)."""
+        from nbddp.checkpoint import load_into, load_returns
+        from nbddp.doors import detached
+        from nbddp.doors.jupyter.view import make_view
+        from nbddp.errors import error_for
+        from nbddp.job.rundir import RunDir
+
+        cwd = Path.cwd()
+        run_dir = detached.find_run(which, cwd) if which else detached.latest(orchestrator.session_notebook(cwd))
+        started = time.monotonic()
+        view = None
+
+        def on_ranks(ranks) -> None:  # noqa: ANN001
+            nonlocal view
+            view = make_view(ranks, run_dir)
+
+        def sink(event) -> None:  # noqa: ANN001
+            if view is not None:
+                view(event)
+
+        def heartbeat() -> None:
+            if view is not None:
+                view.tick()
+            if getattr(self.shell, "exit_now", False):  # a restart or shutdown: stop following, not the run
+                raise KeyboardInterrupt("the kernel is shutting down")
+
+        def end(ending: Ending) -> None:
+            if view is None:
+                print(f"[nbddp] {ending.line()}")
+                return
+            try:
+                view.close(ending)
+            except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
+                print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
+
+        try:
+            record = detached.follow(run_dir, [sink], heartbeat, on_ranks)
+        except KeyboardInterrupt:
+            again = detached.how_to_return(run_dir, in_kernel=True)
+            end(Ending("detached", time.monotonic() - started, run_dir, "the run goes on", again))
+            return None
+        except BaseException as exc:
+            end(Ending(Status.FAILED, time.monotonic() - started, run_dir, NO_WEIGHTS, first_line(str(exc))))
+            raise
+        weights = NO_WEIGHTS
+        if record.status == Status.SUCCEEDED and RunDir(run_dir).weights.exists():
+            states, note = load_returns(RunDir(run_dir).weights)
+            loaded = load_into(self.shell.user_ns, states)
+            weights = f"{', '.join(loaded)} loaded on the CPU" + (f" ({note})" if note else "")
+        end(detached.ending(record, run_dir, weights))
+        if record.status != Status.SUCCEEDED:
+            raise error_for(record.status, record.error or f"the run {record.status}", record.exit_code, str(run_dir))
+        return None
 
     def _train(self, request: orchestrator.RunRequest) -> None:
         """Run the job with its live view; end with one line, or an error without nbddp's frames."""

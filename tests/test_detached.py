@@ -1,0 +1,205 @@
+"""Detached runs (nbddp/doors/detached.py): a supervisor owns the ranks, so the terminal or kernel that started
+the run may die; ``attach`` shows the whole run and brings its weights back; ``kill`` leaves nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from nbddp.atomic import write_json
+from nbddp.doors import detached
+from nbddp.errors import RunFailed, UsageError
+from nbddp.job.rundir import RunDir
+from tests.conftest import alive, code, write_notebook
+from tests.linear_fit import EPOCHS, SETUP, reference, train_cell
+
+BATCH = 8  # per rank: the world's batch is 16
+#: Slow enough to kill the front door between two epochs.
+SLOW_TRAIN = train_cell(BATCH).replace("    print('epoch'", "    time.sleep(2)\n    print('epoch'")
+
+
+def _supervised(run_dir: Path) -> set[int]:
+    """The supervisor and every process under it."""
+    pid = json.loads(RunDir(run_dir).supervisor.read_text())["pid"]
+    try:
+        return {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _gone_within(pids, seconds) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _wait_for_line(run_dir: Path, text: str, seconds: float = 120) -> None:
+    log = RunDir(run_dir).rank_log(1)
+    deadline = time.monotonic() + seconds
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"never saw {text!r} in {log}"
+        time.sleep(0.1)
+
+
+def _kernel_weight(kernel) -> torch.Tensor:
+    out = kernel.execute("import json; print('W=' + json.dumps(model.weight.tolist()))")
+    return torch.tensor(json.loads(out.split("W=", 1)[1].splitlines()[0]))
+
+
+def _nbddp(*args, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nbddp", *map(str, args)], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _one_run_dir(folder: Path) -> Path:
+    deadline = time.monotonic() + 60
+    while not ((folder / "runs").is_dir() and any((folder / "runs").iterdir())):
+        assert time.monotonic() < deadline, "no run dir"
+        time.sleep(0.1)
+    (run_dir,) = (folder / "runs").iterdir()
+    return run_dir
+
+
+# --- the supervisor's contract, without a run ------------------------------------------------------------------
+
+def test_only_detached_runs_can_be_attached_and_a_missing_one_is_named(tmp_path):
+    plain = tmp_path / "runs" / "nb-1"
+    (plain / "logs").mkdir(parents=True)
+    with pytest.raises(UsageError, match="not a detached run.*--detach"):
+        detached.find_run(str(plain), tmp_path)
+    with pytest.raises(UsageError, match="no live run 'nb-2'"):
+        detached.find_run("nb-2", tmp_path)
+    with pytest.raises(UsageError, match="no detached run of nb.ipynb"):
+        detached.latest(tmp_path / "nb.ipynb")
+    result = _nbddp("attach", plain, cwd=tmp_path)
+    assert result.returncode == 2 and "not a detached run" in result.stderr, result.stderr
+
+
+def test_a_supervisor_gone_without_a_result_is_said_not_waited_for(tmp_path):
+    """A SIGKILLed supervisor takes its ranks with it (parent death) and can't write result.json."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    paths = RunDir(tmp_path)
+    paths.detached.mkdir()
+    write_json(paths.supervisor, {"pid": dead.pid, "started": time.time()})
+    with pytest.raises(RunFailed, match=f"supervisor \\(pid {dead.pid}\\) is gone and left no result"):
+        detached.follow(tmp_path, [])
+    write_json(paths.supervisor, {"pid": os.getpid(), "error": "no GPU here: use --cpu"})
+    with pytest.raises(RunFailed, match="did not start: no GPU here"):
+        detached.follow(tmp_path, [])
+
+
+def test_the_options_of_detaching_and_attaching():
+    from nbddp.doors.cli import build_parser
+
+    assert build_parser().parse_args(["run", "nb.ipynb", "--detach"]).detach
+    assert not build_parser().parse_args(["run", "nb.ipynb"]).detach
+    assert build_parser().parse_args(["attach", "runs/nb-1"]).run == "runs/nb-1"
+    with pytest.raises(SystemExit):  # a batch has a folder of runs, not one run to detach
+        build_parser().parse_args(["batch", "nb.ipynb", "--grid", "g.yaml", "--detach"])
+
+
+# --- real runs ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it(tmp_path, cli_run):
+    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN)])
+    front = cli_run(["run", nb, "--cpu", "--detach"], tmp_path)
+    front.wait_for("epoch 0 rank 1")
+    run_dir = _one_run_dir(tmp_path)
+    supervised = _supervised(run_dir)
+    os.killpg(front.proc.pid, signal.SIGKILL)  # the terminal goes, and the SSH session with it
+    front.wait()
+    time.sleep(1)
+    assert all(alive(p) for p in supervised), "the run died with the terminal that started it"
+    listed = _nbddp("ps", cwd=tmp_path).stdout
+    assert run_dir.name in listed and "detached" in listed, listed
+
+    attached = _nbddp("attach", run_dir, cwd=tmp_path)
+    out = attached.stdout + attached.stderr
+    assert attached.returncode == 0, out
+    assert "epoch 0 rank 1" in out and f"epoch {EPOCHS - 1} rank 1" in out, out  # earlier lines, then the new ones
+    assert "succeeded in" in out and "output.ipynb" in out, out
+    assert json.loads(RunDir(run_dir).result.read_text())["status"] == "succeeded"
+    weights = torch.load(RunDir(run_dir).weights, weights_only=True)["returns"]["model"]
+    for key, value in reference(2 * BATCH).items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
+    assert not _gone_within(supervised, 10)
+
+    again = _nbddp("attach", run_dir.name, cwd=tmp_path)  # after the end: the whole run, at once
+    assert again.returncode == 0 and "epoch 0 rank 1" in again.stdout and "succeeded in" in again.stderr
+
+
+@pytest.mark.slow
+def test_nbddp_kill_stops_a_detached_run_its_attacher_says_so_and_nothing_is_left(tmp_path, cli_run):
+    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN.replace(f"range({EPOCHS})", "range(100)"))])
+    front = cli_run(["run", nb, "--cpu", "--detach"], tmp_path)
+    front.wait_for("epoch 0 rank 1")
+    run_dir = _one_run_dir(tmp_path)
+    supervised = _supervised(run_dir)
+    assert len(supervised) >= 4  # the supervisor, its notebook's kernel, torchrun, two ranks
+    follower = cli_run(["attach", run_dir], tmp_path)  # a second terminal follows it; Ctrl-C there stops the following
+    follower.wait_for("epoch 0 rank 1")
+    os.killpg(follower.proc.pid, signal.SIGINT)
+    assert follower.wait(30) == 0 and "stopped following; the run goes on" in follower.output, follower.output
+    assert all(alive(p) for p in supervised), "Ctrl-C while following stopped the run"
+    killed = _nbddp("kill", run_dir, cwd=tmp_path)
+    assert killed.returncode == 0, killed.stderr
+    assert not _gone_within(supervised, 15), "nbddp kill left processes of the detached run"
+    record = json.loads(RunDir(run_dir).result.read_text())
+    assert record["status"] == "interrupted" and record["exit_code"] == 128 + signal.SIGTERM
+    assert front.wait(60) == record["exit_code"], front.output  # the attached terminal says how the run ended
+    assert "interrupted after" in front.output, front.output
+    assert "no live runs" in _nbddp("ps", cwd=tmp_path).stdout
+
+
+@pytest.mark.slow
+def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_for_the_weights(tmp_path, monkeypatch):
+    """The kernel is SIGKILLed (a restart) mid-run; a new kernel's %ddp_attach shows the earlier lines and the new
+    ones and gets the weights an attached run gives; attaching after the end does the same at once."""
+    from tests.test_magic import ProtocolKernel
+
+    monkeypatch.setenv("NBDDP_VIEW", "text")
+    body = SLOW_TRAIN.split("\n", 1)[1]  # without its "#| ddp-train" line
+    first = ProtocolKernel(tmp_path)
+    try:
+        for cell in ("%load_ext nbddp", SETUP):
+            first.execute(cell)
+        first.start_execute(f"%%ddp_train --cpu --detach\n{body}")
+        run_dir = _one_run_dir(tmp_path)
+        _wait_for_line(run_dir, "epoch 0 rank 1")
+        supervised = _supervised(run_dir)
+        first.km.provisioner.process.kill()  # SIGKILL, as a restart does
+        first.km.provisioner.process.wait()
+    finally:
+        first.kc.stop_channels()
+        first.km.cleanup_resources()
+    time.sleep(1)
+    assert all(alive(p) for p in supervised), "the run died with the kernel that started it"
+
+    second = ProtocolKernel(tmp_path)
+    try:
+        for cell in ("%load_ext nbddp", SETUP):
+            second.execute(cell)
+        out = second.execute(f"%%ddp_train --cpu --attach\n{body}")  # the cell run again: its latest detached run
+        assert "epoch 0 rank 1" in out and f"epoch {EPOCHS - 1} rank 1" in out, out
+        assert "succeeded in" in out and "model loaded on the CPU" in out, out
+        expected = reference(2 * BATCH)["weight"]
+        torch.testing.assert_close(_kernel_weight(second), expected, rtol=1e-5, atol=1e-6)
+        second.execute("torch.nn.init.zeros_(model.weight)")
+        out = second.execute(f"%ddp_attach {run_dir.name}")  # after the end
+        assert "epoch 0 rank 1" in out and "model loaded on the CPU" in out, out
+        torch.testing.assert_close(_kernel_weight(second), expected, rtol=1e-5, atol=1e-6)
+    finally:
+        second.close()
+    assert not _gone_within(supervised, 10)
