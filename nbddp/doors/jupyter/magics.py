@@ -156,97 +156,59 @@ class DdpMagics(Magics):
         """Follow a detached run with the live view; load its weights here when it ends (as ``_train`` does)."""
         from nbddp.checkpoint import load_into, load_returns
         from nbddp.doors import detached
-        from nbddp.doors.jupyter.view import make_view
-        from nbddp.errors import error_for
+        from nbddp.errors import CheckpointError, error_for
         from nbddp.job.rundir import RunDir
 
         cwd = Path.cwd()
         run_dir = detached.find_run(which, cwd) if which else detached.latest(orchestrator.session_notebook(cwd))
         started = time.monotonic()
-        view = None
-
-        def on_ranks(ranks) -> None:  # noqa: ANN001
-            nonlocal view
-            view = make_view(ranks, run_dir)
-
-        def sink(event) -> None:  # noqa: ANN001
-            if view is not None:
-                view(event)
-
-        def heartbeat() -> None:
-            if view is not None:
-                view.tick()
-            if getattr(self.shell, "exit_now", False):  # a restart or shutdown: stop following, not the run
-                raise KeyboardInterrupt("the kernel is shutting down")
-
-        def end(ending: Ending) -> None:
-            if view is None:
-                print(f"[nbddp] {ending.line()}")
-                return
-            try:
-                view.close(ending)
-            except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
-                print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
+        shown = _Shown(self.shell)
 
         try:
-            record = detached.follow(run_dir, [sink], heartbeat, on_ranks)
+            record = detached.follow(run_dir, [shown], shown.heartbeat, lambda ranks: shown.open(ranks, run_dir))
         except KeyboardInterrupt:
             again = detached.how_to_return(run_dir, in_kernel=True)
-            end(Ending("detached", time.monotonic() - started, run_dir, "the run goes on", again))
+            shown.close(Ending("detached", time.monotonic() - started, run_dir, "the run goes on", again), say=True)
             return None
         except BaseException as exc:
-            end(Ending(Status.FAILED, time.monotonic() - started, run_dir, NO_WEIGHTS, first_line(str(exc))))
+            shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir, NO_WEIGHTS, first_line(str(exc))))
             raise
         weights = NO_WEIGHTS
         if record.status == Status.SUCCEEDED and RunDir(run_dir).weights.exists():
-            states, note = load_returns(RunDir(run_dir).weights)
-            loaded = load_into(self.shell.user_ns, states)
+            try:
+                states, note = load_returns(RunDir(run_dir).weights)
+                loaded = load_into(self.shell.user_ns, states)
+            except CheckpointError as exc:
+                shown.close(detached.ending(record, run_dir, f"the weights could not be loaded: {first_line(str(exc))}"))
+                raise
             weights = f"{', '.join(loaded)} loaded on the CPU" + (f" ({note})" if note else "")
-        end(detached.ending(record, run_dir, weights))
+        shown.close(detached.ending(record, run_dir, weights), say=True)
         if record.status != Status.SUCCEEDED:
             raise error_for(record.status, record.error or f"the run {record.status}", record.exit_code, str(run_dir))
         return None
 
     def _train(self, request: orchestrator.RunRequest) -> None:
         """Run the job with its live view; end with one line, or an error without nbddp's frames."""
-        from nbddp.doors.jupyter.view import make_view
-
         started = time.monotonic()
-        view = None
+        shown = _Shown(self.shell)
         run_dir: Path | None = None
         nodes = request.launch.nodes
         kernel = orchestrator.NoKernel("node 0 holds the weights") if nodes and nodes.rank != 0 \
             else orchestrator.InProcess(self.shell.user_ns)
 
         def on_start(job) -> None:  # noqa: ANN001
-            nonlocal view, run_dir
+            nonlocal run_dir
             run_dir = job.run_dir
-            view = make_view(job.local_ranks(), job.run_dir)
-
-        def sink(event) -> None:  # noqa: ANN001
-            if view is not None:
-                view(event)
-
-        def heartbeat() -> None:
-            if view is not None:
-                view.tick()
-            if getattr(self.shell, "exit_now", False):  # ipykernel's shutdown_request: a restart or shutdown
-                raise KeyboardInterrupt("the kernel is shutting down")
+            shown.open(job.local_ranks(), job.run_dir)
 
         def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
-            if view is None:
-                return
             metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
-            ending = Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics,
-                            read_peaks(run_dir) if run_dir else {})
-            try:
-                view.close(ending)
-            except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
-                print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
+            shown.close(Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics,
+                               read_peaks(run_dir) if run_dir else {}))
 
         try:
-            result = orchestrator.run(request, kernel, [sink], lambda text: print(f"[nbddp] {text}"),
-                                      on_start=on_start, heartbeat=heartbeat)
+            result = orchestrator.run(request, kernel, [shown], lambda text: print(f"[nbddp] {text}"),
+                                      on_start=on_start, heartbeat=shown.heartbeat)
         except BaseException as exc:  # nbddp itself broke: say so, then raise
             end(Status.FAILED, first_line(f"{type(exc).__name__}: {exc}"))
             raise
@@ -260,6 +222,40 @@ class DdpMagics(Magics):
             result.raise_for_status()
         end(Status.SUCCEEDED, weights=result.weights(), metrics=result.record.final_metrics)
         return None
+
+
+class _Shown:
+    """The cell's live view (made once the job's ranks are known), what a run and an attached run show alike."""
+
+    def __init__(self, shell) -> None:  # noqa: ANN001
+        self.shell = shell
+        self.view = None
+
+    def open(self, ranks, run_dir: Path) -> None:  # noqa: ANN001
+        from nbddp.doors.jupyter.view import make_view
+
+        self.view = make_view(ranks, run_dir)
+
+    def __call__(self, event) -> None:  # noqa: ANN001 - a sink
+        if self.view is not None:
+            self.view(event)
+
+    def heartbeat(self) -> None:
+        if self.view is not None:
+            self.view.tick()
+        if getattr(self.shell, "exit_now", False):  # ipykernel's shutdown_request: a restart or shutdown
+            raise KeyboardInterrupt("the kernel is shutting down")
+
+    def close(self, ending: Ending, say: bool = False) -> None:
+        """Leave the ending in the view's place (``say``: printed when there was no view)."""
+        if self.view is None:
+            if say:
+                print(f"[nbddp] {ending.line()}")
+            return
+        try:
+            self.view.close(ending)
+        except Exception as exc:  # noqa: BLE001 - the view must never hide how the run ended
+            print(f"[nbddp] {ending.line()} (the view could not show it: {type(exc).__name__}: {exc})")
 
 
 def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
