@@ -20,7 +20,7 @@ from tests.conftest import code, md, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on the scheduler
 
 SLOW = code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)")
 CPU2 = ["--slurm", "--cpu", "--nproc", "2"]

@@ -144,26 +144,18 @@ def _attach(args: argparse.Namespace) -> int:
 
 
 def _follow(run_dir: Path) -> int:
-    """Every line of a detached run, the earlier first, until it ends; its ending; its exit code.
+    """What the run's terminal shows (the supervisor's transcript), from its first line until it ends; its exit code.
 
     Ctrl-C (or SIGTERM, SIGHUP: a closed terminal) stops the following only, never the run."""
-    from nbddp.display.terminal import TerminalSink
+    from nbddp.display.terminal import stdout_write
     from nbddp.doors import detached
-    from nbddp.doors.notebook_run import ending_summary
-    from nbddp.job.rundir import RunDir
 
-    terminal = TerminalSink()
     try:
         with signals_interrupt():
-            record = detached.follow(run_dir, [terminal])
+            record = detached.replay(run_dir, stdout_write)
     except (KeyboardInterrupt, SignalReceived):
-        terminal.close()
         print(f"\nnbddp: stopped following; {detached.how_to_return(run_dir, in_kernel=False)}", file=sys.stderr)
         return 0
-    terminal.close()
-    output = RunDir(run_dir).output
-    print(ending_summary(record.error or "", detached.ending(record, run_dir), output if output.exists() else None),
-          file=sys.stderr)
     return record.exit_code
 
 

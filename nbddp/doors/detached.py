@@ -78,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _supervise(paths: RunDir) -> int:
+    from nbddp.display.terminal import TerminalSink
     from nbddp.doors.cli import signals_interrupt
     from nbddp.doors.notebook_run import RunOptions, run_notebook
     from nbddp.job import orchestrator
@@ -87,15 +88,16 @@ def _supervise(paths: RunDir) -> int:
     def started(job: Any) -> None:  # what an attached door needs to show the job as its own run does
         _tell(paths, ranks=list(job.local_ranks()), launcher_log=job.launcher.streams_launcher_log)
 
-    def say(text: str) -> None:
+    def say(text: str) -> None:  # (stdout and stderr are the transcript: supervisor.log)
         print(text, flush=True)
 
     with signals_interrupt():  # nbddp kill: SIGTERM, recorded as an interruption
-        if isinstance(what, RunOptions):
-            result = run_notebook(what, sinks=[], say=say, on_start=started)
+        if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays
+            result = run_notebook(what, say=say, on_start=started)
         else:
-            result = orchestrator.run(what, orchestrator.NoKernel(WEIGHTS_WAIT), [], lambda t: say(f"nbddp: {t}"),
-                                      on_start=started)
+            terminal = TerminalSink()
+            result = orchestrator.run(what, orchestrator.NoKernel(WEIGHTS_WAIT), [terminal],
+                                      lambda t: say(f"nbddp: {t}"), on_start=started)
             say(f"nbddp: {result.ending().line()}")
     return result.exit_code
 
@@ -153,8 +155,7 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
     from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 
     paths = RunDir(run_dir)
-    if not paths.supervisor.exists():
-        raise UsageError(f"{run_dir} is not a detached run (it has no {paths.supervisor.name}).")
+    _supervisor_info(paths)
     follower = quiet = None
     while True:
         info = read_json(paths.supervisor) or {}
@@ -172,15 +173,53 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
                     sink(event)
         if record is not None:
             return record
-        if info.get("error"):
-            raise RunFailed(f"the detached run did not start: {info['error']}", run_dir=str(paths.path))
-        if not process_alive(int(info.get("pid", 0))) and not paths.result.exists():
-            raise RunFailed(f"the detached run's supervisor (pid {info.get('pid')}) is gone and left no result: "
-                            f"it was killed, and its ranks with it. Its last words: {paths.supervisor_log}",
-                            run_dir=str(paths.path))
+        if info.get("error") or not process_alive(int(info.get("pid", 0))) and not paths.result.exists():
+            raise _gone(paths, info)
         if heartbeat is not None:
             heartbeat()
         time.sleep(POLL_SECONDS)
+
+
+def replay(run_dir: Path, write: Callable[[str], Any]) -> Any:
+    """``write`` the supervisor's transcript (what ``nbddp run`` would have shown in its terminal: the
+    ranks' lines, the notebook's cells, the ending), from its first line until the supervisor has
+    ended; returns the run's ``RunRecord``.
+
+    Raises:
+        UsageError: ``run_dir`` is not a detached run.
+        RunFailed: the supervisor is gone without a result (it was killed).
+    """
+    from nbddp.job.follow import Followed, read_complete
+    from nbddp.job.record import RunRecord
+    from nbddp.launchers.process_groups import process_alive
+
+    paths = RunDir(run_dir)
+    info = _supervisor_info(paths)
+    transcript = Followed(paths.supervisor_log, None)
+    while True:
+        ended = not process_alive(int(info.get("pid", 0)))  # before the read: then that read is the last
+        for line in read_complete(transcript, final=ended):
+            write(line.decode("utf-8", errors="replace") + "\n")
+        if ended:
+            record = RunRecord.read(paths.path)
+            if record is None:
+                raise _gone(paths, read_json(paths.supervisor) or info)
+            return record
+        time.sleep(POLL_SECONDS)
+
+
+def _supervisor_info(paths: RunDir) -> dict:
+    info = read_json(paths.supervisor)
+    if info is None:
+        raise UsageError(f"{paths.path} is not a detached run (it has no {paths.supervisor.relative_to(paths.path)}).")
+    return info
+
+
+def _gone(paths: RunDir, info: dict) -> RunFailed:
+    if info.get("error"):
+        return RunFailed(f"the detached run did not start: {info['error']}", run_dir=str(paths.path))
+    return RunFailed(f"the detached run's supervisor (pid {info.get('pid')}) is gone and left no result: it was "
+                     f"killed, and its ranks with it. Its last words: {paths.supervisor_log}", run_dir=str(paths.path))
 
 
 def ending(record: Any, run_dir: Path, weights: str | None = None) -> Any:

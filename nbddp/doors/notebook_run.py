@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.display.ending import NO_WEIGHTS, Ending, shown_path
+from nbddp.display.ending import NO_WEIGHTS, shown_path
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
@@ -156,17 +156,12 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
     replace_atomically(path, lambda tmp: nbformat.write(nb, tmp))
 
 
-def summary(result: orchestrator.RunResult, output: Path | None) -> str:
+def summary(result: orchestrator.RunResult, output: Path) -> str:
     """The run's ending: its error (if any), then one line, then the final metrics."""
-    return ending_summary(result.message, result.ending(), output)
-
-
-def ending_summary(message: str, ending: Ending, output: Path | None) -> str:
-    """``summary`` of a run known by its ending (a detached run's, from ``result.json``)."""
-    weights = RunDir(ending.run_dir).weights
-    ending = replace(ending, weights=f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS)
-    lines = [f"nbddp: error: {message}"] if message else []
-    lines.append(f"nbddp: {ending.line()}" + (f" · notebook {shown_path(output)}" if output else ""))
+    weights = RunDir(result.run_dir).weights
+    ending = replace(result.ending(), weights=f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS)
+    lines = [f"nbddp: error: {result.message}"] if result.message else []
+    lines.append(f"nbddp: {ending.line()} · notebook {shown_path(output)}")
     if ending.metrics_line():
         lines.append(f"nbddp: {ending.metrics_line()}")
     return "\n".join(lines)

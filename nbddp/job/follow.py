@@ -58,7 +58,9 @@ Sink = Callable[[Event], None]
 
 
 @dataclass
-class _Followed:
+class Followed:
+    """A file being followed: how far it was read, and the unterminated line read so far."""
+
     path: Path
     rank: int | None
     offset: int = 0
@@ -72,8 +74,8 @@ class RunFollower:
     def __init__(self, run_dir: Path, include_launcher: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.include_launcher = include_launcher
-        self._files: dict[Path, _Followed] = {}
-        self._metrics = _Followed(RunDir(self.run_dir).metrics, None)
+        self._files: dict[Path, Followed] = {}
+        self._metrics = Followed(RunDir(self.run_dir).metrics, None)
         self._peaks: dict[int, int] = {}
         self._peaks_read = 0.0
 
@@ -81,7 +83,7 @@ class RunFollower:
         """New events since the last call; ``final`` flushes unterminated lines too."""
         for followed in self._discover():
             yield from self._read_lines(followed, final)
-        for raw in self._read_complete(self._metrics, final):
+        for raw in read_complete(self._metrics, final):
             try:
                 values = json.loads(raw)
             except ValueError:
@@ -96,7 +98,7 @@ class RunFollower:
                 self._peaks = peaks
                 yield MemoryEvent(peaks)
 
-    def _discover(self) -> list[_Followed]:
+    def _discover(self) -> list[Followed]:
         paths = RunDir(self.run_dir)
         logs = paths.logs
         if logs.is_dir():
@@ -105,13 +107,13 @@ class RunFollower:
                     continue
                 match = _RANK_LOG.search(path.name)
                 if match:
-                    self._files[path] = _Followed(path, int(match.group(1)))
+                    self._files[path] = Followed(path, int(match.group(1)))
                 elif path == paths.launcher_log and self.include_launcher:
-                    self._files[path] = _Followed(path, None)
+                    self._files[path] = Followed(path, None)
         return sorted(self._files.values(), key=lambda f: (f.rank is not None, f.rank or 0))
 
-    def _read_lines(self, followed: _Followed, final: bool) -> Iterator[LogLine]:
-        for raw in self._read_complete(followed, final):
+    def _read_lines(self, followed: Followed, final: bool) -> Iterator[LogLine]:
+        for raw in read_complete(followed, final):
             text = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # what a terminal shows after redraws
             yield LogLine(followed.rank, text.decode("utf-8", errors="replace"))
         if b"\r" in followed.partial:  # a progress bar being redrawn: show its latest state
@@ -120,22 +122,23 @@ class RunFollower:
                 followed.shown_progress = current
                 yield LogLine(followed.rank, current.decode("utf-8", errors="replace"), progress=True)
 
-    @staticmethod
-    def _read_complete(followed: _Followed, final: bool) -> list[bytes]:
-        try:
-            with open(followed.path, "rb") as f:
-                f.seek(followed.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        followed.offset += len(data)
-        data = followed.partial + data
-        lines = data.split(b"\n")
-        followed.partial = lines.pop()
-        if final and followed.partial:
-            lines.append(followed.partial)
-            followed.partial = b""
-        return lines
+
+def read_complete(followed: Followed, final: bool) -> list[bytes]:
+    """The complete lines appended to ``followed.path`` since the last call (``final``: the unterminated one too)."""
+    try:
+        with open(followed.path, "rb") as f:
+            f.seek(followed.offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    followed.offset += len(data)
+    data = followed.partial + data
+    lines = data.split(b"\n")
+    followed.partial = lines.pop()
+    if final and followed.partial:
+        lines.append(followed.partial)
+        followed.partial = b""
+    return lines
 
 
 def rank_prefix(rank: int | None, every_rank: bool = False) -> str:

@@ -31,7 +31,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       batch.log                     a batch run's own terminal output (nbddp batch)
       detached/request.pickle       a detached run (--detach): what its supervisor runs
       detached/supervisor.json      its supervisor's pid, then the job's ranks and whether its launcher log is shown
-      detached/supervisor.log       the supervisor's own output (what a terminal would have shown)
+      detached/supervisor.log       the supervisor's transcript: what nbddp run's terminal would have shown
 """
 
 from __future__ import annotations
