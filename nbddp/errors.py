@@ -9,6 +9,8 @@ with, so that scripts and CI can tell bad input (2) from a bad device request
 
 from __future__ import annotations
 
+from typing import Any
+
 from nbddp.job.status import Status
 
 
@@ -116,11 +118,12 @@ class RunInterrupted(RunError):
     exit_code = Status.INTERRUPTED.exit_code
 
 
-def error_for(status: str, message: str, exit_code: int | None = None, run_dir: str | None = None) -> RunError:
-    """The error of a run that ended with ``status`` (``failed``, ``timeout``, ``interrupted``) when only its
-    record is known (a detached run's ``result.json``), not the judged outcome that says which rank and cell."""
+def error_for(status: str, message: str, exit_code: int | None = None, run_dir: str | None = None,
+              **judged: Any) -> RunError:
+    """The error of a run that ended with ``status`` (``failed``, ``timeout``, ``interrupted``); ``judged``:
+    what its outcome knows (``rank``, ``exc_type``, ``cell``, ``line``)."""
     cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(Status(status), RunFailed)
-    return cls(message, exit_code=exit_code, run_dir=run_dir)
+    return cls(message, exit_code=exit_code, run_dir=run_dir, **judged)
 
 
 class CheckpointError(NbddpError):

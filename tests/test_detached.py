@@ -27,6 +27,18 @@ BATCH = 8  # per rank: the world's batch is 16
 SLOW_TRAIN = train_cell(BATCH).replace("    print('epoch'", "    time.sleep(2)\n    print('epoch'")
 
 
+@pytest.fixture(autouse=True)
+def no_supervisor_left(tmp_path):
+    """A failed test must not leave a detached run training beside the next ones (nobody's child: no group to kill)."""
+    yield
+    for info in tmp_path.glob("runs/*/detached/supervisor.json"):
+        for pid in _supervised(info.parents[1]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def _supervised(run_dir: Path) -> set[int]:
     """The supervisor and every process under it."""
     pid = json.loads(RunDir(run_dir).supervisor.read_text())["pid"]
@@ -49,6 +61,16 @@ def _wait_for_line(run_dir: Path, text: str, seconds: float = 120) -> None:
     while not (log.exists() and text in log.read_text(errors="replace")):
         assert time.monotonic() < deadline, f"never saw {text!r} in {log}"
         time.sleep(0.1)
+
+
+def _start_long_detached_run(tmp_path, cli_run):
+    """``nbddp run --detach`` of a 100-epoch training, once its first epoch is done: the front door, the run dir,
+    and the supervisor's processes."""
+    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN.replace(f"range({EPOCHS})", "range(100)"))])
+    front = cli_run(["run", nb, "--cpu", "--detach"], tmp_path)
+    front.wait_for("epoch 0 rank 1")
+    run_dir = _one_run_dir(tmp_path)
+    return front, run_dir, _supervised(run_dir)
 
 
 def _kernel_weight(kernel) -> torch.Tensor:
@@ -86,7 +108,8 @@ def test_only_detached_runs_can_be_attached_and_a_missing_one_is_named(tmp_path)
 
 
 def test_a_supervisor_gone_without_a_result_is_said_not_waited_for(tmp_path):
-    """A SIGKILLed supervisor takes its ranks with it (parent death) and can't write result.json."""
+    """A SIGKILLed supervisor takes its ranks with it (parent death) and can't write result.json; a process
+    that was given its pid since is not taken for it."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     paths = RunDir(tmp_path)
@@ -94,9 +117,27 @@ def test_a_supervisor_gone_without_a_result_is_said_not_waited_for(tmp_path):
     write_json(paths.supervisor, {"pid": dead.pid, "started": time.time()})
     with pytest.raises(RunFailed, match=f"supervisor \\(pid {dead.pid}\\) is gone and left no result"):
         detached.follow(tmp_path, [])
+    write_json(paths.supervisor, {"pid": os.getpid(), "created": 0.0})  # a live process that got its pid since
+    with pytest.raises(RunFailed, match=f"supervisor \\(pid {os.getpid()}\\) is gone"):
+        detached.replay(tmp_path, lambda text: None)
     write_json(paths.supervisor, {"pid": os.getpid(), "error": "no GPU here: use --cpu"})
-    with pytest.raises(RunFailed, match="did not start: no GPU here"):
+    with pytest.raises(RunFailed, match="ended before it started: no GPU here"):
         detached.follow(tmp_path, [])
+
+
+def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
+    """A real supervisor, whose notebook is gone by the time it runs: it records why, and exits."""
+    from nbddp.doors.notebook_run import RunOptions
+    from nbddp.options import LaunchOptions
+
+    run_dir = tmp_path / "runs" / "gone-1"
+    run_dir.mkdir(parents=True)
+    pid = detached.start(RunOptions(tmp_path / "gone.ipynb", LaunchOptions(run_dir=run_dir)), run_dir, tmp_path)
+    assert pid != os.getpid()
+    with pytest.raises(RunFailed, match="ended before it started: .*gone.ipynb"):
+        detached.follow(run_dir, [])
+    result = _nbddp("attach", run_dir, cwd=tmp_path)
+    assert result.returncode == 1 and "ended before it started" in result.stderr, result.stderr
 
 
 def test_the_options_of_detaching_and_attaching():
@@ -145,11 +186,7 @@ def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it
 @pytest.mark.waits
 @pytest.mark.slow
 def test_nbddp_kill_stops_a_detached_run_its_attacher_says_so_and_nothing_is_left(tmp_path, cli_run):
-    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN.replace(f"range({EPOCHS})", "range(100)"))])
-    front = cli_run(["run", nb, "--cpu", "--detach"], tmp_path)
-    front.wait_for("epoch 0 rank 1")
-    run_dir = _one_run_dir(tmp_path)
-    supervised = _supervised(run_dir)
+    front, run_dir, supervised = _start_long_detached_run(tmp_path, cli_run)
     assert len(supervised) >= 4  # the supervisor, its notebook's kernel, torchrun, two ranks
     follower = cli_run(["attach", run_dir], tmp_path)  # a second terminal follows it; Ctrl-C there stops the following
     follower.wait_for("epoch 0 rank 1")
@@ -183,7 +220,7 @@ def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_fo
         run_dir = _one_run_dir(tmp_path)
         _wait_for_line(run_dir, "epoch 0 rank 1")
         supervised = _supervised(run_dir)
-        first.km.provisioner.process.kill()  # SIGKILL, as a restart does
+        os.killpg(os.getpgid(first.km.provisioner.process.pid), signal.SIGKILL)  # a restart: the kernel's group
         first.km.provisioner.process.wait()
     finally:
         first.kc.stop_channels()
@@ -207,3 +244,19 @@ def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_fo
     finally:
         second.close()
     assert not _gone_within(supervised, 10)
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_killed_supervisor_takes_its_ranks_and_the_attacher_says_so(tmp_path, cli_run):
+    front, run_dir, supervised = _start_long_detached_run(tmp_path, cli_run)
+    os.kill(json.loads(RunDir(run_dir).supervisor.read_text())["pid"], signal.SIGKILL)
+    assert not _gone_within(supervised, 15), "the ranks outlived their supervisor"
+    assert front.wait(30) == 1, front.output
+    assert "supervisor (pid" in front.output and "is gone and left no result" in front.output, front.output
+    # Killed, the supervisor could not remove its notebook kernel's socket folder: the next run does.
+    from nbddp.doors.notebook_kernel import SOCKETS_PREFIX
+    from nbddp.launchers.process_groups import owned_temp_dir
+
+    os.rmdir(owned_temp_dir(SOCKETS_PREFIX))
+

@@ -49,7 +49,8 @@ class Ending:
         parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"]
         if self.reason:
             parts.append(self.reason)
-        parts.append(self.weights)
+        if self.weights:
+            parts.append(self.weights)
         if self.run_dir is not None:
             parts.append(f"run dir {shown_path(self.run_dir)}")
         return " · ".join(parts)

@@ -8,13 +8,13 @@ level imports torch, so ``nbddp --help`` answers at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from nbddp import __version__
+from nbddp.doors.signals import signals_interrupt
 from nbddp.errors import NbddpError, SignalReceived, UsageError
 from nbddp.job.status import BatchState, Status
 from nbddp.options import (add_detach_argument, add_device_arguments, add_launch_arguments, add_script_arguments,
@@ -226,7 +226,12 @@ def _kill(args: argparse.Namespace) -> int:
 
     code = 0
     for which in args.runs:
-        run = find(which)
+        try:
+            run = find(which)
+        except UsageError:
+            if not _stop_detached(which):
+                raise
+            continue
         if kill(run):
             print(f"stopped {run.name}")
         else:
@@ -235,21 +240,21 @@ def _kill(args: argparse.Namespace) -> int:
     return code
 
 
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP interrupt the run as Ctrl-C does (every rank stopped, exit 128+N).
+def _stop_detached(which: str) -> bool:
+    """A detached run whose job isn't registered (yet): its supervisor is stopped; False if ``which`` is none."""
+    from nbddp.doors import detached
+    from nbddp.job.rundir import RunDir
 
-    Only the CLI installs handlers, and only for the command's duration (never in a kernel)."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise SignalReceived(signum)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        run_dir = detached.find_run(which, Path.cwd())
+    except UsageError:
+        return False
+    if not detached.supervisor_alive(RunDir(run_dir)):
+        return False
+    if detached.stop(run_dir):
+        print(f"stopped {run_dir.name}")
+        return True
+    raise NbddpError(f"the supervisor of {run_dir.name} did not stop; see {RunDir(run_dir).supervisor_log}")
 
 
 def _command() -> str:

@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.atomic import read_json, write_json
+from nbddp.doors.signals import signals_interrupt
 from nbddp.errors import NbddpError, RunFailed, UsageError
 from nbddp.job.rundir import RunDir
 
@@ -39,47 +43,65 @@ WEIGHTS_WAIT = "the weights wait in the run dir for %ddp_attach"
 
 def start(what: Any, run_dir: Path, cwd: Path) -> int:
     """Start the supervisor of ``what`` (``nbddp run``'s ``RunOptions`` or ``%%ddp_train``'s ``RunRequest``,
-    whose ``launch.run_dir`` is ``run_dir``); returns its pid once it runs."""
+    whose ``launch.run_dir`` is ``run_dir``); returns its pid once it runs.
+
+    Raises:
+        NbddpError: it could not start (the run dir is removed: nothing ran).
+        KeyboardInterrupt: Ctrl-C while it started (a supervisor that got to start is stopped).
+    """
     paths = RunDir(run_dir)
     paths.detached.mkdir(parents=True, exist_ok=True, mode=0o700)
     paths.detached_request.write_bytes(pickle.dumps(what))
-    proc = subprocess.run([sys.executable, "-m", "nbddp.doors.detached", str(paths.path)], cwd=cwd,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_SECONDS)
+    try:  # returns once the supervisor has written its pid and let go of the pipes (or failed)
+        proc = subprocess.run([sys.executable, "-m", "nbddp.doors.detached", str(paths.path)], cwd=cwd,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_SECONDS)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
+        if supervisor_alive(paths):
+            os.kill(int(read_json(paths.supervisor)["pid"]), signal.SIGTERM)  # the user didn't want it to start
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise NbddpError(f"the run's supervisor did not start within {START_SECONDS:g} s; see {paths.supervisor_log}") from None
     info = read_json(paths.supervisor)
     if proc.returncode != 0 or not info:
+        shutil.rmtree(paths.path, ignore_errors=True)
         raise NbddpError(f"the run's supervisor could not start (exit {proc.returncode}): "
                          f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
     return int(info["pid"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The supervisor: fork away from the starter, then run the job and record how it ended."""
+    """The supervisor: fork away from the starter, then run the job and record how it ended.
+
+    The starter's Ctrl-C or hang-up must not catch it half-way: both are ignored until it is in a
+    session of its own; it writes its pid (and start time, so a recycled pid is never taken for it)
+    before it lets go of the starter's pipes, so the starter finds it when its child returns.
+    """
+    import psutil
+
     paths = RunDir(Path((sys.argv[1:] if argv is None else argv)[0]))
-    child = os.fork()
-    if child:  # the starter's own child: say who the supervisor is, and go (the supervisor is re-parented)
-        write_json(paths.supervisor, {"pid": child, "started": time.time()})
-        return 0
-    os.setsid()  # no terminal: no Ctrl-C or hang-up of the session that started it
-    deadline = time.monotonic() + START_SECONDS
-    while not paths.supervisor.exists() and time.monotonic() < deadline:  # the starter's child writes it first
-        time.sleep(0.01)
-    log = os.open(paths.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    null = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((0, null), (1, log), (2, log)):
-        os.dup2(target, fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # line-buffered into the log
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    try:
-        return _supervise(paths)
-    except NbddpError as exc:  # refused before it started (devices, options): the attached door says why
-        print(f"nbddp: error: {exc}", flush=True)
-        _tell(paths, error=str(exc))
-        return exc.exit_code
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    if os.fork():
+        os._exit(0)  # the starter's own child goes; the supervisor is re-parented (nobody's child)
+    os.setsid()  # no terminal, no process group of the kernel's: none of their signals reach it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with signals_interrupt():  # nbddp kill: SIGTERM, recorded as an interruption, from now on
+        try:
+            write_json(paths.supervisor, {"pid": os.getpid(), "created": psutil.Process().create_time(),
+                                          "started": time.time()})
+            log = os.open(paths.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            null = os.open(os.devnull, os.O_RDONLY)
+            for fd, target in ((0, null), (1, log), (2, log)):
+                os.dup2(target, fd)
+            for name, fd in (("stdout", 1), ("stderr", 2)):  # line-buffered into the transcript, whatever the locale
+                setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
+            return _supervise(paths)
+        except BaseException as exc:  # noqa: BLE001 - whatever ends it before the run is recorded: the attacher says why
+            return _stopped_before_recording(paths, exc)
 
 
 def _supervise(paths: RunDir) -> int:
     from nbddp.display.terminal import TerminalSink
-    from nbddp.doors.cli import signals_interrupt
     from nbddp.doors.notebook_run import RunOptions, run_notebook
     from nbddp.job import orchestrator
 
@@ -91,22 +113,84 @@ def _supervise(paths: RunDir) -> int:
     def say(text: str) -> None:  # (stdout and stderr are the transcript: supervisor.log)
         print(text, flush=True)
 
-    with signals_interrupt():  # nbddp kill: SIGTERM, recorded as an interruption
-        if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays
-            result = run_notebook(what, say=say, on_start=started)
-        else:
-            terminal = TerminalSink()
-            result = orchestrator.run(what, orchestrator.NoKernel(WEIGHTS_WAIT), [terminal],
-                                      lambda t: say(f"nbddp: {t}"), on_start=started)
-            say(f"nbddp: {result.ending().line()}")
+    if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays
+        result = run_notebook(what, say=say, on_start=started)
+    else:
+        result = orchestrator.run(what, _NoKernelHere(), [TerminalSink()], lambda t: say(f"nbddp: {t}"),
+                                  on_start=started)
+        say(f"nbddp: {result.ending().line()}")
+    error = result.error()
+    if error is not None:  # the judged error (rank, cell, line), for an attached kernel to raise as its own run would
+        try:
+            paths.detached_error.write_bytes(pickle.dumps(error))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            pass  # (an error that can't be pickled: the attacher raises one from result.json)
     return result.exit_code
 
 
+class _NoKernelHere:
+    """A detached ``%%ddp_train``: no kernel beside the job; its weights wait in the run dir for one to attach."""
+
+    def run(self, job: Any, train: Any, deadline: float | None) -> Any:
+        from nbddp.job.orchestrator import KernelResult
+        from nbddp.job.status import Status
+
+        succeeded = train().status == Status.SUCCEEDED and job.checkpoint.exists()
+        return KernelResult(note=WEIGHTS_WAIT if succeeded else "")
+
+
+def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:
+    """Say why the supervisor ends without a ``result.json`` (refused, stopped, broken), where attachers look."""
+    from nbddp.errors import SignalReceived
+    from nbddp.job.status import Status
+
+    if isinstance(exc, (SignalReceived, KeyboardInterrupt)):
+        signum = getattr(exc, "signum", signal.SIGINT)
+        why, code = f"stopped ({signal.Signals(signum).name}) before it started", Status.INTERRUPTED.code(signum)
+    elif isinstance(exc, NbddpError):
+        why, code = str(exc), exc.exit_code
+    else:
+        why, code = f"{type(exc).__name__}: {exc}", 1
+        traceback.print_exc()
+    if not paths.result.exists():
+        print(f"nbddp: error: {why}", flush=True)
+        _tell(paths, error=why)
+    return code
+
+
 def _tell(paths: RunDir, **facts: Any) -> None:
+    """Add ``facts`` to ``detached/supervisor.json`` (written whole: attachers read it at any time)."""
     write_json(paths.supervisor, {**(read_json(paths.supervisor) or {}), **facts})
 
 
+def supervisor_alive(paths: RunDir) -> bool:
+    """Whether the run's supervisor still runs (not another process that was given its pid since)."""
+    import psutil
+
+    info = read_json(paths.supervisor) or {}
+    try:
+        proc = psutil.Process(int(info.get("pid", 0)))
+        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - float(info.get("created", 0))) < 1.0
+    except (psutil.Error, ValueError):
+        return False
+
+
+def stop(run_dir: Path, grace: float = 10.0) -> bool:
+    """``nbddp kill`` of a detached run whose job isn't registered yet (or any more): SIGTERM its supervisor,
+    which records why it ends; True once it has."""
+    paths = RunDir(run_dir)
+    if not supervisor_alive(paths):
+        return True
+    paths.stop_mark.touch()
+    os.kill(int(read_json(paths.supervisor)["pid"]), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while supervisor_alive(paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not supervisor_alive(paths)
+
+
 def is_detached(run_dir: Path) -> bool:
+    """A run dir whose run a supervisor owns (``--detach``)."""
     return RunDir(run_dir).supervisor.exists()
 
 
@@ -127,14 +211,30 @@ def find_run(which: str, cwd: Path) -> Path:
 
 
 def latest(notebook: Path) -> Path:
-    """The newest detached run of ``notebook`` (``runs/<stem>-*`` beside it): what ``--attach`` alone means."""
+    """The newest detached run of ``notebook`` (``runs/<stem>-<time>`` beside it): what ``--attach`` alone means."""
+    import re
+
     runs = Path(notebook).resolve().parent / "runs"
-    found = sorted((d for d in runs.glob(f"{Path(notebook).stem}-*") if is_detached(d)),
-                   key=lambda d: d.stat().st_mtime) if runs.is_dir() else []
+    named = re.compile(re.escape(Path(notebook).stem) + r"-\d{8}-\d{6}(-\d+)?$")
+    found = [d for d in runs.iterdir() if named.match(d.name) and is_detached(d)] if runs.is_dir() else []
     if not found:
         raise UsageError(f"no detached run of {Path(notebook).name} in {runs}: start one with --detach, "
                          "or name the run dir to attach to.")
-    return found[-1]
+    return max(found, key=lambda d: (read_json(RunDir(d).supervisor) or {}).get("started", 0.0))
+
+
+def raise_judged(run_dir: Path, record: Any) -> None:
+    """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
+    from nbddp.errors import error_for
+
+    paths = RunDir(run_dir)
+    try:
+        error = pickle.loads(paths.detached_error.read_bytes())
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        error = None
+    if isinstance(error, BaseException):
+        raise error
+    raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir))
 
 
 def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Callable[[], Any] | None = None,
@@ -151,7 +251,6 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
     from nbddp.job.follow import RunFollower
     from nbddp.job.rank_output import QuietStream
     from nbddp.job.record import RunRecord
-    from nbddp.launchers.process_groups import process_alive
     from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 
     paths = RunDir(run_dir)
@@ -161,7 +260,7 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
         info = read_json(paths.supervisor) or {}
         record = RunRecord.read(paths.path)
         if follower is None and ("ranks" in info or record is not None):
-            ranks = info.get("ranks") or list(range(record.world_size))
+            ranks = info["ranks"] if "ranks" in info else list(range(record.world_size))
             if on_ranks is not None:
                 on_ranks(ranks)
             follower = RunFollower(paths.path, include_launcher=bool(info.get("launcher_log")))
@@ -173,8 +272,8 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
                     sink(event)
         if record is not None:
             return record
-        if info.get("error") or not process_alive(int(info.get("pid", 0))) and not paths.result.exists():
-            raise _gone(paths, info)
+        if info.get("error") or not supervisor_alive(paths) and not paths.result.exists():
+            raise _gone(paths, read_json(paths.supervisor) or info)
         if heartbeat is not None:
             heartbeat()
         time.sleep(POLL_SECONDS)
@@ -191,13 +290,12 @@ def replay(run_dir: Path, write: Callable[[str], Any]) -> Any:
     """
     from nbddp.job.follow import Followed, read_complete
     from nbddp.job.record import RunRecord
-    from nbddp.launchers.process_groups import process_alive
 
     paths = RunDir(run_dir)
     info = _supervisor_info(paths)
     transcript = Followed(paths.supervisor_log, None)
     while True:
-        ended = not process_alive(int(info.get("pid", 0)))  # before the read: then that read is the last
+        ended = not supervisor_alive(paths)  # before the read: then that read is the last
         for line in read_complete(transcript, final=ended):
             write(line.decode("utf-8", errors="replace") + "\n")
         if ended:
@@ -217,7 +315,7 @@ def _supervisor_info(paths: RunDir) -> dict:
 
 def _gone(paths: RunDir, info: dict) -> RunFailed:
     if info.get("error"):
-        return RunFailed(f"the detached run did not start: {info['error']}", run_dir=str(paths.path))
+        return RunFailed(f"the detached run ended before it started: {info['error']}", run_dir=str(paths.path))
     return RunFailed(f"the detached run's supervisor (pid {info.get('pid')}) is gone and left no result: it was "
                      f"killed, and its ranks with it. Its last words: {paths.supervisor_log}", run_dir=str(paths.path))
 

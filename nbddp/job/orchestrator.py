@@ -236,9 +236,9 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
 
     try:
         with Job.start(spec) as job:
-            if on_start is not None:
-                on_start(job)
             try:
+                if on_start is not None:  # (a Ctrl-C or nbddp kill landing here is an interruption too)
+                    on_start(job)
                 result.kernel = kernel.run(job, train, deadline)
             except (KeyboardInterrupt, SignalReceived) as exc:
                 result.interrupted_by = getattr(exc, "signum", signal.SIGINT)

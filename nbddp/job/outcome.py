@@ -190,9 +190,9 @@ def death_message(e: Evidence, rank: int, exit_code: int) -> str:
 
 def run_error(outcome: JobOutcome, run_dir: RunDir):  # noqa: ANN201 - an nbddp.errors.RunError
     """The exception for an outcome that isn't success, carrying what was judged."""
-    from nbddp.errors import RunFailed, RunInterrupted, RunTimeout
+    from nbddp.errors import error_for
 
-    cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(outcome.status, RunFailed)
     first = outcome.errors[0] if outcome.errors else None
-    return cls(outcome.message, exit_code=outcome.exit_code, rank=outcome.rank, exc_type=first.type if first else None,
-               cell=first.cell if first else None, line=first.line if first else None, run_dir=str(run_dir))
+    return error_for(outcome.status, outcome.message, outcome.exit_code, str(run_dir), rank=outcome.rank,
+                     exc_type=first.type if first else None, cell=first.cell if first else None,
+                     line=first.line if first else None)

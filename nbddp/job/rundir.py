@@ -32,6 +32,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       detached/request.pickle       a detached run (--detach): what its supervisor runs
       detached/supervisor.json      its supervisor's pid, then the job's ranks and whether its launcher log is shown
       detached/supervisor.log       the supervisor's transcript: what nbddp run's terminal would have shown
+      detached/error.pickle         a detached run that didn't succeed: its judged error, for the attaching kernel
 """
 
 from __future__ import annotations
@@ -179,6 +180,11 @@ class RunDir:
     @property
     def supervisor_log(self) -> Path:
         return self.detached / "supervisor.log"
+
+    @property
+    def detached_error(self) -> Path:
+        """The judged error of a detached run that didn't succeed (pickled), raised by the kernel that attaches."""
+        return self.detached / "error.pickle"
 
     def holds_a_run(self) -> bool:
         return any(p.exists() for p in (self.result, self.script, self.logs))

@@ -113,6 +113,8 @@ class DdpMagics(Magics):
         if args is None:  # --help
             return None
         if args.attach is not None:
+            if args.detach or args.dry_run:
+                raise UsageError("%%ddp_train --attach follows a run that is already going: drop --detach and --dry-run.")
             return self._attach(args.attach)
         if not (cell or "").strip():
             raise UsageError("%%ddp_train: the cell has no training code: put it under the %%ddp_train line.")
@@ -144,7 +146,9 @@ class DdpMagics(Magics):
 
         from nbddp.doors import detached
         from nbddp.job.lifecycle import create_run_dir
+        from nbddp.launchers import devices_for
 
+        devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor
         run_dir = create_run_dir(request.notebook, request.launch.run_dir)
         request = replace(request, launch=replace(request.launch, run_dir=run_dir), owner="detached", warm=None)
         pid = detached.start(request, run_dir, request.cwd)
@@ -156,7 +160,7 @@ class DdpMagics(Magics):
         """Follow a detached run with the live view; load its weights here when it ends (as ``_train`` does)."""
         from nbddp.checkpoint import load_into, load_returns
         from nbddp.doors import detached
-        from nbddp.errors import CheckpointError, error_for
+        from nbddp.errors import CheckpointError
         from nbddp.job.rundir import RunDir
 
         cwd = Path.cwd()
@@ -168,7 +172,7 @@ class DdpMagics(Magics):
             record = detached.follow(run_dir, [shown], shown.heartbeat, lambda ranks: shown.open(ranks, run_dir))
         except KeyboardInterrupt:
             again = detached.how_to_return(run_dir, in_kernel=True)
-            shown.close(Ending("detached", time.monotonic() - started, run_dir, "the run goes on", again), say=True)
+            shown.close(Ending("detached", time.monotonic() - started, run_dir, "", again), say=True)
             return None
         except BaseException as exc:
             shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir, NO_WEIGHTS, first_line(str(exc))))
@@ -184,7 +188,7 @@ class DdpMagics(Magics):
             weights = f"{', '.join(loaded)} loaded on the CPU" + (f" ({note})" if note else "")
         shown.close(detached.ending(record, run_dir, weights), say=True)
         if record.status != Status.SUCCEEDED:
-            raise error_for(record.status, record.error or f"the run {record.status}", record.exit_code, str(run_dir))
+            detached.raise_judged(run_dir, record)
         return None
 
     def _train(self, request: orchestrator.RunRequest) -> None:
