@@ -72,7 +72,6 @@ def test_rank_exiting_0_early_is_a_failure_not_a_hang(tmp_path, cli_run):
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.waits
 def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path, cli_run):
     body = ("if nbddp.rank() == 1:\n    time.sleep(600)  # skips the all_reduce below\n"
             "else:\n    dist.all_reduce(torch.ones(1))")
@@ -85,7 +84,6 @@ def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path
     assert result_of(tmp_path)["status"] == "timeout"
 
 
-@pytest.mark.waits
 def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
     body = "print('loading', flush=True)\ntime.sleep(600)  # a stuck data loader"
     started = time.monotonic()
@@ -95,7 +93,6 @@ def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
     assert time.monotonic() - started < 60
 
 
-@pytest.mark.waits
 def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     """SIGKILL to nbddp itself: no cleanup code runs; the guard's parent-death signal must do it."""
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
@@ -145,7 +142,6 @@ def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
             s.close()
 
 
-@pytest.mark.waits
 def test_ps_lists_a_live_run_and_kill_ends_it(tmp_path, cli_run):
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
     run = cli_run(["run", "f.ipynb"], tmp_path)

@@ -201,7 +201,6 @@ def _gone_within(pids, seconds):
     return not any(alive(p) for p in pids)
 
 
-@pytest.mark.waits
 def test_kernel_interrupt_stops_every_fresh_rank(tmp_path):
     """(Warm ranks stop the run and stay for the next one: tests/test_warm.py.)"""
     client, thread, errors, run_dir, pids = _start_long_training(tmp_path, "--fresh")
@@ -213,7 +212,6 @@ def test_kernel_interrupt_stops_every_fresh_rank(tmp_path):
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
 
 
-@pytest.mark.waits
 def test_kernel_restart_leaves_no_rank_alive(tmp_path):
     """A restart SIGKILLs the kernel: it gets no chance to clean up, yet no rank and no pool folder outlive it.
 
@@ -324,7 +322,6 @@ def test_rerunning_an_edited_ddp_cell_replaces_its_old_version(tmp_path):
         kernel.close()
 
 
-@pytest.mark.waits
 def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
     from nbddp.job import registry
 
@@ -338,7 +335,6 @@ def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
     assert errors and errors[0].ename == "RunInterrupted" and "nbddp kill" in errors[0].evalue
 
 
-@pytest.mark.waits
 def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
     import papermill
 

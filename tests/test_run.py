@@ -154,7 +154,6 @@ def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_ru
 LONG_TRAINING = [code(SETUP), code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"), code("print('EVALUATION RAN')")]
 
 
-@pytest.mark.waits
 @pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expected):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
@@ -169,7 +168,6 @@ def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expe
     assert result["status"] == "interrupted" and result["exit_code"] == expected
 
 
-@pytest.mark.waits
 def test_timeout_stops_the_run_with_124(tmp_path, cli_run):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
     run = cli_run(["run", "long.ipynb", "--timeout", "12"], tmp_path)
@@ -247,7 +245,6 @@ CATALYST_SLOW = [
 ]
 
 
-@pytest.mark.waits
 def test_interrupted_catalyst_run_is_never_a_success(tmp_path, cli_run):
     write_notebook(tmp_path / "cat.ipynb", CATALYST_SLOW)
     run = cli_run(["run", "cat.ipynb"], tmp_path)
@@ -261,7 +258,6 @@ def test_interrupted_catalyst_run_is_never_a_success(tmp_path, cli_run):
     assert not run.leftovers(grace=1)
 
 
-@pytest.mark.waits
 def test_sigkilled_run_keeps_an_executed_notebook_of_the_cells_that_ran(tmp_path, cli_run):
     """The executed notebook is saved after every cell (as papermill does), so even SIGKILL keeps it."""
     write_notebook(tmp_path / "k.ipynb", [

@@ -150,7 +150,6 @@ def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_
     assert all(alive(pid) for pid in started.values())
 
 
-@pytest.mark.waits
 def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
     kernel.execute("%ddp_ranks --idle 2")
     started = pids(train(kernel))
