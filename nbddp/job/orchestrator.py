@@ -92,6 +92,12 @@ class KernelResult:
     error: BaseException | None = None
     """What to raise for it (a :class:`~nbddp.errors.CheckpointError`, a :class:`~nbddp.errors.RunFailed`)."""
 
+    def weights(self) -> str:
+        """Where the weights went, for the ending line."""
+        if self.loaded:
+            return f"{', '.join(self.loaded)} loaded on the CPU" + (f" ({self.note})" if self.note else "")
+        return self.note or NO_WEIGHTS
+
     @classmethod
     def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None) -> "KernelResult":
         return cls(status=status, exit_code=status.exit_code, message=message,
@@ -117,12 +123,16 @@ class InProcess:
         self.namespace = namespace
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
-        from nbddp.checkpoint import load_into, load_returns
-
         if train().status != Status.SUCCEEDED:
             return KernelResult()
+        return self.load(job.checkpoint)
+
+    def load(self, checkpoint: Path) -> KernelResult:
+        """The trained weights in ``checkpoint`` loaded into the namespace (a detached run's too, once attached)."""
+        from nbddp.checkpoint import load_into, load_returns
+
         try:
-            states, note = load_returns(job.checkpoint)
+            states, note = load_returns(checkpoint)
             return KernelResult(loaded=load_into(self.namespace, states), note=note)
         except CheckpointError as exc:
             return KernelResult.failed(f"the trained weights could not be loaded: {exc}", error=exc)
@@ -170,10 +180,7 @@ class RunResult:
 
     def weights(self) -> str:
         """Where the weights went, for the ending line."""
-        if self.kernel.loaded:
-            note = f" ({self.kernel.note})" if self.kernel.note else ""
-            return f"{', '.join(self.kernel.loaded)} loaded on the CPU{note}"
-        return self.kernel.note or NO_WEIGHTS
+        return self.kernel.weights()
 
     def ending(self, reason: str = "") -> Ending:
         """The one line this run ends with (:mod:`nbddp.display.ending`)."""

@@ -158,9 +158,7 @@ class DdpMagics(Magics):
 
     def _attach(self, which: str) -> None:
         """Follow a detached run with the live view; load its weights here when it ends (as ``_train`` does)."""
-        from nbddp.checkpoint import load_into, load_returns
         from nbddp.doors import detached
-        from nbddp.errors import CheckpointError
         from nbddp.job.rundir import RunDir
 
         cwd = Path.cwd()
@@ -179,13 +177,11 @@ class DdpMagics(Magics):
             raise
         weights = NO_WEIGHTS
         if record.status == Status.SUCCEEDED and RunDir(run_dir).weights.exists():
-            try:
-                states, note = load_returns(RunDir(run_dir).weights)
-                loaded = load_into(self.shell.user_ns, states)
-            except CheckpointError as exc:
-                shown.close(detached.ending(record, run_dir, f"the weights could not be loaded: {first_line(str(exc))}"))
-                raise
-            weights = f"{', '.join(loaded)} loaded on the CPU" + (f" ({note})" if note else "")
+            loaded = orchestrator.InProcess(self.shell.user_ns).load(RunDir(run_dir).weights)
+            if loaded.error is not None:
+                shown.close(detached.ending(record, run_dir, first_line(loaded.message)))
+                raise loaded.error
+            weights = loaded.weights()
         shown.close(detached.ending(record, run_dir, weights), say=True)
         if record.status != Status.SUCCEEDED:
             detached.raise_judged(run_dir, record)
