@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from nbddp.options import (DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, DEFAULT_RETURNS, LaunchOptions, Nodes,
-                           SlurmRequest)
+                           RayRequest, SlurmRequest)
 
 
 def run(notebook: str | Path, *, parameters: Mapping[str, Any] | None = None, gpus: int | str | None = None,
@@ -21,7 +21,8 @@ def run(notebook: str | Path, *, parameters: Mapping[str, Any] | None = None, gp
         output: str | Path | None = None, timeout: float | None = None,
         collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT, idle_timeout: float | None = None,
         max_restarts: int = 0, nodes: Nodes | None = None, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
-        slurm: SlurmRequest | None = None, shard: bool = False, quiet: bool = False):  # noqa: ANN201 - RunResult (imported lazily)
+        slurm: SlurmRequest | None = None, ray: RayRequest | None = None, shard: bool = False,
+        quiet: bool = False):  # noqa: ANN201 - RunResult (imported lazily)
     """Run ``notebook`` as ``nbddp run`` does: its training cells as a DDP job, the others in a kernel.
 
     Returns the :class:`~nbddp.job.orchestrator.RunResult` (``status``, ``exit_code``, ``run_dir``, the
@@ -35,7 +36,7 @@ def run(notebook: str | Path, *, parameters: Mapping[str, Any] | None = None, gp
     from nbddp.doors.notebook_run import RunOptions, run_notebook
 
     launch = _launch(parameters, gpus, cpu, nproc, engine, returns, timeout, collective_timeout, idle_timeout,
-                     max_restarts, nodes, rdzv_timeout, slurm, shard, run_dir=run_dir)
+                     max_restarts, nodes, rdzv_timeout, slurm, shard, run_dir=run_dir, ray=ray)
     options = RunOptions(Path(notebook), launch, Path(output) if output else None,
                          command=f"nbddp.run({str(notebook)!r}, ...)")
     return run_notebook(options, sinks=[] if quiet else None, say=(lambda text: None) if quiet else None)
@@ -67,7 +68,7 @@ def batch(notebook: str | Path, grid: Any, *, parameters: Mapping[str, Any] | No
           nproc: int | None = None, engine: str | None = None, returns: Sequence[str] | str = DEFAULT_RETURNS,
           timeout: float | None = None, collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT,
           idle_timeout: float | None = None, max_restarts: int = 0, slurm: SlurmRequest | None = None,
-          shard: bool = False, quiet: bool = False) -> BatchResult:
+          ray: RayRequest | None = None, shard: bool = False, quiet: bool = False) -> BatchResult:
     """Run ``notebook`` once per parameter set of ``grid`` (a YAML/JSON path, a mapping of name → values,
     or a list of mappings), as ``nbddp batch`` does; ``parameters`` are fixed for every run.
 
@@ -77,7 +78,7 @@ def batch(notebook: str | Path, grid: Any, *, parameters: Mapping[str, Any] | No
     from nbddp.doors.batch.schedule import BatchOptions, run_batch
 
     launch = _launch(parameters, gpus, cpu, nproc, engine, returns, timeout, collective_timeout, idle_timeout,
-                     max_restarts, None, DEFAULT_RDZV_TIMEOUT, slurm, shard)
+                     max_restarts, None, DEFAULT_RDZV_TIMEOUT, slurm, shard, ray=ray)
     options = BatchOptions(Path(notebook), grid, launch, gpus_per_run, parallel, Path(out) if out else None,
                            resume, fresh)
     rows, code = run_batch(options, say=(lambda text: None) if quiet else None)
@@ -87,8 +88,8 @@ def batch(notebook: str | Path, grid: Any, *, parameters: Mapping[str, Any] | No
 def _launch(parameters: Mapping[str, Any] | None, gpus: int | str | None, cpu: bool, nproc: int | None,
             engine: str | None, returns: Sequence[str] | str, timeout: float | None,
             collective_timeout: float | None, idle_timeout: float | None, max_restarts: int, nodes: Nodes | None,
-            rdzv_timeout: float, slurm: SlurmRequest | None, shard: bool, run_dir: str | Path | None = None
-            ) -> LaunchOptions:
+            rdzv_timeout: float, slurm: SlurmRequest | None, shard: bool, run_dir: str | Path | None = None,
+            ray: RayRequest | None = None) -> LaunchOptions:
     from nbddp.options import parse_returns
 
     return LaunchOptions(
@@ -96,4 +97,4 @@ def _launch(parameters: Mapping[str, Any] | None, gpus: int | str | None, cpu: b
         parameters=dict(parameters or {}), returns=parse_returns(returns) if isinstance(returns, str) else tuple(returns),
         run_dir=Path(run_dir) if run_dir else None, timeout=timeout, collective_timeout=collective_timeout,
         idle_timeout=idle_timeout, max_restarts=max_restarts, nodes=nodes, rdzv_timeout=rdzv_timeout, slurm=slurm,
-        shard=shard)
+        ray=ray, shard=shard)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -127,6 +128,50 @@ class SlurmRequest:
         return saves_checkpoints if self.requeue is None else self.requeue
 
 
+#: ``--ray`` without an address: Ray's own rule, ``RAY_ADDRESS`` else the cluster started on this machine.
+RAY_AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RayRequest:
+    """What a ``--ray`` run asks the cluster for."""
+
+    address: str = RAY_AUTO
+    """``auto``, ``HOST:PORT`` of the head (this machine is one of the cluster's nodes) or ``ray://HOST:PORT``
+    (Ray Client, from outside the cluster)."""
+    nodes: int = 1
+    gpus_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise UsageError(f"--nodes {self.nodes}: need at least 1 node.")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise UsageError(f"--gpus-per-node {self.gpus_per_node}: need at least 1 (or --cpu --nproc P).")
+        address = self.address
+        if address.endswith(".ipynb"):
+            raise UsageError(f"--ray {address}: that is a notebook, not a cluster's address. Put the notebook first "
+                             "(nbddp run NOTEBOOK --ray), or give the address: --ray HOST:PORT.")
+        host_port = address.removeprefix("ray://")
+        if address != RAY_AUTO and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", host_port):
+            raise UsageError(f"--ray {address!r}: give the cluster's address (HOST:PORT of its head, ray://HOST:PORT for "
+                             "Ray Client), or --ray alone for RAY_ADDRESS, else the cluster started on this machine.")
+
+    def where(self) -> str:
+        """The cluster, as the user named it."""
+        if self.address != RAY_AUTO:
+            return f"the Ray cluster at {self.address}"
+        given = os.environ.get("RAY_ADDRESS")
+        return f"the Ray cluster at {given} (RAY_ADDRESS)" if given else "the Ray cluster started on this machine"
+
+    def to_argv(self) -> list[str]:
+        argv = ["--ray"] + ([self.address] if self.address != RAY_AUTO else [])
+        if self.nodes != 1:
+            argv += ["--nodes", str(self.nodes)]
+        if self.gpus_per_node is not None:
+            argv += ["--gpus-per-node", str(self.gpus_per_node)]
+        return argv
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """One launch, as the user asked for it (devices are resolved against the machine later)."""
@@ -152,6 +197,8 @@ class LaunchOptions:
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     slurm: SlurmRequest | None = None
     """Run the ranks as a Slurm job; ``None`` runs them here."""
+    ray: RayRequest | None = None
+    """Run the ranks on a Ray cluster's workers; ``None`` runs them here."""
 
     def __post_init__(self) -> None:
         from nbddp.notebook.literals import check_name
@@ -190,19 +237,28 @@ class LaunchOptions:
         self._check_topology()
 
     def _check_topology(self) -> None:
-        """Several nodes and Slurm: the flags that can't go together, refused before anything starts."""
+        """Several nodes, Slurm and Ray: the flags that can't go together, refused before anything starts."""
+        if self.slurm is not None and self.ray is not None:
+            raise UsageError("--slurm and --ray contradict each other: choose the cluster the ranks run on.")
         if (self.nodes is not None or self.slurm is not None) and self.max_restarts:
             raise UsageError("--max-restarts works on one machine: across nodes a restart would need every node's "
                              "agent to agree (torchrun's static rendezvous can't). Drop --max-restarts.")
-        if self.slurm is None:
+        if self.ray is not None and self.max_restarts:
+            raise UsageError("--max-restarts: a --ray run isn't restarted (its ranks are Ray actors' processes, not "
+                             "torchrun's). Drop --max-restarts, or run on this machine.")
+        cluster = self.slurm or self.ray
+        if cluster is None:
             return
+        flag = "--slurm" if self.slurm is not None else "--ray"
         if self.nodes is not None:
-            raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint "
+            raise UsageError(f"{flag} chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint "
                              "(use --nodes N for the node count).")
         if self.gpus is not None:
-            raise UsageError("--gpus counts this machine's GPUs; with --slurm say --gpus-per-node G.")
-        if self.slurm.gpus_per_node is not None and (self.cpu or self.nproc is not None):
+            raise UsageError(f"--gpus counts this machine's GPUs; with {flag} say --gpus-per-node G.")
+        if cluster.gpus_per_node is not None and (self.cpu or self.nproc is not None):
             raise UsageError("--gpus-per-node and --cpu/--nproc contradict each other: choose one.")
+        if self.ray is not None and spawns_its_own_ranks(self.engine):
+            raise UsageError(ray_refusal(self.engine))
 
     def export_options(self, **more: Any) -> "ExportOptions":
         """What of these options shapes the script (the engine, parameters, returns, sharding), plus ``more``."""
@@ -238,7 +294,16 @@ class LaunchOptions:
             argv += ["--rdzv-timeout", str(self.rdzv_timeout)]
         if self.slurm is not None:
             argv += self.slurm.to_argv()
+        if self.ray is not None:
+            argv += self.ray.to_argv()
         return argv
+
+
+def ray_refusal(engine: str) -> str:
+    """Why an engine that spawns its own ranks can't run on Ray (every rank is a Ray actor's process)."""
+    return (f"--ray: the {engine} engine spawns its own ranks from one process (mp.spawn), but on a Ray cluster "
+            "each rank is a process of its own Ray actor, placed by Ray. Use the torch engine (--engine torch, with "
+            "nbddp.prepare(model)), or run Catalyst here or with --slurm.")
 
 
 def _value_arg(value: Any) -> str:
@@ -320,11 +385,16 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
                        help="node 0's address and a free port there (its rendezvous store listens on it)")
     nodes.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
                        help=f"how long nodes wait for each other at the start (default {DEFAULT_RDZV_TIMEOUT:g})")
+    clusters = parser.add_argument_group("a cluster's nodes (--slurm or --ray)")
+    clusters.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes to ask for (default 1)")
+    clusters.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                          help="GPUs per node (default: Slurm's partition's, else --cpu; on Ray: --cpu)")
+    ray = parser.add_argument_group("ray (the ranks run on a Ray cluster's workers; the kernel runs here)")
+    ray.add_argument("--ray", nargs="?", const=RAY_AUTO, default=None, metavar="ADDRESS",
+                     help="run the training on a Ray cluster: HOST:PORT of its head, ray://HOST:PORT (Ray Client), "
+                          "or nothing for RAY_ADDRESS, else the cluster started on this machine")
     slurm = parser.add_argument_group("slurm (the ranks run as a Slurm job; the kernel runs here)")
     slurm.add_argument("--slurm", action="store_true", help="submit the training as a Slurm job")
-    slurm.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes to ask for (default 1)")
-    slurm.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
-                       help="GPUs per node (default: the partition's, else --cpu)")
     slurm.add_argument("--partition", default=None, metavar="P")
     slurm.add_argument("--time", default=None, metavar="T", help="time limit, as sbatch's --time")
     slurm.add_argument("--account", default=None, metavar="A")
@@ -338,30 +408,39 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"fail instead of a requeue beyond the N-th (default {DEFAULT_MAX_REQUEUES})")
 
 
-def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | None]:
-    """The multi-node and Slurm parts of what :func:`add_topology_arguments` parsed, checked."""
+def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | None, RayRequest | None]:
+    """The multi-node, Slurm and Ray parts of what :func:`add_topology_arguments` parsed, checked."""
     nodes = None
     if args.nnodes not in (None, 1) or args.node_rank is not None or args.rdzv_endpoint is not None:
         if args.nnodes is None or args.rdzv_endpoint is None or args.node_rank is None:
             raise UsageError("several nodes need --nnodes N, --node-rank R and --rdzv-endpoint HOST:PORT together.")
         nodes = Nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
-    slurm_only = {"--nodes": args.nodes, "--gpus-per-node": args.gpus_per_node, "--partition": args.partition,
-                  "--time": args.time, "--account": args.account, "--slurm-arg": args.slurm_arg or None,
-                  "--requeue/--no-requeue": args.requeue, "--max-requeues": args.max_requeues}
+    slurm_only = {"--partition": args.partition, "--time": args.time, "--account": args.account,
+                  "--slurm-arg": args.slurm_arg or None, "--requeue/--no-requeue": args.requeue,
+                  "--max-requeues": args.max_requeues}
+    ray_address = getattr(args, "ray", None)
+    if args.slurm and ray_address is not None:
+        raise UsageError("--slurm and --ray contradict each other: choose the cluster the ranks run on.")
     if not args.slurm:
         given = [flag for flag, value in slurm_only.items() if value is not None]
         if given:
             raise UsageError(f"{', '.join(given)}: only with --slurm.")
-        return nodes, None
+        if ray_address is not None:
+            return nodes, None, RayRequest(ray_address, 1 if args.nodes is None else args.nodes, args.gpus_per_node)
+        given = [flag for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node))
+                 if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only with --slurm or --ray (a cluster's nodes).")
+        return nodes, None, None
     extra = []
     for item in args.slurm_arg:
         key, sep, value = item.partition("=")
         if not sep:
             raise UsageError(f"--slurm-arg {item!r}: give KEY=VALUE (e.g. qos=high).")
         extra.append((key.strip().lstrip("-"), value))
-    return nodes, SlurmRequest(args.nodes or 1, args.gpus_per_node, args.partition, args.time, args.account,
+    return nodes, SlurmRequest(1 if args.nodes is None else args.nodes, args.gpus_per_node, args.partition, args.time, args.account,
                                tuple(extra), args.requeue,
-                               DEFAULT_MAX_REQUEUES if args.max_requeues is None else args.max_requeues)
+                               DEFAULT_MAX_REQUEUES if args.max_requeues is None else args.max_requeues), None
 
 
 def parse_returns(text: str) -> tuple[str, ...]:
@@ -385,13 +464,14 @@ def script_arguments(args: argparse.Namespace) -> LaunchOptions:
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The validated options from what :func:`add_launch_arguments` parsed."""
     script = script_arguments(args)
-    nodes, slurm = topology(args)
+    nodes, slurm, ray = topology(args)
     return LaunchOptions(
         gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=script.engine, parameters=script.parameters,
         returns=script.returns, shard=script.shard,
         run_dir=getattr(args, "run_dir", None), timeout=args.timeout,
         collective_timeout=args.collective_timeout, idle_timeout=args.idle_timeout,
         max_restarts=args.max_restarts, nodes=nodes, rdzv_timeout=args.rdzv_timeout, slurm=slurm,
+        ray=ray,
     )
 
 

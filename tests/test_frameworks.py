@@ -176,7 +176,7 @@ def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides
 
 def test_import_nbddp_imports_none_of_the_libraries():
     probe = ("import sys, nbddp, nbddp.doors.cli, nbddp.engines.frameworks; "
-             "print(sorted(m for m in ('torch', 'accelerate', 'lightning', 'pytorch_lightning', 'transformers') "
+             "print(sorted(m for m in ('torch', 'accelerate', 'lightning', 'pytorch_lightning', 'transformers', 'ray') "
              "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

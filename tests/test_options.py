@@ -74,6 +74,37 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
         assert parse(asked.to_argv()) == asked
 
 
+def test_ray_options_round_trip_and_mean_what_they_mean_for_slurm(monkeypatch):
+    from nbddp.options import RayRequest
+
+    assert parse(["--ray"]).ray == RayRequest("auto")
+    assert parse(["--ray", "10.0.0.1:6379", "--nodes", "2", "--gpus-per-node", "4"]).ray == RayRequest("10.0.0.1:6379", 2, 4)
+    for options in (LaunchOptions(cpu=True, nproc=3, ray=RayRequest()),
+                    LaunchOptions(ray=RayRequest("ray://head:10001", 2, 1))):
+        assert parse(options.to_argv()) == options
+    monkeypatch.setenv("RAY_ADDRESS", "head:6379")
+    assert RayRequest().where() == "the Ray cluster at head:6379 (RAY_ADDRESS)"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert RayRequest().where() == "the Ray cluster started on this machine"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--ray", "nb.ipynb"], "that is a notebook, not a cluster's address. Put the notebook first"),
+    (["--ray", "head"], "--ray 'head': give the cluster's address (HOST:PORT of its head"),
+    (["--ray", "--slurm"], "--slurm and --ray contradict each other"),
+    (["--ray", "--gpus", "2"], "with --ray say --gpus-per-node G"),
+    (["--ray", "--gpus-per-node", "1", "--nproc", "2"], "contradict"),
+    (["--ray", "--max-restarts", "1"], "a --ray run isn't restarted"),
+    (["--ray", "--engine", "catalyst"], "the catalyst engine spawns its own ranks"),
+    (["--ray", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "h:1"], "--ray chooses the nodes itself"),
+    (["--ray", "--nodes", "0"], "--nodes 0: need at least 1 node"),
+    (["--nodes", "2"], "--nodes: only with --slurm or --ray"),
+])
+def test_bad_ray_options_are_refused_naming_the_option(argv, words):
+    with pytest.raises(UsageError, match=re.escape(words)):
+        parse(argv)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--nnodes", "2", "--node-rank", "0"], "need --nnodes N, --node-rank R and --rdzv-endpoint"),
     (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1"], "--node-rank 2: give 0 to 1"),

@@ -1,9 +1,9 @@
 """How an exported script is launched by hand: the header's command, and the sbatch script for Slurm.
 
-``nbddp export`` takes the same device, node and Slurm flags as ``nbddp run``; instead of
-launching, it writes what a person types (the per-node torchrun command, in the script's header)
-or submits (``train.sbatch`` beside ``train.py``, made by the same generator ``nbddp run --slurm``
-submits). Nothing here probes this machine's devices: the script runs elsewhere.
+``nbddp export`` takes the same device, node, Slurm and Ray flags as ``nbddp run``; instead of
+launching, it writes what a person types (the per-node torchrun command, or the Ray driver's, in
+the script's header) or submits (``train.sbatch`` beside ``train.py``, made by the same generator
+``nbddp run --slurm`` submits). Nothing here probes this machine's devices: the script runs elsewhere.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
 from nbddp.launchers.torchrun import by_hand, torchrun_options
 from nbddp.rank_side.env import RankEnv
-from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest, topology
+from nbddp.options import (DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest, ray_refusal,
+                           topology)
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,10 @@ class ExportPlan:
 
 def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | None, script_name: str) -> ExportPlan:
     """The launch plan of an export, from ``nbddp export``'s device, node and Slurm flags."""
-    nodes, slurm = topology(args)
+    nodes, slurm, ray = topology(args)
     engine = engine or detect_engine(select_cells(notebook))
+    if ray is not None:
+        return ExportPlan(engine, ray_hint(engine, ray, args, nodes, script_name))
     devices = _devices(args, slurm)
     if slurm is not None:
         from nbddp.launchers.slurm import sbatch_script
@@ -71,6 +74,24 @@ def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | 
     if args.cpu or args.nproc is not None:
         return Devices("cpu", args.nproc or CPU_PROCESSES)
     return None
+
+
+def ray_hint(engine: str, ray: RayRequest, args: argparse.Namespace, nodes: Nodes | None, script: str) -> str:
+    """The Ray driver's command (what ``nbddp run --ray`` starts), with a folder for the ranks' logs."""
+    from nbddp.launchers.ray import driver_command
+
+    if spawns_its_own_ranks(engine):
+        raise UsageError(ray_refusal(engine))
+    if nodes is not None:
+        raise UsageError("--ray chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint (use --nodes N).")
+    if args.gpus is not None:
+        raise UsageError("--gpus counts this machine's GPUs; with --ray say --gpus-per-node G.")
+    if ray.gpus_per_node is not None and (args.cpu or args.nproc is not None):
+        raise UsageError("--gpus-per-node and --cpu/--nproc contradict each other: choose one.")
+    devices = Devices("cuda", ray.gpus_per_node) if ray.gpus_per_node else Devices("cpu", args.nproc or CPU_PROCESSES)
+    argv = driver_command(ray, devices, "ray-run", script, python="python", start_timeout=args.rdzv_timeout)
+    return (" ".join(shlex.quote(a) for a in argv) + "   (Ray; every rank's output: ray-run/logs/rank-N.log; the "
+            "nodes must share this folder)")
 
 
 def local_hint(engine: str, devices: Devices, script: str) -> str:

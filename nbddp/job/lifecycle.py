@@ -24,7 +24,7 @@ from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launchers import Launch, Launcher, launcher_for
-from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, Nodes, SlurmRequest
+from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest
 from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
@@ -84,13 +84,16 @@ class JobSpec:
     """This node's part in a multi-node run."""
     slurm: SlurmRequest | None = None
     """The Slurm job the ranks run as (``None``: here)."""
+    ray: RayRequest | None = None
+    """The Ray cluster whose workers run the ranks (``None``: here)."""
     rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     pool: Any = None
     """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to hand the job to, instead of starting ranks."""
 
     @property
     def node_count(self) -> int:
-        return self.nodes.count if self.nodes else self.slurm.nodes if self.slurm else 1
+        cluster = self.slurm or self.ray
+        return self.nodes.count if self.nodes else cluster.nodes if cluster else 1
 
     @property
     def world_size(self) -> int:
@@ -286,7 +289,7 @@ class Job:
 
     def _local_ranks(self) -> int:
         """How many ranks this job's launcher runs (one node's, unless Slurm runs every node's)."""
-        return self.spec.world_size if self.spec.slurm else self.devices.nproc
+        return self.spec.world_size if self.spec.slurm or self.spec.ray else self.devices.nproc
 
     def local_ranks(self) -> range:
         """The global ranks whose output this job streams."""
@@ -320,7 +323,7 @@ class Job:
             restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
             error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
-            nodes=self.nodes(), slurm_job=self.launcher.job_info(self.paths),
+            nodes=self.nodes(), **{self.launcher.job_record: self.launcher.job_info(self.paths)},
             peak_memory={str(rank): peak for rank, peak in read_peaks(self.run_dir).items()},
         )
         record.write(self.run_dir)

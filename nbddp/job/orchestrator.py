@@ -228,7 +228,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
                    collective_timeout=launch.collective_timeout, owner=request.owner,
                    max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
-                   rdzv_timeout=launch.rdzv_timeout, pool=pool)
+                   ray=launch.ray, rdzv_timeout=launch.rdzv_timeout, pool=pool)
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir)
@@ -309,7 +309,8 @@ def _warm_ended(request: RunRequest, pool: Any, status: Status) -> None:
 
 def topology_notes(launch: LaunchOptions) -> list[str]:
     """What a user must know before a multi-node run starts (said once, on every node)."""
-    if launch.nodes is None and (launch.slurm is None or launch.slurm.nodes == 1):
+    cluster = launch.slurm or launch.ray
+    if launch.nodes is None and (cluster is None or cluster.nodes == 1):
         return []
     where = f"port {launch.nodes.host_port()[1]} of node 0" if launch.nodes else "a port of the job's first node"
     return [f"note: the rendezvous store listens on {where} on every network interface (torch's TCPStore): "
@@ -321,6 +322,8 @@ def describe(job: Job) -> str:
     spec = job.spec
     if spec.slurm is not None:
         where = f"a Slurm job of {spec.slurm.nodes} node{'s' * (spec.slurm.nodes != 1)} × {spec.devices.describe()}"
+    elif spec.ray is not None:
+        where = f"{spec.ray.nodes} node{'s' * (spec.ray.nodes != 1)} × {spec.devices.describe()} of {spec.ray.where()}"
     elif spec.nodes is not None:
         where = f"{spec.devices.describe()} on each of {spec.nodes.count} nodes (world size {spec.world_size})"
     else:

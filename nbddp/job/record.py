@@ -116,6 +116,8 @@ class RunRecord:
     """Each rank's peak memory in bytes: CUDA's peak allocated on GPU ranks, else the process's peak RSS."""
     slurm_job: dict[str, Any] | None = None
     """A Slurm run: the job's id, final state and reason, and its nodes."""
+    ray_job: dict[str, Any] | None = None
+    """A Ray run: the Ray job's id, the cluster's address, the nodes, the final state and what ended it."""
     versions: dict[str, str] = field(default_factory=lambda: versions())
     """nbddp, torch and Python, as installed where the run was launched."""
 

@@ -107,19 +107,22 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
 
     Returns True when nothing of the run is left.
     """
+    from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
     from nbddp.launchers.slurm import CANCEL_SECONDS as SLURM_CANCEL_SECONDS
 
     paths = RunDir(Path(run.run_dir))
     paths.stop_mark.touch()  # the owner records the run as interrupted, not failed
-    slurm = paths.sbatch_script.exists()  # its watcher cancels the job and waits for it to leave the queue
-    if slurm:
-        grace = max(grace, SLURM_CANCEL_SECONDS)
+    # A cluster's launcher (Slurm's watcher, the Ray driver) stops the job and waits until it is gone.
+    cluster_grace = SLURM_CANCEL_SECONDS if paths.sbatch_script.exists() else \
+        RAY_STOP_SECONDS if paths.ray_job.exists() else None
+    if cluster_grace:
+        grace = max(grace, cluster_grace)
     if run.owner in SIGNALLED_OWNERS and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
         deadline = time.monotonic() + grace
         while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
             time.sleep(0.1)
-    stop_groups([run.pgid], grace=SLURM_CANCEL_SECONDS if slurm else 5.0)
+    stop_groups([run.pgid], grace=cluster_grace or 5.0)
     gone = not group_alive(run.pgid)
     if gone:
         unregister(run)

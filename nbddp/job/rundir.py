@@ -20,6 +20,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       slurm/job.sbatch, job.json    a Slurm run: the batch script, the job's id, its attempts and how it ended
       slurm/requeue-request         Slurm signalled the job (time limit near, preemption): the attempt it was
       slurm/requeue-saved           every rank stopped at a checkpoint to be requeued: the attempt, what it saved
+      ray/job.json                  a Ray run: the Ray job's id, the cluster, its nodes, its state and how it ended
       metrics.jsonl                 rank 0's nbddp.log records
       weights.pt                    the returned variables' trained state (weights only)
       resume.pt                     nbddp.save_checkpoint's training state (--max-restarts)
@@ -96,6 +97,10 @@ class RunDir:
     @property
     def slurm_job(self) -> Path:
         return self.slurm / "job.json"
+
+    @property
+    def ray_job(self) -> Path:
+        return self.path / "ray" / "job.json"
 
     @property
     def requeue_request(self) -> Path:

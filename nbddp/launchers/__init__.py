@@ -12,6 +12,8 @@ The launchers, chosen in one place (:func:`launcher_for`) by name:
   whose Catalyst engine spawns the ranks with ``mp.spawn``;
 * ``slurm`` (:class:`~nbddp.launchers.slurm.Slurm`): a Slurm job, one task per node running either
   of the above;
+* ``ray`` (:class:`~nbddp.launchers.ray.Ray`): the ranks on a Ray cluster's workers, one Ray actor
+  per rank running the script as torchrun would;
 * ``warm`` (:class:`~nbddp.launchers.warm.WarmRanks`): ranks already running (a warm pool), handed
   the job's script.
 
@@ -44,6 +46,7 @@ BUILTIN = {
     "catalyst-spawn": "nbddp.launchers.catalyst_spawn:CatalystSpawn",
     "slurm": "nbddp.launchers.slurm:Slurm",
     "warm": "nbddp.launchers.warm:WarmRanks",
+    "ray": "nbddp.launchers.ray:Ray",
 }
 
 
@@ -131,6 +134,9 @@ class Launcher:
         """A scheduler's reason for ending the job (Slurm's time limit, an outside scancel…)."""
         return None
 
+    job_record = "slurm_job"
+    """The ``result.json`` field :meth:`job_info` goes into."""
+
     def job_info(self, run_dir: RunDir) -> dict | None:
         """What ``result.json`` records about a scheduler's job (its id, state, nodes)."""
         return None
@@ -142,7 +148,7 @@ class Launcher:
 
 
 def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
-    """The devices of one node of the run: this machine's, or what a Slurm job asks for per node.
+    """The devices of one node of the run: this machine's, or what a Slurm job or Ray run asks for per node.
 
     ``asked``: the process count the notebook asks its library for (``Script.processes``), taken as
     ``--nproc`` when no launch option counts the devices.
@@ -154,6 +160,10 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
         from nbddp.launchers.slurm import slurm_devices
 
         return slurm_devices(launch.slurm, launch.cpu, launch.nproc)
+    if launch.ray is not None:  # the cluster's workers: nothing of this machine counts
+        from nbddp.launchers.ray import ray_devices
+
+        return ray_devices(launch.ray, launch.cpu, launch.nproc)
     if asked is None or launch.nproc is not None or launch.gpus is not None:
         return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
     try:
@@ -168,6 +178,8 @@ def launcher_name(spec: "JobSpec") -> str:
     """Which launcher runs ``spec``'s job: the one rule."""
     if spec.slurm is not None:
         return "slurm"
+    if spec.ray is not None:
+        return "ray"
     if spec.pool is not None:
         return "warm"
     return "catalyst-spawn" if spawns_its_own_ranks(spec.script.engine) else "torchrun"

@@ -61,7 +61,7 @@ def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
     """Why warm ranks can't serve a run of ``engine`` with ``launch`` (``""``: they can). The one rule."""
     if spawns_its_own_ranks(engine):
         return f"warm ranks can't serve the {engine} engine (it spawns its own ranks)"
-    if launch.nodes is not None or launch.slurm is not None:
+    if launch.nodes is not None or launch.slurm is not None or launch.ray is not None:
         return "warm ranks are for one machine"
     if launch.max_restarts:
         return "warm ranks can't be restarted by torchrun (--max-restarts)"

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
 from nbddp.launchers import devices_for
+from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.options import LaunchOptions
@@ -42,6 +43,8 @@ STOP_GRACE_SECONDS = 12.0
 SLURM_STOP_GRACE_SECONDS = CANCEL_SECONDS + 30.0
 #: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
 SLURM_PARALLEL = 4
+#: A ``--ray`` run stops every rank through its actor before it exits.
+RAY_STOP_GRACE_SECONDS = RAY_STOP_SECONDS + 30.0
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,7 @@ class Batch:
         state.run_dir.mkdir(parents=True, mode=0o700)
         env = dict(os.environ)
         devices: dict[str, Any] = {"cpu": True, "nproc": self.nproc, "gpus": None}
-        if self.device_kind == "slurm":
+        if self.device_kind in ("slurm", "ray"):  # the cluster's: as the options say
             devices = {}
         elif self.device_kind == "cuda":
             devices = {"cpu": False, "nproc": None, "gpus": str(len(slot))}
@@ -299,7 +302,7 @@ class Batch:
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
-        grace = SLURM_STOP_GRACE_SECONDS if self.device_kind == "slurm" else STOP_GRACE_SECONDS
+        grace = {"slurm": SLURM_STOP_GRACE_SECONDS, "ray": RAY_STOP_GRACE_SECONDS}.get(self.device_kind, STOP_GRACE_SECONDS)
         stop_groups([s.process.pid for s in running], grace=grace,
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
@@ -329,6 +332,10 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
         if options.gpus_per_run is not None:
             raise UsageError("--gpus-per-run counts this machine's GPUs; with --slurm say --gpus-per-node G.")
         return [() for _ in range(options.parallel or SLURM_PARALLEL)], options.launch.nproc or 0, "slurm"
+    if options.launch.ray is not None:  # Ray places each run's ranks; one at a time unless --parallel (a run
+        if options.gpus_per_run is not None:  # the cluster can't place in --rdzv-timeout fails)
+            raise UsageError("--gpus-per-run counts this machine's GPUs; with --ray say --gpus-per-node G.")
+        return [() for _ in range(options.parallel or 1)], options.launch.nproc or 0, "ray"
     gpus = 0 if options.launch.cpu else visible_gpu_count()
     if gpus == 0:
         if options.per_run_gpus:

@@ -1,0 +1,105 @@
+"""A real local Ray cluster for the tests: ``ray start --head --block`` on loopback, in a temp folder.
+
+A fixed CPU count and no GPUs, no dashboard, no usage stats, a small object store, free ports, and
+a short temp folder of its own (Ray's socket paths must stay under 107 bytes), so it never touches
+a cluster of the machine's and two test sessions never collide. Stopped by SIGTERM to the
+``ray start --block`` process, whose handler takes the node's processes down (never
+``ray stop --force``, which kills every Ray process on the machine). ``.ci/run`` installs Ray (the
+``test`` extra); without it the Ray tests skip, unless ``NBDDP_REQUIRE_RAY=1`` (set by ``.ci/run``)
+makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.slurm_cluster import free_port
+
+#: What a Ray actor's worker process calls itself (``setproctitle``): ``ray::RankActor`` and its tasks.
+ACTOR_TITLE = "ray::RankActor"
+
+
+class RayCluster:
+    """Start with :meth:`start`, stop with :meth:`stop`; :attr:`address` is its head's ``HOST:PORT``."""
+
+    def __init__(self, cpus: int = 2) -> None:
+        self.cpus = cpus
+        self.temp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))  # short: Ray's socket paths
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> "RayCluster":
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        self.log = open(self.temp / "ray-start.log", "wb")
+        self.process = subprocess.Popen(
+            [shutil.which("ray") or "ray", "start", "--head", "--block", "--port", str(self.port),
+             "--node-ip-address", "127.0.0.1", "--num-cpus", str(self.cpus), "--num-gpus", "0",
+             "--temp-dir", str(self.temp), "--include-dashboard", "false", "--disable-usage-stats",
+             "--object-store-memory", "100000000", "--dashboard-port", str(free_port()),
+             "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+             "--min-worker-port", "0", "--max-worker-port", "0"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray start exited {self.process.returncode}:\n{self.output()}")
+            if "Ray runtime started" in self.output():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"ray start didn't come up in {timeout:g} s:\n{self.output()}")
+
+    def output(self) -> str:
+        try:
+            return (self.temp / "ray-start.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster (the ``ray start`` process's session)."""
+        found = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if self.process is not None and os.getsid(proc.pid) == self.process.pid:
+                    found.append(proc)
+            except (ProcessLookupError, PermissionError):
+                continue
+        return found
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process is not None:  # anything of its session still there
+            for proc in self.processes():
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+        self.log.close() if hasattr(self, "log") else None
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def actor_processes() -> list[psutil.Process]:
+    """Live processes of nbddp's rank actors (on any local cluster)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        try:
+            if any(ACTOR_TITLE in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
