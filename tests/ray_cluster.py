@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ class RayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen] = []
 
     def start(self, timeout: float = 90.0) -> "RayCluster":
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -59,6 +61,26 @@ class RayCluster:
         self.stop()
         raise RuntimeError(f"ray start didn't come up in {timeout:g} s:\n{self.output()}")
 
+    def add_node(self, cpus: int) -> subprocess.Popen:
+        """A second Ray node of this cluster, on this machine (a raylet of its own): stop it with SIGTERM."""
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        env.pop("RAY_ADDRESS", None)
+        node = subprocess.Popen(
+            [shutil.which("ray") or "ray", "start", "--address", self.address, "--block", "--node-ip-address",
+             "127.0.0.1", "--num-cpus", str(cpus), "--num-gpus", "0", "--object-store-memory", "100000000",
+             "--dashboard-agent-listen-port", str(free_port()), "--metrics-export-port", str(free_port()),
+             "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.nodes.append(node)
+        return node
+
+    def alive_nodes(self) -> int:
+        """How many of the cluster's nodes are up (asked by a driver of its own: this process stays Ray-free)."""
+        script = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
+                  "print(sum(1 for n in ray.nodes() if n['Alive']))")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        return int(done.stdout.strip().splitlines()[-1])
+
     def output(self) -> str:
         try:
             return (self.temp / "ray-start.log").read_text(errors="replace")
@@ -76,7 +98,17 @@ class RayCluster:
                 continue
         return found
 
+    def stop_node(self, node: subprocess.Popen) -> None:
+        node.send_signal(signal.SIGTERM)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(node.pid, signal.SIGKILL)
+        self.nodes.remove(node)
+
     def stop(self) -> None:
+        for node in list(self.nodes):
+            self.stop_node(node)
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

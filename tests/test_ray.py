@@ -3,6 +3,7 @@ the kernel runs here, each rank in a Ray actor's process on the cluster's worker
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -213,3 +214,26 @@ def test_a_batch_runs_each_run_on_ray_and_an_exported_script_runs_there_by_hand(
     assert "ray: rank 1 exitcode 0" in done.stdout
     assert "epoch 2 rank 1 of 2" in (tmp_path / "out" / "ray-run" / "logs" / "rank-1.log").read_text()
     assert_matches(tmp_path / "out" / "train.weights.pt", batch=16)
+
+
+def test_two_ray_nodes_train_as_one_run_rank_0_beside_the_kernel(tmp_path, cli_run, ray_env):
+    """Last in this file: a second Ray node (a raylet of its own on this machine) joins the cluster for it."""
+    node = ray_env.add_node(cpus=1)
+    try:
+        deadline = time.monotonic() + 60
+        while ray_env.alive_nodes() < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8)), code(EVALUATE)])
+        run = cli_run(["run", "fit.ipynb", "--ray", "--nodes", "2", "--cpu", "--nproc", "1"], tmp_path)
+        assert run.wait() == 0, run.output
+        assert "2 nodes × 1 CPU processes (gloo) of the Ray cluster" in run.output
+        assert re.search(r"ray: running on (\S+) \[node \w+\] \(rank 0\), \1 \[node \w+\] \(rank 1\)", run.output)
+        run_dir = only_run_dir(tmp_path)
+        assert_matches(run_dir / "weights.pt", batch=16)  # 2 nodes × 1 rank × 8
+        result = json.loads((run_dir / "result.json").read_text())
+        assert [n["ranks"] for n in result["nodes"]] == [[0, 0], [1, 1]]
+        node_ids = [n["node_id"] for n in result["ray_job"]["nodes"]]
+        assert len(set(node_ids)) == 2  # STRICT_SPREAD: one bundle per Ray node
+        assert nothing_left(run, run_dir)
+    finally:
+        ray_env.stop_node(node)

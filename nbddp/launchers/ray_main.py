@@ -242,8 +242,11 @@ class Driver:
                              "on storage every node of the cluster reaches (give --run-dir on one).", "FAILED")
         nodes = [node[0]["ip"] for node in where]
         master, port = nodes[0], where[0][0]["port"]
-        say(f"running on {', '.join(f'{ip} (ranks {n * args.nproc}-{(n + 1) * args.nproc - 1})' for n, ip in enumerate(nodes))}")
-        self.write(state="RUNNING", nodes=nodes)
+        say("running on " + ", ".join(
+            f"{ip}" + (f" [node {where[n][0]['node'][:8]}]" if nodes.count(ip) > 1 else "")
+            + (f" (ranks {n * args.nproc}-{(n + 1) * args.nproc - 1})" if args.nproc > 1 else f" (rank {n})")
+            for n, ip in enumerate(nodes)))
+        self.write(state="RUNNING", nodes=[{"ip": ip, "node_id": where[n][0]["node"]} for n, ip in enumerate(nodes)])
         shared = {k: v for k, v in os.environ.items() if k.startswith("NBDDP_")}
         refs: dict[Any, int] = {}
         rank_actor: dict[int, Any] = {}
