@@ -5,6 +5,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -86,7 +88,7 @@ def test_a_failing_rank_on_ray_names_the_notebook_cell(tmp_path, cli_run, ray_en
     assert nothing_left(run, run_dir)
 
 
-def test_ctrl_c_and_timeout_stop_the_ray_job_and_leave_no_worker(tmp_path, cli_run, ray_env):
+def test_ctrl_c_timeout_and_nbddp_kill_stop_the_ray_job_and_leave_no_worker(tmp_path, cli_run, ray_env):
     write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW, code("print('EVALUATION RAN')")])
     run = cli_run(["run", "long.ipynb", "--ray", *CPU2], tmp_path)
     run.wait_for("[rank 1] step 3")
@@ -103,6 +105,16 @@ def test_ctrl_c_and_timeout_stop_the_ray_job_and_leave_no_worker(tmp_path, cli_r
     assert "the run exceeded --timeout; every rank was stopped." in timed.output
     assert json.loads((tmp_path / "timed" / "result.json").read_text())["status"] == "timeout"
     assert nothing_left(timed, tmp_path / "timed")
+
+    killed = cli_run(["run", "long.ipynb", "--ray", *CPU2, "--run-dir", "killed"], tmp_path)
+    killed.wait_for("[rank 1] step 3")
+    done = subprocess.run([sys.executable, "-m", "nbddp", "kill", str(tmp_path / "killed")], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not actor_processes()  # nbddp kill returns once the actors are gone
+    assert killed.wait(60) == 143, killed.output
+    assert json.loads((tmp_path / "killed" / "result.json").read_text())["status"] == "interrupted"
+    assert nothing_left(killed, tmp_path / "killed")
 
 
 def test_a_run_asking_for_more_than_the_cluster_has_fails_within_its_timeout_saying_so(tmp_path, cli_run, ray_env):
@@ -205,8 +217,6 @@ def test_a_batch_runs_each_run_on_ray_and_an_exported_script_runs_there_by_hand(
     command = header.removeprefix("# Launch: ").split("   (Ray;")[0]
     assert command.startswith("python -m nbddp.launchers.ray_main --address auto --nodes 1 --nproc 2"), header
     import shlex
-    import subprocess
-    import sys
 
     argv = shlex.split(command)
     done = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path / "out", capture_output=True, text=True, timeout=180)
