@@ -151,10 +151,12 @@ class RayRequest:
         if address.endswith(".ipynb"):
             raise UsageError(f"--ray {address}: that is a notebook, not a cluster's address. Put the notebook first "
                              "(nbddp run NOTEBOOK --ray), or give the address: --ray HOST:PORT.")
-        host_port = address.removeprefix("ray://")
-        if address != RAY_AUTO and not re.fullmatch(r"\[?[\w.:-]+\]?:\d{1,5}", host_port):
-            raise UsageError(f"--ray {address!r}: give the cluster's address (HOST:PORT of its head, ray://HOST:PORT for "
-                             "Ray Client), or --ray alone for RAY_ADDRESS, else the cluster started on this machine.")
+        client = address.startswith("ray://")  # (Ray Client's port defaults to 10001)
+        host_port = r"\[?[\w.:-]+\]?" + (r"(:\d{1,5})?" if client else r":\d{1,5}")
+        if address != RAY_AUTO and not re.fullmatch(host_port, address.removeprefix("ray://")):
+            raise UsageError(f"--ray {address!r}: give the cluster's address (HOST:PORT of its head, "
+                             "ray://HOST:PORT for Ray Client), or --ray alone for RAY_ADDRESS, else the cluster "
+                             "started on this machine.")
 
     def where(self) -> str:
         """The cluster, as the user named it."""
@@ -438,8 +440,8 @@ def topology(args: argparse.Namespace) -> tuple[Nodes | None, SlurmRequest | Non
         if not sep:
             raise UsageError(f"--slurm-arg {item!r}: give KEY=VALUE (e.g. qos=high).")
         extra.append((key.strip().lstrip("-"), value))
-    return nodes, SlurmRequest(1 if args.nodes is None else args.nodes, args.gpus_per_node, args.partition, args.time, args.account,
-                               tuple(extra), args.requeue,
+    return nodes, SlurmRequest(1 if args.nodes is None else args.nodes, args.gpus_per_node, args.partition,
+                               args.time, args.account, tuple(extra), args.requeue,
                                DEFAULT_MAX_REQUEUES if args.max_requeues is None else args.max_requeues), None
 
 

@@ -79,7 +79,8 @@ class RayCluster:
         script = (f"import ray; ray.init(address={self.address!r}, logging_level='ERROR'); "
                   "print(sum(1 for n in ray.nodes() if n['Alive']))")
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-        return int(done.stdout.strip().splitlines()[-1])
+        last = (done.stdout.strip().splitlines() or [""])[-1]
+        return int(last) if last.isdigit() else 0  # (not answering yet)
 
     def output(self) -> str:
         try:

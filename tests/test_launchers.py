@@ -258,3 +258,31 @@ def test_the_torchrun_command_is_one_whichever_place_renders_it():
     one = read(shlex.split(local_hint("torch", devices, "train.py")))
     assert one == read(launcher_for("torch").command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
     assert one["standalone"] and one["nproc_per_node"] == "3"
+
+
+def test_ray_ranks_get_torchruns_variables_rank_0_beside_the_kernel_and_their_own_gpu():
+    """The Ray driver's plan, on what two GPU nodes' actors could say (no GPU or second node here: a policy test)."""
+    from nbddp.launchers.ray_main import node_order, rank_plan
+
+    def actor(node, ip, gpus):
+        return {"node": node, "ip": ip, "gpus": gpus, "port": 4000 + len(ip), "missing": []}
+
+    where = [[actor("far", "10.0.0.9", ["3"]), actor("far", "10.0.0.9", ["10"])],  # placed first, but not here
+             [actor("here", "10.0.0.1", ["9"]), actor("here", "10.0.0.1", ["2"])]]
+    order = node_order(where, here="here")
+    assert order == [1, 0]
+    plan = rank_plan(where, order, gpus=True, forwarded={"NCCL_DEBUG": "INFO"})
+    by_rank = {rank: (node, index, env) for node, index, rank, env in plan}
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    node, index, env = by_rank[0]  # the driver's node holds ranks 0-1; its GPU 2 is local rank 0
+    assert (node, index, env["GROUP_RANK"], env["LOCAL_RANK"]) == (1, 1, "0", "0")
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,9" and env["MASTER_ADDR"] == "10.0.0.1"
+    assert by_rank[1][2]["LOCAL_RANK"] == "1" and by_rank[1][1] == 0
+    node, index, env = by_rank[2]  # "10" after "3": numeric order, not text order
+    assert (node, index, env["CUDA_VISIBLE_DEVICES"], env["LOCAL_RANK"]) == (0, 0, "3,10", "0")
+    assert all(e["WORLD_SIZE"] == "4" and e["GROUP_WORLD_SIZE"] == "2" and e["LOCAL_WORLD_SIZE"] == "2"
+               and e["MASTER_PORT"] == "4008" and e["NCCL_DEBUG"] == "INFO" and e["OMP_NUM_THREADS"] == ""
+               for _, _, _, e in plan)
+    cpu = rank_plan([[actor("n", "h", []), actor("n", "h", [])]], [0], gpus=False, forwarded={"OMP_NUM_THREADS": "4"})
+    assert [(index, env["RANK"], env["OMP_NUM_THREADS"]) for _, index, _, env in cpu] == [(0, "0", "4"), (1, "1", "4")]
+    assert all("CUDA_VISIBLE_DEVICES" not in env for _, _, _, env in cpu)

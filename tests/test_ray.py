@@ -142,7 +142,7 @@ def test_no_cluster_at_the_address_is_said_at_once(tmp_path, cli_run, ray_env):
     address = f"127.0.0.1:{free_port()}"
     run = cli_run(["run", "long.ipynb", "--ray", address, *CPU2], tmp_path)
     assert run.wait(60) == 1, run.output
-    assert f"Ray: no Ray cluster answers at {address}: nothing listens on {address}." in run.output
+    assert f"Ray: no Ray cluster answers at {address}: nothing listens there. Start one" in run.output
     assert json.loads((only_run_dir(tmp_path) / "result.json").read_text())["ray_job"]["state"] == "UNREACHABLE"
 
 

@@ -21,8 +21,7 @@ from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
 from nbddp.launchers.torchrun import by_hand, torchrun_options
 from nbddp.rank_side.env import RankEnv
-from nbddp.options import (DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest, ray_refusal,
-                           topology)
+from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest, topology
 
 
 @dataclass(frozen=True)
@@ -78,17 +77,12 @@ def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | 
 
 def ray_hint(engine: str, ray: RayRequest, args: argparse.Namespace, nodes: Nodes | None, script: str) -> str:
     """The Ray driver's command (what ``nbddp run --ray`` starts), with a folder for the ranks' logs."""
-    from nbddp.launchers.ray import driver_command
+    from nbddp.launchers.ray import driver_command, ray_devices
+    from nbddp.options import LaunchOptions
 
-    if spawns_its_own_ranks(engine):
-        raise UsageError(ray_refusal(engine))
-    if nodes is not None:
-        raise UsageError("--ray chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint (use --nodes N).")
-    if args.gpus is not None:
-        raise UsageError("--gpus counts this machine's GPUs; with --ray say --gpus-per-node G.")
-    if ray.gpus_per_node is not None and (args.cpu or args.nproc is not None):
-        raise UsageError("--gpus-per-node and --cpu/--nproc contradict each other: choose one.")
-    devices = Devices("cuda", ray.gpus_per_node) if ray.gpus_per_node else Devices("cpu", args.nproc or CPU_PROCESSES)
+    # The same checks as a run's (the engine, the nodes, the devices); the driver runs elsewhere: no Ray needed.
+    LaunchOptions(gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=engine, nodes=nodes, ray=ray)
+    devices = ray_devices(ray, args.cpu, args.nproc, require=False)
     argv = driver_command(ray, devices, "ray-run", script, python="python", start_timeout=args.rdzv_timeout)
     return (" ".join(shlex.quote(a) for a in argv) + "   (Ray; every rank's output: ray-run/logs/rank-N.log; the "
             "nodes must share this folder)")

@@ -323,7 +323,8 @@ class Job:
             restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
             error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
-            nodes=self.nodes(), **{self.launcher.job_record: self.launcher.job_info(self.paths)},
+            nodes=self.nodes(),
+            **({self.launcher.job_record: self.launcher.job_info(self.paths)} if self.launcher.job_record else {}),
             peak_memory={str(rank): peak for rank, peak in read_peaks(self.run_dir).items()},
         )
         record.write(self.run_dir)

@@ -134,8 +134,9 @@ def judge(e: Evidence) -> JobOutcome:
     if e.timed_out:
         return outcome(Status.TIMEOUT, (
             f"no rank printed or logged anything for {e.idle_for:g}s (--idle-timeout): stopped. A stuck data loader "
-            "or a deadlock outside collectives?") if e.idle_for else f"the run exceeded {e.deadline_name}; every rank was stopped."
-            + (f" {e.scheduler_end}" if e.scheduler_end else ""))
+            "or a deadlock outside collectives?") if e.idle_for else (
+            f"the run exceeded {e.deadline_name}; every rank was stopped."
+            + (f" {e.scheduler_end}" if e.scheduler_end else "")))
     if errors and _COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in _COLLECTIVE_ERRORS:
         limit = f" (--collective-timeout {e.collective_timeout:g}s)" if e.collective_timeout else ""
         return outcome(Status.TIMEOUT, (
@@ -143,8 +144,9 @@ def judge(e: Evidence) -> JobOutcome:
             f"skip an all_reduce, or stall?\n\n" + failure_message(e, codes)), rank=errors[0].rank)
     interrupted_by = e.interrupted_by or e.stopped_by  # (a timeout was judged above)
     if interrupted_by is not None:
+        said = f" {e.scheduler_end}" if e.scheduler_end else ""  # (a Ray run stopped while waiting to be placed)
         return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; every rank was "
-                       "stopped." + (f" {e.scheduler_end}" if e.scheduler_end else ""), signal_exit_code(interrupted_by))
+                       f"stopped.{said}", signal_exit_code(interrupted_by))
     if e.launcher_exit == 0 and (e.checkpoint_exists or not e.checkpoint_expected) and not errors:
         codes = {r: 0 for r in range(e.first_rank, e.first_rank + e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)

@@ -134,8 +134,8 @@ class Launcher:
         """A scheduler's reason for ending the job (Slurm's time limit, an outside scancel…)."""
         return None
 
-    job_record = "slurm_job"
-    """The ``result.json`` field :meth:`job_info` goes into."""
+    job_record: str | None = None
+    """The ``result.json`` field :meth:`job_info` goes into (``None``: no scheduler's job to record)."""
 
     def job_info(self, run_dir: RunDir) -> dict | None:
         """What ``result.json`` records about a scheduler's job (its id, state, nodes)."""

@@ -33,6 +33,10 @@ _EXIT = re.compile(r"^ray: rank (\d+) exitcode (-?\d+)$", re.MULTILINE)
 RANK_GRACE = 10.0
 #: How long nbddp gives the driver to stop every rank through its actor and see the actors gone.
 STOP_SECONDS = RANK_GRACE + 40.0
+#: The kernel's variables (by prefix) a rank gets on the cluster; the rest of its environment is its Ray
+#: worker's own (another machine's PATH, HOME... would be wrong there). The one list; README names it.
+FORWARDED = ("NBDDP_", "NCCL_", "TORCH_", "PYTORCH_", "CUDA_LAUNCH_BLOCKING", "HF_", "TRANSFORMERS_", "WANDB_",
+             "PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 #: The launcher's exit code when the cluster, not the training, ended the run (never placed, unreachable).
 CLUSTER_FAILED = 3
 
@@ -80,19 +84,21 @@ def driver_command(request: RayRequest, devices: Devices, run_dir: str, script: 
             "--start-timeout", f"{start_timeout:g}", *(["--cwd", cwd] if cwd else []), run_dir, script]
 
 
-def ray_devices(request: RayRequest, cpu: bool, nproc: int | None) -> Devices:
+def ray_devices(request: RayRequest, cpu: bool, nproc: int | None, *, require: bool = True) -> Devices:
     """Per-node devices of a Ray run: ``--gpus-per-node G``, else ``--nproc`` CPU processes (default 2).
 
     Raises:
-        UsageError: Ray isn't installed here (the driver runs on this machine).
+        UsageError: Ray isn't installed here (the driver runs on this machine), unless ``require`` is false
+            (``nbddp export`` only writes the driver's command).
     """
-    require_ray()
+    if require:
+        require_ray()
     if request.gpus_per_node is not None:
         return Devices("cuda", request.gpus_per_node)
     if cpu or nproc is not None:
         return Devices("cpu", nproc or CPU_PROCESSES)
-    return Devices("cpu", CPU_PROCESSES, note=f"--ray: {CPU_PROCESSES} CPU processes (gloo) per node; --gpus-per-node G "
-                                              "trains on the workers' GPUs (--cpu --nproc P to choose CPU processes).")
+    return Devices("cpu", CPU_PROCESSES, note=f"--ray: {CPU_PROCESSES} CPU processes (gloo) per node; --gpus-per-node "
+                                              "G trains on the workers' GPUs (--cpu --nproc P to choose CPU processes).")
 
 
 def require_ray() -> None:

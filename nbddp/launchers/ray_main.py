@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,15 +35,28 @@ from typing import Any, Sequence
 
 from nbddp.atomic import write_json
 from nbddp.job.rundir import RunDir
-from nbddp.launchers.ray import CLUSTER_FAILED, RANK_GRACE
+from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
+from nbddp.options import RayRequest
 
 #: Seconds between checks of the ranks (a failure stops the others this soon).
 POLL_SECONDS = 0.2
+#: Seconds the placed actors have to start and answer (a runtime env to set up, a worker to start).
+ACTORS_START_SECONDS = 120.0
+RAY_CLIENT_PORT = 10001
 
 
 class RankActor:
-    """One rank's process on its node. ``stop`` runs beside ``run`` (``max_concurrency=2``), and the rank
-    is ``run``'s thread's child, so its parent-death signal (set by the rank) fires when the actor dies."""
+    """One rank's process on its node. ``stop`` runs beside ``run`` (``max_concurrency=2``, in no set
+    order: a ``stop`` first means ``run`` starts nothing). The rank is started through
+    :mod:`~nbddp.launchers.parent_death`, armed before the script runs, so it dies with its actor
+    even before it imports torch."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.stopped = False
 
     def where(self, paths: list[str]) -> dict[str, Any]:
         """This actor's node, IP, GPUs, a free port, and which of ``paths`` it can't see."""
@@ -60,17 +74,26 @@ class RankActor:
     def run(self, argv: list[str], env: dict[str, str], cwd: str, log: str) -> int:
         """The rank's exit code (``-N``: killed by signal N), once it has ended."""
         os.makedirs(os.path.dirname(log), exist_ok=True)
+        env = {**os.environ, **env}
+        if not env.get("OMP_NUM_THREADS"):  # as nbddp sets it locally (Ray set 1: one CPU per actor)
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(env["LOCAL_WORLD_SIZE"])))
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:  # the rank's output before it redirects its own (an import error) lands in its log too
-            self.proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, cwd=cwd,
-                                         stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
+            with self.lock:
+                if self.stopped:
+                    return -signal.SIGTERM
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "nbddp.launchers.parent_death", str(os.getpid()), "--", sys.executable,
+                     *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
         finally:
             os.close(fd)
         return self.proc.wait()
 
     def stop(self, sig: int, grace: float) -> int | None:
         """Stop the rank (``sig``, SIGKILL after ``grace`` seconds) and return its exit code once it is gone."""
-        proc = getattr(self, "proc", None)
+        with self.lock:
+            self.stopped = True
+            proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
@@ -85,10 +108,10 @@ class RankActor:
 
 
 def answers(address: str, timeout: float = 10.0) -> bool:
-    """Whether something accepts connections at ``HOST:PORT`` (or ``ray://HOST:PORT``)."""
+    """Whether something accepts connections at ``HOST:PORT`` (or ``ray://HOST[:PORT]``)."""
     import socket
 
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+    host, _, port = host_port(address).rpartition(":")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
@@ -96,7 +119,35 @@ def answers(address: str, timeout: float = 10.0) -> bool:
         return False
 
 
+def host_port(address: str) -> str:
+    """``HOST:PORT`` of a cluster's address (Ray Client's port is 10001 unless given)."""
+    if address.startswith("ray://"):
+        rest = address.removeprefix("ray://")
+        return rest if re.search(r":\d+$", rest) else f"{rest}:{RAY_CLIENT_PORT}"
+    return address
+
+
+def resolved_address(address: str) -> str | None:
+    """The address ``ray.init(address)`` will connect to (``auto``: ``RAY_ADDRESS``, else the cluster Ray finds
+    on this machine, else the last one started here); ``None`` when Ray can't tell before connecting."""
+    if address != "auto":
+        return address
+    try:  # Ray's own lookup (a private function: when it moves, ray.init does the lookup alone)
+        from ray._private.services import get_ray_address_from_environment
+
+        found = get_ray_address_from_environment("auto", None)
+    except Exception:  # noqa: BLE001 - none found (ray.init says so), or the function moved
+        return None
+    return found if found and found != "auto" else None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
 def say(text: str) -> None:
+    """One line of the cluster's side of the run (streamed as ``[launcher] ray: ...``)."""
     print(f"ray: {text}", flush=True)
 
 
@@ -128,7 +179,8 @@ class Driver:
         return CLUSTER_FAILED
 
     def stopped(self) -> int:
-        self.write(state="STOPPED")
+        if self.record.get("state") != "WORKER_LOST":  # (what the cluster did stays the record's ending)
+            self.write(state="STOPPED")
         return 128 + self.stopping[0]
 
     def main(self) -> int:
@@ -138,21 +190,26 @@ class Driver:
             import ray
         except ImportError:
             return self.fail("Ray isn't installed in this Python: pip install 'nbddp[ray]'.", "FAILED")
-        given = os.environ.get("RAY_ADDRESS") if self.args.address == "auto" else self.args.address
-        where = f"{given}" + (" (RAY_ADDRESS)" if self.args.address == "auto" and given else "") if given \
-            else "this machine (no RAY_ADDRESS, and no `ray start` here)"
-        unreachable = f"no Ray cluster answers at {where}"
+        cluster = RayRequest(self.args.address).where()
         advice = "Start one (ray start --head), or give its address: --ray HOST:PORT (ray://HOST:PORT for Ray Client)."
-        if given and given != "auto" and not answers(given):  # (ray.init would retry for ever)
-            return self.fail(f"{unreachable}: nothing listens on {given.removeprefix('ray://')}. {advice}", "UNREACHABLE")
+        target = resolved_address(self.args.address)
+        if target is not None and not answers(target):  # (ray.init would retry for ever)
+            found = f" (--ray alone: {cluster})" if self.args.address == "auto" else ""
+            return self.fail(f"no Ray cluster answers at {host_port(target)}{found}: nothing listens there. {advice}",
+                             "UNREACHABLE")
         try:
             ray.init(address=self.args.address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            return self.fail(f"{unreachable}: {str(exc).strip().splitlines()[0]} {advice}", "UNREACHABLE")
+        except ConnectionError as exc:
+            return self.fail(f"no Ray cluster to connect to ({cluster}): {first_line(exc)} {advice}", "UNREACHABLE")
+        except Exception as exc:  # noqa: BLE001 - a version mismatch, a bad address: Ray's words, said as such
+            return self.fail(f"connecting to {cluster} failed: {first_line(exc)} (Ray here is {ray.__version__}; it "
+                             "must be the cluster's version, with the same Python.)", "UNREACHABLE")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # after ray.init, which sets its own
             signal.signal(sig, self.on_signal)
         try:
             return self.run(ray)
+        except ray.exceptions.RayError as exc:  # the cluster went away under the run, or refused it
+            return self.fail(f"the cluster failed the run: {first_line(exc)}", "FAILED")
         finally:
             ray.shutdown()
 
@@ -230,42 +287,52 @@ class Driver:
     def run_ranks(self, ray: Any, actors: list[list[Any]]) -> int:
         args = self.args
         script, cwd = str(Path(args.script).resolve()), str(Path(args.cwd).resolve())
-        seen = ray.get([a.where.remote([str(self.run_dir.path), script, cwd]) for node in actors for a in node])
+        asked = [a.where.remote([str(self.run_dir.path), script, cwd]) for node in actors for a in node]
+        seen = self.gather(ray, asked, "the placed actors to start")
+        if seen is None:
+            return self.stopped() if self.stopping else CLUSTER_FAILED
         where = [seen[n * args.nproc:(n + 1) * args.nproc] for n in range(args.nodes)]
-        here = ray.get_runtime_context().get_node_id()  # the driver's node first: rank 0 beside the kernel
-        order = sorted(range(args.nodes), key=lambda n: where[n][0]["node"] != here)
-        actors, where = [actors[n] for n in order], [where[n] for n in order]
         missing = sorted({(w["ip"], p) for node in where for w in node for p in w["missing"]})
         if missing:
             ip, path = missing[0]
             return self.fail(f"node {ip} can't see {path}: the run dir, the script and the notebook's folder must be "
                              "on storage every node of the cluster reaches (give --run-dir on one).", "FAILED")
-        nodes = [node[0]["ip"] for node in where]
-        master, port = nodes[0], where[0][0]["port"]
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+        order = node_order(where, ray.get_runtime_context().get_node_id())
+        plan = rank_plan(where, order, args.gpus, forwarded)
+        nodes = [where[n][0] for n in order]
+        ips = [info["ip"] for info in nodes]
         say("running on " + ", ".join(
-            f"{ip}" + (f" [node {where[n][0]['node'][:8]}]" if nodes.count(ip) > 1 else "")
+            f"{ip}" + (f" [node {nodes[n]['node'][:8]}]" if ips.count(ip) > 1 else "")
             + (f" (ranks {n * args.nproc}-{(n + 1) * args.nproc - 1})" if args.nproc > 1 else f" (rank {n})")
-            for n, ip in enumerate(nodes)))
-        self.write(state="RUNNING", nodes=[{"ip": ip, "node_id": where[n][0]["node"]} for n, ip in enumerate(nodes)])
-        shared = {k: v for k, v in os.environ.items() if k.startswith("NBDDP_")}
+            for n, ip in enumerate(ips)))
+        self.write(state="RUNNING", nodes=[{"ip": info["ip"], "node_id": info["node"]} for info in nodes])
+        if self.stopping:
+            return self.stopped()
         refs: dict[Any, int] = {}
         rank_actor: dict[int, Any] = {}
-        for n, node in enumerate(where):
-            pairs = list(zip(actors[n], node))
-            if args.gpus:  # local rank = the index of the rank's GPU among the node's (torch.cuda.set_device)
-                pairs.sort(key=lambda pair: [int(g) if g.isdigit() else g for g in pair[1]["gpus"]])
-            gpus = [g for _, info in pairs for g in info["gpus"]]
-            for local, (actor, info) in enumerate(pairs):
-                rank = n * args.nproc + local
-                env = {**shared, "RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(local),
-                       "LOCAL_WORLD_SIZE": str(args.nproc), "GROUP_RANK": str(n), "GROUP_WORLD_SIZE": str(args.nodes),
-                       "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world), "MASTER_ADDR": master,
-                       "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                       "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if args.gpus else {})}
-                refs[actor.run.remote([script], env, cwd,
-                                      str(self.run_dir.rank_log(rank)))] = rank
-                rank_actor[rank] = actor
+        for node, index, rank, env in plan:
+            actor = actors[node][index]
+            refs[actor.run.remote([script], env, cwd, str(self.run_dir.rank_log(rank)))] = rank
+            rank_actor[rank] = actor
         return self.watch(ray, refs, rank_actor)
+
+    def gather(self, ray: Any, refs: list[Any], what: str) -> list[Any] | None:
+        """``ray.get(refs)``, but stoppable and bounded: ``None`` when stopped or failed (recorded)."""
+        deadline = time.monotonic() + ACTORS_START_SECONDS
+        pending = list(refs)
+        while pending and not self.stopping:
+            if time.monotonic() > deadline:
+                self.fail(f"{what} didn't answer within {ACTORS_START_SECONDS:g} s; nothing was trained.", "FAILED")
+                return None
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_SECONDS)
+        if self.stopping:
+            return None
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as exc:
+            self.fail(f"{what} failed: {first_line(exc)}; nothing was trained.", "FAILED")
+            return None
 
     def watch(self, ray: Any, refs: dict[Any, int], rank_actor: dict[int, Any]) -> int:
         codes: dict[int, int] = {}
@@ -276,29 +343,75 @@ class Driver:
                 rank = refs.pop(ref)
                 try:
                     codes[rank] = ray.get(ref)
+                except ray.exceptions.RayTaskError as exc:  # the actor is there, but couldn't start the rank
+                    codes[rank] = 1
+                    lost.append(f"rank {rank} couldn't start on its node: {first_line(exc.cause or exc)}")
                 except ray.exceptions.RayError as exc:  # the actor, its worker process, or its node is gone
                     codes[rank] = -signal.SIGKILL
-                    lost.append(f"rank {rank}'s Ray worker was lost ({type(exc).__name__}: "
-                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'})")
-                    say(lost[-1])
+                    lost.append(f"rank {rank}'s Ray worker was lost ({first_line(exc)})")
+                if lost and self.record.get("state") != "WORKER_LOST":
+                    say(lost[0])  # recorded at once: nbddp may stop this driver before the others are gone
+                    self.write(state="WORKER_LOST", ended_by=f"Ray: {lost[0]}; every other rank was stopped.")
                 say(f"rank {rank} exitcode {codes[rank]}")
         if refs:  # stopped, or a rank failed: stop the others, as torchrun does, and see them gone
-            stops = {rank: rank_actor[rank].stop.remote(signal.SIGTERM, RANK_GRACE) for rank in refs.values()}
-            for rank, ref in stops.items():
+            stops = {rank_actor[rank].stop.remote(signal.SIGTERM, RANK_GRACE): rank for rank in refs.values()}
+            done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=RANK_GRACE + 20)
+            for ref, rank in stops.items():
                 try:
-                    code = ray.get(ref, timeout=RANK_GRACE + 20)
-                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+                    code = ray.get(ref) if ref in done else None
+                except ray.exceptions.RayError:
                     code = None
                 codes[rank] = -signal.SIGTERM if code is None else code
                 say(f"rank {rank} exitcode {codes[rank]}")
-        if lost and not self.stopping:
-            self.write(state="WORKER_LOST", ended_by=f"Ray: {lost[0]}; every other rank was stopped.")
-            return 1
         if self.stopping:
             return self.stopped()
+        if lost:
+            return 1
         failed = any(codes.values())
         self.write(state="FAILED" if failed else "SUCCEEDED")
         return 1 if failed else 0
+
+
+def gpu_order(gpu: str) -> tuple[bool, int, str]:
+    """Numeric GPU ids in number order (``10`` after ``9``), then any others (UUIDs) by name."""
+    return (not gpu.isdigit(), int(gpu) if gpu.isdigit() else 0, gpu)
+
+
+def node_order(where: list[list[dict[str, Any]]], here: str) -> list[int]:
+    """The placed nodes in node-rank order: the driver's node (``here``) first when the run has one there,
+    so rank 0, which writes the weights, runs beside the kernel."""
+    return sorted(range(len(where)), key=lambda n: where[n][0]["node"] != here)
+
+
+def rank_plan(where: list[list[dict[str, Any]]], order: list[int], gpus: bool,
+              forwarded: dict[str, str]) -> list[tuple[int, int, int, dict[str, str]]]:
+    """``(node, actor, rank, env)`` for every rank: torchrun's variables for the actor ``where[node][actor]``.
+
+    ``where``: what each node's actors said (:meth:`RankActor.where`), in placement order; ``order``: the
+    nodes in node-rank order (:func:`node_order`). With GPUs, a node's ranks are ordered by their GPU id and
+    ``CUDA_VISIBLE_DEVICES`` lists the node's GPUs in that order: ``LOCAL_RANK`` is then the index of the
+    rank's own GPU (``torch.cuda.set_device(local_rank)``). ``forwarded``: the kernel's variables the ranks get
+    (:data:`~nbddp.launchers.ray.FORWARDED`); without ``OMP_NUM_THREADS`` among them, the actor sets it as
+    nbddp does locally (the node's CPUs over its ranks; Ray would set 1).
+    """
+    nproc, nnodes = len(where[0]), len(where)
+    master, port = where[order[0]][0]["ip"], where[order[0]][0]["port"]
+    plan = []
+    for node_rank, node in enumerate(order):
+        actors = list(range(nproc))
+        if gpus:
+            actors.sort(key=lambda a: [gpu_order(g) for g in where[node][a]["gpus"]])
+        visible = [g for a in actors for g in where[node][a]["gpus"]]
+        for local, actor in enumerate(actors):
+            rank = node_rank * nproc + local
+            env = {"OMP_NUM_THREADS": "", **forwarded, "RANK": str(rank), "WORLD_SIZE": str(nproc * nnodes),
+                   "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank),
+                   "GROUP_WORLD_SIZE": str(nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc * nnodes),
+                   "MASTER_ADDR": master, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
+                   "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
+                   **({"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {})}
+            plan.append((node, actor, rank, env))
+    return plan
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -62,6 +62,7 @@ class Slurm(Launcher):
     streams_launcher_log = True  # the watcher's "job 12: pending (Resources)" lines
     stop_grace = CANCEL_SECONDS
     exit_settle = 8.0  # the watcher polls Slurm every second; a cancelled job's ranks die first
+    job_record = "slurm_job"
 
     def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float, saves_checkpoints: bool = False) -> None:
         """``saves_checkpoints``: the training code calls ``nbddp.save_checkpoint`` (the job requeues itself

@@ -302,7 +302,8 @@ class Batch:
 
     def _stop_all(self, running: Sequence[RunState]) -> None:
         """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
-        grace = {"slurm": SLURM_STOP_GRACE_SECONDS, "ray": RAY_STOP_GRACE_SECONDS}.get(self.device_kind, STOP_GRACE_SECONDS)
+        grace = {"slurm": SLURM_STOP_GRACE_SECONDS, "ray": RAY_STOP_GRACE_SECONDS}.get(self.device_kind,
+                                                                                     STOP_GRACE_SECONDS)
         stop_groups([s.process.pid for s in running], grace=grace,
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
