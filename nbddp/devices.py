@@ -78,6 +78,16 @@ def requested_gpus(gpus: str | int) -> int | None:
     return wanted
 
 
+def asked_per_node(gpus_per_node: int | None, cpu: bool, nproc: int | None) -> Devices | None:
+    """A cluster node's devices when the flags say (``--gpus-per-node G``, ``--cpu``/``--nproc P``), else ``None``
+    (each cluster has its own default: Slurm's partition, Ray's 2 CPU processes)."""
+    if gpus_per_node is not None:
+        return Devices("cuda", gpus_per_node)
+    if cpu or nproc is not None:
+        return Devices("cpu", nproc or CPU_PROCESSES)
+    return None
+
+
 def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None = None,
             visible: int | None = None) -> Devices:
     """Turn ``--gpus/--cpu/--nproc`` into :class:`Devices`, or raise before anything starts.

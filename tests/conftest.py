@@ -232,3 +232,43 @@ def no_temp_folders_left():
     while leftovers() - before and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not leftovers() - before, f"the tests left temp folders: {sorted(leftovers() - before)}"
+
+
+class StoppedLastCell:
+    """A notebook run in a real kernel (nbclient) on a thread of its own: every cell but the last, then the
+    last one, which the test stops as the kernel's stop button does (:meth:`stop`). For runs on a cluster
+    whose last cell must stay interruptible (pending in a queue, training on the cluster's workers)."""
+
+    def __init__(self, nb, folder: Path, timeout: float = 300) -> None:
+        import threading
+
+        from nbclient import NotebookClient
+
+        self.nb = nb
+        self.client = NotebookClient(nb, timeout=timeout, resources={"metadata": {"path": str(folder)}})
+        self.errors: list[Exception] = []
+        self.before_last = threading.Event()
+        self.thread = threading.Thread(target=self._execute, daemon=True)
+        self.thread.start()
+
+    def _execute(self) -> None:
+        last = len(self.nb.cells) - 1
+        with self.client.setup_kernel():
+            for index in range(last):
+                self.client.execute_cell(self.nb.cells[index], index)
+            self.before_last.set()
+            try:
+                self.client.execute_cell(self.nb.cells[last], last)
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                self.errors.append(exc)
+
+    def text(self, index: int) -> str:
+        """What cell ``index`` printed (streams and plain-text results)."""
+        return "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in self.nb.cells[index].outputs)
+
+    def stop(self, join: float = 150) -> None:
+        """Interrupt the kernel (the stop button) and wait for the thread to end."""
+        from nbclient.util import run_sync
+
+        run_sync(self.client.km.interrupt_kernel)()
+        self.thread.join(join)

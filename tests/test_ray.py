@@ -7,15 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from nbclient import NotebookClient
-from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.conftest import code, write_notebook
+from tests.conftest import StoppedLastCell, code, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 from tests.ray_cluster import RayCluster, actor_processes
 from tests.test_slurm import only_run_dir, processes_of
@@ -165,33 +162,19 @@ def test_the_magic_trains_on_ray_and_its_stop_button_leaves_no_worker(tmp_path, 
                              new_code_cell("%%ddp_train --ray --cpu --nproc 2\nfor step in range(100000):\n"
                                            "    print('step', step, flush=True)\n    time.sleep(0.1)")],
                       metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    client = NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}})
-    errors, training = [], threading.Event()
-
-    def execute():
-        with client.setup_kernel():
-            for index in range(4):
-                client.execute_cell(nb.cells[index], index)
-            training.set()
-            try:
-                client.execute_cell(nb.cells[4], 4)
-            except Exception as exc:  # noqa: BLE001 - inspected below
-                errors.append(exc)
-
-    thread = threading.Thread(target=execute, daemon=True)
-    thread.start()
+    kernel = StoppedLastCell(nb, tmp_path)
     try:
-        assert training.wait(240)
-        trained = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in nb.cells[2].outputs)
+        assert kernel.before_last.wait(240)
+        trained = kernel.text(2)
         assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
-        assert "kernel sees weight sum" in "".join(o.get("text", "") for o in nb.cells[3].outputs)
+        assert "kernel sees weight sum" in kernel.text(3)
         deadline = time.monotonic() + 120
         while len(actor_processes()) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(3)  # training on the cluster, with the kernel following it
     finally:
-        run_sync(client.km.interrupt_kernel)()  # the stop button; whatever failed above, the ranks must go
-        thread.join(150)
+        kernel.stop()  # the stop button; whatever failed above, the ranks must go
+    errors = kernel.errors
     assert errors and errors[0].ename == "KeyboardInterrupt"
     assert not actor_processes()
     first, second = sorted((tmp_path / "runs").iterdir())

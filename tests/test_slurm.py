@@ -6,17 +6,14 @@ import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from nbclient import NotebookClient
-from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.conftest import code, md, write_notebook
+from tests.conftest import StoppedLastCell, code, md, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
@@ -158,33 +155,19 @@ def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_pa
                              new_code_cell(EVALUATE),
                              new_code_cell("%%ddp_train --slurm --cpu --nproc 2 --slurm-arg begin=now+600\nprint('never')")],
                       metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    client = NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}})
-    errors, pending = [], threading.Event()
-
-    def execute():
-        with client.setup_kernel():
-            for index in range(4):
-                client.execute_cell(nb.cells[index], index)
-            pending.set()
-            try:
-                client.execute_cell(nb.cells[4], 4)
-            except Exception as exc:  # noqa: BLE001 - inspected below
-                errors.append(exc)
-
-    thread = threading.Thread(target=execute, daemon=True)
-    thread.start()
+    kernel = StoppedLastCell(nb, tmp_path)
     try:
-        assert pending.wait(240)
-        trained = "".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in nb.cells[2].outputs)
+        assert kernel.before_last.wait(240)
+        trained = kernel.text(2)
         assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
-        assert "kernel sees weight sum" in "".join(o.get("text", "") for o in nb.cells[3].outputs)
+        assert "kernel sees weight sum" in kernel.text(3)
         deadline = time.monotonic() + 60
         while not slurm_env.queue() and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(2)  # pending in the queue, with the kernel waiting for it
     finally:
-        run_sync(client.km.interrupt_kernel)()  # whatever failed above, the pending job must go
-        thread.join(150)
+        kernel.stop()  # whatever failed above, the pending job must go
+    errors = kernel.errors
     assert errors and errors[0].ename == "KeyboardInterrupt"
     assert slurm_env.queue() == []
     first, second = sorted((tmp_path / "runs").iterdir())

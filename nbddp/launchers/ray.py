@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 from nbddp.atomic import read_json
-from nbddp.devices import CPU_PROCESSES, Devices
+from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.launchers import Launcher
@@ -93,12 +93,9 @@ def ray_devices(request: RayRequest, cpu: bool, nproc: int | None, *, require: b
     """
     if require:
         require_ray()
-    if request.gpus_per_node is not None:
-        return Devices("cuda", request.gpus_per_node)
-    if cpu or nproc is not None:
-        return Devices("cpu", nproc or CPU_PROCESSES)
-    return Devices("cpu", CPU_PROCESSES, note=f"--ray: {CPU_PROCESSES} CPU processes (gloo) per node; --gpus-per-node "
-                                              "G trains on the workers' GPUs (--cpu --nproc P to choose CPU processes).")
+    return asked_per_node(request.gpus_per_node, cpu, nproc) or Devices(
+        "cpu", CPU_PROCESSES, note=f"--ray: {CPU_PROCESSES} CPU processes (gloo) per node; --gpus-per-node G trains "
+                                   "on the workers' GPUs (--cpu --nproc P to choose CPU processes).")
 
 
 def require_ray() -> None:

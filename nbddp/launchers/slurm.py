@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nbddp import __version__
 from nbddp.atomic import read_json
-from nbddp.devices import CPU_PROCESSES, Devices
+from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.launchers import Launcher, read_report
@@ -333,10 +333,9 @@ def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None, *, requir
     """
     if require_commands:
         require_slurm()
-    if request.gpus_per_node is not None:
-        return Devices("cuda", request.gpus_per_node)
-    if cpu or nproc is not None:
-        return Devices("cpu", nproc or CPU_PROCESSES)
+    asked = asked_per_node(request.gpus_per_node, cpu, nproc)
+    if asked is not None:
+        return asked
     gpus = partition_gpus(request.partition)
     if gpus:
         return Devices("cuda", gpus, note=f"the partition's nodes have {gpus} GPUs each: using all of them "
