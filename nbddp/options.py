@@ -386,7 +386,8 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="node 0's address and a free port there (its rendezvous store listens on it)")
     nodes.add_argument("--rdzv-timeout", type=float, default=DEFAULT_RDZV_TIMEOUT, metavar="SECONDS",
-                       help=f"how long nodes wait for each other at the start (default {DEFAULT_RDZV_TIMEOUT:g})")
+                       help=f"how long nodes wait for each other at the start; with --ray, how long the run waits "
+                            f"for the cluster's resources (default {DEFAULT_RDZV_TIMEOUT:g})")
     clusters = parser.add_argument_group("a cluster's nodes (--slurm or --ray)")
     clusters.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes to ask for (default 1)")
     clusters.add_argument("--gpus-per-node", type=int, default=None, metavar="G",

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = batch.add_argument_group("batch")
     sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
                        help="GPUs per run (default 1; --gpus K says the same)")
-    sweep.add_argument("--parallel", type=int, default=None, metavar="J", help="runs at once (CPU default 1; --slurm default 4; --ray default 1)")
+    sweep.add_argument("--parallel", type=int, default=None, metavar="J",
+                       help="runs at once (CPU default 1; --slurm default 4; --ray default 1)")
     sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
     sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
     sweep.add_argument("--fresh", action="store_true",

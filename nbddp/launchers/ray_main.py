@@ -142,6 +142,7 @@ def resolved_address(address: str) -> str | None:
 
 
 def first_line(exc: BaseException) -> str:
+    """An exception as one line for the user: its type and the first line of its message (Ray's run long)."""
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
 
