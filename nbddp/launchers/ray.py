@@ -77,11 +77,11 @@ class Ray(Launcher):
 
 
 def driver_command(request: RayRequest, devices: Devices, run_dir: str, script: str, *, python: str,
-                   start_timeout: float, cwd: str | None = None) -> list[str]:
+                   start_timeout: float) -> list[str]:
     """The Ray driver's argv (:mod:`nbddp.launchers.ray_main`): the one place it is written."""
     return [python, "-m", "nbddp.launchers.ray_main", "--address", request.address, "--nodes", str(request.nodes),
             "--nproc", str(devices.nproc), *(["--gpus"] if devices.kind == "cuda" else []),
-            "--start-timeout", f"{start_timeout:g}", *(["--cwd", cwd] if cwd else []), run_dir, script]
+            "--start-timeout", f"{start_timeout:g}", run_dir, script]
 
 
 def ray_devices(request: RayRequest, cpu: bool, nproc: int | None, *, require: bool = True) -> Devices:

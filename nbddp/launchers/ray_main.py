@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from nbddp.atomic import write_json
 from nbddp.job.rundir import RunDir
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
-from nbddp.options import RayRequest
+from nbddp.options import RAY_AUTO, RayRequest
 
 #: Seconds between checks of the ranks (a failure stops the others this soon).
 POLL_SECONDS = 0.2
@@ -76,7 +76,9 @@ class RankActor:
         os.makedirs(os.path.dirname(log), exist_ok=True)
         env = {**os.environ, **env}
         if not env.get("OMP_NUM_THREADS"):  # as nbddp sets it locally (Ray set 1: one CPU per actor)
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(env["LOCAL_WORLD_SIZE"])))
+            from nbddp.rank_side.env import threads_per_rank
+
+            env["OMP_NUM_THREADS"] = threads_per_rank(int(env["LOCAL_WORLD_SIZE"]))
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:  # the rank's output before it redirects its own (an import error) lands in its log too
             with self.lock:
@@ -130,15 +132,15 @@ def host_port(address: str) -> str:
 def resolved_address(address: str) -> str | None:
     """The address ``ray.init(address)`` will connect to (``auto``: ``RAY_ADDRESS``, else the cluster Ray finds
     on this machine, else the last one started here); ``None`` when Ray can't tell before connecting."""
-    if address != "auto":
+    if address != RAY_AUTO:
         return address
     try:  # Ray's own lookup (a private function: when it moves, ray.init does the lookup alone)
         from ray._private.services import get_ray_address_from_environment
 
-        found = get_ray_address_from_environment("auto", None)
+        found = get_ray_address_from_environment(RAY_AUTO, None)
     except Exception:  # noqa: BLE001 - none found (ray.init says so), or the function moved
         return None
-    return found if found and found != "auto" else None
+    return found if found and found != RAY_AUTO else None
 
 
 def first_line(exc: BaseException) -> str:
@@ -195,7 +197,7 @@ class Driver:
         advice = "Start one (ray start --head), or give its address: --ray HOST:PORT (ray://HOST:PORT for Ray Client)."
         target = resolved_address(self.args.address)
         if target is not None and not answers(target):  # (ray.init would retry for ever)
-            found = f" (--ray alone: {cluster})" if self.args.address == "auto" else ""
+            found = f" (--ray alone: {cluster})" if self.args.address == RAY_AUTO else ""
             return self.fail(f"no Ray cluster answers at {host_port(target)}{found}: nothing listens there. {advice}",
                              "UNREACHABLE")
         try:
@@ -418,7 +420,7 @@ def rank_plan(where: list[list[dict[str, Any]]], order: list[int], gpus: bool,
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nbddp.launchers.ray_main",
                                      description="Run SCRIPT's ranks on a Ray cluster (what nbddp run --ray starts).")
-    parser.add_argument("--address", default="auto")
+    parser.add_argument("--address", default=RAY_AUTO)
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--nproc", type=int, required=True, help="ranks per node")
     parser.add_argument("--gpus", action="store_true", help="one GPU per rank")

@@ -35,6 +35,11 @@ VARIABLES = {
 }
 
 
+def threads_per_rank(nproc: int) -> str:
+    """``OMP_NUM_THREADS`` for one of a machine's ``nproc`` ranks: its share of the CPUs (at least 1)."""
+    return str(max(1, (os.cpu_count() or 1) // nproc))
+
+
 @dataclass(frozen=True)
 class RankEnv:
     run_dir: RunDir | None = None
@@ -83,7 +88,7 @@ class RankEnv:
         env |= self.variables()
         env["PYTHONUNBUFFERED"] = "1"
         if "OMP_NUM_THREADS" not in env and self.nproc:  # torchrun would set 1 and warn about it
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.nproc))
+            env["OMP_NUM_THREADS"] = threads_per_rank(self.nproc)
         return env
 
     @staticmethod
