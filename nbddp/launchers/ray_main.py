@@ -37,6 +37,7 @@ from nbddp.atomic import write_json
 from nbddp.job.rundir import RunDir
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.options import RAY_AUTO, RayRequest
+from nbddp.rank_side.env import threads_per_rank
 
 #: Seconds between checks of the ranks (a failure stops the others this soon).
 POLL_SECONDS = 0.2
@@ -76,8 +77,6 @@ class RankActor:
         os.makedirs(os.path.dirname(log), exist_ok=True)
         env = {**os.environ, **env}
         if not env.get("OMP_NUM_THREADS"):  # as nbddp sets it locally (Ray set 1: one CPU per actor)
-            from nbddp.rank_side.env import threads_per_rank
-
             env["OMP_NUM_THREADS"] = threads_per_rank(int(env["LOCAL_WORLD_SIZE"]))
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:  # the rank's output before it redirects its own (an import error) lands in its log too
