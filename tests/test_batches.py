@@ -122,6 +122,7 @@ def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_pa
     assert [r["status"] for r in read_csv(out / "summary.csv")] == ["succeeded", "failed", "succeeded"]
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, cli_run, sig, expected):

@@ -84,6 +84,7 @@ def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path
     assert result_of(tmp_path)["status"] == "timeout"
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
     body = "print('loading', flush=True)\ntime.sleep(600)  # a stuck data loader"
     started = time.monotonic()

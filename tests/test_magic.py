@@ -335,6 +335,7 @@ def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
     assert errors and errors[0].ename == "RunInterrupted" and "nbddp kill" in errors[0].evalue
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
     import papermill
 

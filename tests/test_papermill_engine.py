@@ -108,6 +108,7 @@ def test_a_failing_rank_is_a_papermill_execution_error_and_exit_1(tmp_path):
 SLEEPY_TRAINING = "#| ddp-train\nfor step in range(600):\n    print('step', step, flush=True)\n    time.sleep(0.1)"
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 def test_time_limits_and_ctrl_c_end_the_run_non_zero_with_no_rank_left(tmp_path):
     """--execution-timeout on the training cell stops the job (a PapermillExecutionError, as a timed-out
     cell of papermill's is an error); on a kernel cell it is papermill's own CellTimeoutError; Ctrl-C exits

@@ -168,6 +168,7 @@ def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expe
     assert result["status"] == "interrupted" and result["exit_code"] == expected
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 def test_timeout_stops_the_run_with_124(tmp_path, cli_run):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
     run = cli_run(["run", "long.ipynb", "--timeout", "12"], tmp_path)
