@@ -32,9 +32,13 @@ def md(source: str):
     return new_markdown_cell(source)
 
 
+#: The notebook metadata of every notebook a test writes: the kernel it runs in.
+PYTHON3 = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
 def write_notebook(path: Path, cells: Iterable) -> Path:
     """Write a valid v4 notebook (validated, as every notebook a test writes must be)."""
-    nb = new_notebook(cells=list(cells), metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb = new_notebook(cells=list(cells), metadata=PYTHON3)
     nbformat.validate(nb)
     nbformat.write(nb, path)
     return path
@@ -261,6 +265,23 @@ class StoppedLastCell:
                 self.client.execute_cell(self.nb.cells[last], last)
             except Exception as exc:  # noqa: BLE001 - the test inspects it
                 self.errors.append(exc)
+
+    @classmethod
+    def after_training(cls, flags: str, last_cell: str, folder: Path) -> "StoppedLastCell":
+        """``%%ddp_train FLAGS`` on :mod:`tests.linear_fit`'s training, the kernel's evaluation, then
+        ``last_cell``: the notebook of the magic tests on a cluster, started."""
+        from tests.linear_fit import EVALUATE, SETUP, train_cell
+
+        training = f"%%ddp_train {flags}\n" + train_cell(8).split("\n", 1)[1]
+        cells = ["%load_ext nbddp", SETUP, training, EVALUATE, last_cell]
+        return cls(new_notebook(cells=[new_code_cell(c) for c in cells], metadata=PYTHON3), folder)
+
+    def assert_trained(self, timeout: float = 240) -> None:
+        """The cells of :meth:`after_training` before the last ran: trained, the weights back in the kernel."""
+        assert self.before_last.wait(timeout)
+        trained = self.text(2)
+        assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
+        assert "kernel sees weight sum" in self.text(3)
 
     def text(self, index: int) -> str:
         """What cell ``index`` printed (streams and plain-text results)."""

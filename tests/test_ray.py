@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
 
 from tests.conftest import StoppedLastCell, code, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
@@ -156,18 +155,10 @@ def test_a_lost_ray_worker_is_reported_as_such(tmp_path, cli_run, ray_env):
 
 
 def test_the_magic_trains_on_ray_and_its_stop_button_leaves_no_worker(tmp_path, ray_env):
-    nb = new_notebook(cells=[new_code_cell("%load_ext nbddp"), new_code_cell(SETUP),
-                             new_code_cell("%%ddp_train --ray --cpu --nproc 2\n" + train_cell(8).split("\n", 1)[1]),
-                             new_code_cell(EVALUATE),
-                             new_code_cell("%%ddp_train --ray --cpu --nproc 2\nfor step in range(100000):\n"
-                                           "    print('step', step, flush=True)\n    time.sleep(0.1)")],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    kernel = StoppedLastCell(nb, tmp_path)
+    endless = "%%ddp_train --ray --cpu --nproc 2\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"
+    kernel = StoppedLastCell.after_training("--ray --cpu --nproc 2", endless, tmp_path)
     try:
-        assert kernel.before_last.wait(240)
-        trained = kernel.text(2)
-        assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
-        assert "kernel sees weight sum" in kernel.text(3)
+        kernel.assert_trained()
         deadline = time.monotonic() + 120
         while len(actor_processes()) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)

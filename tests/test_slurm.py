@@ -11,7 +11,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from nbformat.v4 import new_code_cell, new_notebook
 
 from tests.conftest import StoppedLastCell, code, md, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
@@ -150,17 +149,10 @@ def test_slurms_time_limit_is_reported_as_such(tmp_path, cli_run, slurm_env):
 
 
 def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_path, slurm_env):
-    nb = new_notebook(cells=[new_code_cell("%load_ext nbddp"), new_code_cell(SETUP),
-                             new_code_cell("%%ddp_train --slurm --cpu --nproc 2\n" + train_cell(8).split("\n", 1)[1]),
-                             new_code_cell(EVALUATE),
-                             new_code_cell("%%ddp_train --slurm --cpu --nproc 2 --slurm-arg begin=now+600\nprint('never')")],
-                      metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
-    kernel = StoppedLastCell(nb, tmp_path)
+    pending = "%%ddp_train --slurm --cpu --nproc 2 --slurm-arg begin=now+600\nprint('never')"
+    kernel = StoppedLastCell.after_training("--slurm --cpu --nproc 2", pending, tmp_path)
     try:
-        assert kernel.before_last.wait(240)
-        trained = kernel.text(2)
-        assert "succeeded in" in trained and "model loaded on the CPU" in trained, trained
-        assert "kernel sees weight sum" in kernel.text(3)
+        kernel.assert_trained()
         deadline = time.monotonic() + 60
         while not slurm_env.queue() and time.monotonic() < deadline:
             time.sleep(0.2)
