@@ -73,7 +73,8 @@ def test_a_node_that_never_arrives_fails_every_other_node_in_bounded_time(tmp_pa
     alone1 = cli_run(node_args("fit.ipynb", 1, free_port(), "--rdzv-timeout", "5"), node1)
     assert alone0.wait(120) == 1, alone0.output
     assert alone1.wait(120) == 1, alone1.output
-    assert time.monotonic() - started < 30  # 5 s, plus start-up; torch alone could take 2 x 5 s on node 1
+    assert time.monotonic() - started < 60  # 5 s, plus start-up under a loaded CI (torch alone could take 2 x 5 s on
+    # node 1): bounded by --rdzv-timeout, far below the default 300 s
     assert "only 1 of 2 nodes joined the rendezvous" in alone0.output
     assert "within --rdzv-timeout 5s" in alone0.output and "Traceback" not in alone0.output
     assert "node 0's rendezvous at 127.0.0.1:" in alone1.output and "never answered" in alone1.output
