@@ -47,15 +47,16 @@ class RayCluster:
         are kept in the error if every try fails.
         """
         failures: list[str] = []
-        for _ in range(attempts):
+        for attempt in range(attempts):
+            if attempt:  # (stop removed the last try's folder)
+                self.temp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
+                self.port = free_port()
+                self.address = f"127.0.0.1:{self.port}"
             try:
                 return self._start_once(timeout)
             except RuntimeError as failure:
                 failures.append(f"{failure}\n{self.ray_logs()}")
                 self.stop()
-                self.temp = Path(tempfile.mkdtemp(prefix="r", dir="/tmp"))
-                self.port = free_port()
-                self.address = f"127.0.0.1:{self.port}"
         raise RuntimeError(f"ray start failed {attempts} times:\n\n" + "\n\n".join(failures))
 
     def _start_once(self, timeout: float) -> "RayCluster":
