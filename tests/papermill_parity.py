@@ -42,6 +42,9 @@ DDP_TRAIN = ("#| ddp-train\nddp = nbddp.prepare(model)\nopt = torch.optim.SGD(dd
 STRICTER = ("nbddp refuses a -p name that no parameters cell defines, before anything runs or is written "
             "(papermill only warns, and the training would use the default)")
 _EXCEPTION = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Interrupt|Exit))\b")
+#: pyzmq's log line for an event on a socket closed at shutdown (``ZMQError: not a socket``): logged
+#: by tornado, not raised, and seen from papermill's own engine under load; not what a run ended with.
+_LOGGED_AND_SURVIVED = re.compile(r"Uncaught exception in ZMQStream callback", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,14 @@ def _exception(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     if lines and lines[-1] == "Aborted!":
         return "Aborted!"
-    found = [m.group(1) for line in lines if (m := _EXCEPTION.match(line))]
+    found, logged = [], False
+    for line in lines:
+        if _LOGGED_AND_SURVIVED.search(line):
+            logged = True  # its traceback follows: skip to its exception line
+        elif m := _EXCEPTION.match(line):
+            if not logged:
+                found.append(m.group(1))
+            logged = False
     return found[-1] if found else ""
 
 
