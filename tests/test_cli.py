@@ -100,6 +100,14 @@ def test_unknown_parameter_exits_2_listing_the_known_ones_for_export_and_run(not
     assert not (tmp_path / "runs").exists()  # nothing was launched
 
 
+def test_an_unknown_option_prints_the_commands_own_usage(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nbddp", "run", "x.ipynb", "--bogus"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: nbddp run ") and "nbddp run: error: unrecognized arguments: --bogus" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_bad_launch_values_exit_2_naming_the_option(notebook, capsys, tmp_path):
     path = notebook(TRAIN)
     for argv, message in ((["--nproc", "0"], "--nproc 0: need at least 1 process"),

@@ -80,15 +80,18 @@ def _run(argv: list[str], cwd: Path, env: dict, timeout: float = 240) -> subproc
 
 def test_every_front_door_runs_through_the_orchestrator_and_the_launcher_seam(tmp_path, spy):
     env, seen = spy
-    write_notebook(tmp_path / "fit.ipynb", [code("batch = 8", "parameters"), code(SETUP),
-                                             code(train_cell(8)), code(EVALUATE)])
+    # A `#| parameters` directive (papermill alone finds its cell by tag): every door's `batch 8` must reach
+    # the ranks (2 ranks x 8 = one process with 16); the default 4 would train differently.
+    write_notebook(tmp_path / "fit.ipynb", [code("#| parameters\nbatch = 4"), code(SETUP),
+                                             code(train_cell(8).replace("batch_size=8", "batch_size=batch")),
+                                             code(EVALUATE)])
     doors = {}
 
-    _run([sys.executable, "-m", "nbddp", "run", "fit.ipynb", "--cpu", "--nproc", "2"], tmp_path, env)
+    _run([sys.executable, "-m", "nbddp", "run", "fit.ipynb", "--cpu", "--nproc", "2", "-p", "batch", "8"], tmp_path,
+         env)
     doors["nbddp run"] = seen()[-1]
-    assert_matches(Path(doors["nbddp run"]["run_dir"]) / "weights.pt", batch=16)
 
-    api = ("import nbddp\nresult = nbddp.run('fit.ipynb', cpu=True, nproc=2, quiet=True)\n"
+    api = ("import nbddp\nresult = nbddp.run('fit.ipynb', parameters={'batch': 8}, cpu=True, nproc=2, quiet=True)\n"
            "result.raise_for_status(); print('API', result.status, result.run_dir)")
     assert "API succeeded" in _run([sys.executable, "-c", api], tmp_path, env).stdout
     doors["nbddp.run()"] = seen()[-1]
@@ -98,9 +101,12 @@ def test_every_front_door_runs_through_the_orchestrator_and_the_launcher_seam(tm
           "--out", "sweep"], tmp_path, env)
     doors["nbddp batch"] = seen()[-1]
 
-    _run([sys.executable, "-m", "papermill", "--engine", "nbddp", "fit.ipynb", "out.ipynb", "-p", "batch", "8"],
-         tmp_path, {**env, "NBDDP_OPTIONS": "--cpu --nproc 2"})
+    papermill = _run([sys.executable, "-m", "papermill", "--engine", "nbddp", "fit.ipynb", "out.ipynb", "-p", "batch",
+                      "8"], tmp_path, {**env, "NBDDP_OPTIONS": "--cpu --nproc 2"})
+    assert "Passed unknown parameter" not in papermill.stderr and "does not contain a cell" not in papermill.stderr
     doors["papermill --engine nbddp"] = seen()[-1]
+    for door in ("nbddp run", "nbddp.run()", "nbddp batch", "papermill --engine nbddp"):
+        assert_matches(Path(doors[door]["run_dir"]) / "weights.pt", batch=16)
 
     magic = tmp_path / "magic.ipynb"
     write_notebook(magic, [code("%load_ext nbddp"), code(SETUP),

@@ -134,21 +134,55 @@ def test_time_limits_and_ctrl_c_end_the_run_non_zero_with_no_rank_left(tmp_path)
     assert ended == ["interrupted", "timeout", "timeout"]
 
 
-def test_refusals_run_nothing_write_nothing_and_say_why(tmp_path):
+def test_a_parameters_directive_is_papermills_parameters_cell_and_an_unknown_name_is_injected_with_a_hint(tmp_path):
+    """papermill's CLI with ``-p`` on a ``#| parameters`` notebook: the values reach the ranks (a run with the
+    defaults and exit 0 was the defect); a name the cell doesn't define is injected, as papermill does,
+    with a warning naming the defined name it is closest to."""
+    write_notebook(tmp_path / "fit.ipynb", [code("#| parameters\nlr = 0.01"), code(SETUP),
+                                             code(train_cell(8).replace("lr=0.05", "lr=lr")),
+                                             code(EVALUATE + "\nprint('learning_rate in the kernel', learning_rate)")])
+    code_, _, err, _ = papermill_cli(["--engine", "nbddp", "fit.ipynb", "out.ipynb", "-p", "lr", "0.05",
+                                      "-p", "learning_rate", "0.3"], tmp_path)
+    assert code_ == 0, err
+    assert "Passed unknown parameter: lr" not in err and "does not contain a cell with tag" not in err
+    assert "Passed unknown parameter: learning_rate" in err  # papermill's own warning, as with its engine
+    assert "-p learning_rate: the parameters cell doesn't define it (did you mean lr? injected anyway" in err
+    nb = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert nb.cells[0].source.startswith("#| parameters") and "parameters" in nb.cells[0].metadata.tags
+    assert "injected-parameters" in nb.cells[1].metadata.tags  # right after the directive cell
+    assert "learning_rate in the kernel 0.3" in "".join(o.get("text", "") for o in nb.cells[4].outputs)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert_matches(run_dir / "weights.pt", batch=16)  # lr=0.05 reached the ranks
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["overrides"] == {"lr": 0.05, "learning_rate": 0.3}
+
+
+def test_refusals_run_nothing_write_nothing_and_say_why_in_one_line(tmp_path):
     write_notebook(tmp_path / "fit.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(train_cell(8))])
     code_, _, err, _ = papermill_cli(["--engine", "nbddp", "fit.ipynb", "a.ipynb"], tmp_path,
                                      env={"NBDDP_OPTIONS": "--nproc 0"})
-    assert code_ == 1 and "NbddpEngineError: NBDDP_OPTIONS='--nproc 0': --nproc 0: need at least 1 process." in err
+    assert code_ == 1 and "nbddp: error: NBDDP_OPTIONS='--nproc 0': --nproc 0: need at least 1 process." in err
     assert "nbddp run --help" in err and "See NBDDP_OPTIONS --help" not in err
-    code_, _, err, _ = papermill_cli(["--engine", "nbddp", "fit.ipynb", "b.ipynb", "-p", "learning_rate", "0.1"],
-                                     tmp_path)
-    assert code_ == 1 and "unknown parameter learning_rate; the parameters cell defines lr" in err
-    assert "papermill only warns" in err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("nbddp: error: "), err
     write_notebook(tmp_path / "typo.ipynb", [code("#| ddp-trian\nprint(1)")])
     code_, _, err, _ = papermill_cli(["--engine", "nbddp", "typo.ipynb", "c.ipynb"], tmp_path)
-    assert code_ == 1 and "unknown directive '#| ddp-trian'" in err
-    assert not any((tmp_path / name).exists() for name in ("a.ipynb", "b.ipynb", "c.ipynb"))
+    assert code_ == 1 and "nbddp: error: typo.ipynb: cell 1, line 1: unknown directive '#| ddp-trian'" in err
+    assert "Traceback" not in err
+    assert not any((tmp_path / name).exists() for name in ("a.ipynb", "c.ipynb"))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_refusal_is_an_nbddp_engine_error_from_python_and_pickles(tmp_path, monkeypatch):
+    import pickle
+
+    from nbddp.doors.papermill import NbddpEngineError
+
+    monkeypatch.setenv("NBDDP_OPTIONS", "--nproc 0")
+    write_notebook(tmp_path / "fit.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(train_cell(8))])
+    with pytest.raises(NbddpEngineError, match="--nproc 0: need at least 1 process") as raised:
+        papermill.execute_notebook(str(tmp_path / "fit.ipynb"), str(tmp_path / "out.ipynb"), engine_name="nbddp",
+                                   progress_bar=False)
+    assert str(pickle.loads(pickle.dumps(raised.value))) == str(raised.value)
 
 
 def test_papermills_options_mean_what_they_mean_for_a_ddp_notebook(tmp_path):

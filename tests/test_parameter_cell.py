@@ -24,8 +24,18 @@ def test_declared_defaults_keep_literals_and_name_expressions(notebook):
 def test_unknown_override_is_refused_listing_the_known_names(notebook):
     nb = read_notebook(notebook([code("lr = 0.1\nepochs = 3", "parameters"), code("#| ddp-train\npass")]))
     assert check_overrides(nb, {"lr": 1}) == {"lr": 0.1, "epochs": 3}
-    with pytest.raises(ParameterError, match="unknown parameter learning_rate; the parameters cell defines lr, epochs"):
+    with pytest.raises(ParameterError, match="unknown parameter learning_rate; the parameters cell defines lr, epochs"
+                                             r"\. Did you mean lr\?"):
         check_overrides(nb, {"learning_rate": 0.1})
+
+
+@pytest.mark.parametrize("typed, meant", [("learning_rate", "lr"), ("lr", "learning_rate"), ("LR", "lr"),
+                                          ("epoch", "epochs"), ("batchsize", "batch_size"), ("seed", None)])
+def test_the_closest_declared_name_is_the_one_a_typo_meant(typed, meant):
+    from nbddp.notebook.parameters import closest_parameter
+
+    declared = ["learning_rate", "epochs", "batch_size"] if typed == "lr" else ["lr", "epochs", "batch_size"]
+    assert closest_parameter(typed, declared) == meant
 
 
 def test_any_override_needs_a_parameters_cell(notebook):

@@ -82,8 +82,11 @@ def test_ddp_matches_one_process_with_double_batch(tmp_path, cli_run):
     )
     setup = "#| ddp\nimport torch, nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n" + data
     write_notebook(tmp_path / "eq.ipynb", [code(setup), code(train)])
-    run = cli_run(["run", "eq.ipynb", "--cpu", "--nproc", "2"], tmp_path)
+    (tmp_path / "tmp").mkdir()
+    run = cli_run(["run", "eq.ipynb", "--cpu", "--nproc", "2"], tmp_path, env={"TMPDIR": str(tmp_path / "tmp")})
     assert run.wait() == 0, run.output
+    assert "without encryption" not in run.output  # ipykernel's warning for TCP: the local kernel uses IPC
+    assert not list((tmp_path / "tmp").iterdir())  # not even torch's empty torchinductor_<user> (DDP makes it)
     trained = torch.load(run_dirs(tmp_path)[0] / "weights.pt", weights_only=True)["returns"]["model"]
 
     namespace = {}

@@ -268,12 +268,20 @@ def _command() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     _skip_slow_iri_format_checks()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command's own parser, with its usage (the top-level one knows no options)
+        _commands(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except NbddpError as exc:
         print(f"nbddp: error: {exc}", file=sys.stderr)
         return exc.exit_code
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser, by name."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
 
 
 def _skip_slow_iri_format_checks() -> None:

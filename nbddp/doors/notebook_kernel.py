@@ -157,22 +157,29 @@ class NotebookKernel:
 
     def client(self):  # noqa: ANN201 - an nbclient NotebookClient with TrainingCells
         """``nbddp run``'s client: a kernel with private IPC sockets, at a lower CPU priority."""
-        from jupyter_client import KernelManager
         from nbclient import NotebookClient
 
         class Client(TrainingCells, NotebookClient):
             pass
 
         kernel_name = self.notebook.kernel_name or "python3"
-        # IPC sockets: local only, no "running over TCP without encryption" warning. Their files
-        # default to the working directory, where two runs would collide: use a private temp dir.
-        sockets = owned_temp_dir(SOCKETS_PREFIX)
-        manager = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
-        client = Client(self.nb, km=manager, kernel_name=kernel_name, shutdown_kernel="immediate",
-                        resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
+        client = Client(self.nb, km=self.kernel_manager(kernel_name), kernel_name=kernel_name,
+                        shutdown_kernel="immediate", resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
         client.nbddp_kernel = self
-        self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
         return client
+
+    def kernel_manager(self, kernel_name: str):  # noqa: ANN201 - jupyter_client's KernelManager
+        """A manager whose kernel talks over private IPC sockets: local only, and without ipykernel's
+        "Kernel is running over TCP without encryption" warning on every run (jupyter_client's default
+        is TCP). The socket files default to the working folder, where two runs would collide: they go
+        in a private temp folder, removed when the run ends. Asynchronous, as the manager nbclient makes
+        itself: with a blocking one, nbclient's wait for a cell's reply blocks its own event loop and a
+        cell's time limit (papermill's ``--execution-timeout``) never fires."""
+        from jupyter_client import AsyncKernelManager
+
+        sockets = owned_temp_dir(SOCKETS_PREFIX)
+        self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
+        return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
 
     def failed_cell(self, index: int, ename: str, evalue: str) -> KernelResult:
         """A kernel cell (not the job) failed: the run failed there."""

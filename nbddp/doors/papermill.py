@@ -12,11 +12,19 @@ bookkeeping marks the cells, and a failed, timed-out or interrupted (``nbddp kil
 ``ddp-train`` cell runs exactly as papermill runs it. Ctrl-C stops every rank and propagates, as
 it does with papermill's engine.
 
-Stricter than papermill: a ``-p`` name that the notebook's ``parameters`` cell doesn't define is
-refused before anything runs (papermill only warns, and the run would train with the default).
+A ``-p`` name that the notebook's ``parameters`` cell doesn't define is injected with a warning, as
+papermill does (pipelines pass one shared value, a run date say, to every notebook), the warning
+naming the closest defined name; ``nbddp run`` and ``nbddp batch``, where the user typed the name,
+refuse it.
 
-papermill imports this module (its entry points load when papermill is imported): importing it
-before papermill is a cycle through papermill's own start-up.
+A cell marked with the ``#| parameters`` directive is papermill's parameters cell: papermill finds
+that cell by its tag alone, when it loads the notebook (before any engine is asked), so this module
+has papermill's loader tag it (:func:`_read_parameters_directive`). It does so when papermill loads
+its engines' entry points, which is when papermill imports this module; importing it before
+papermill is a cycle through papermill's own start-up.
+
+A refusal (``NBDDP_OPTIONS`` that can't work, a notebook that can't become a run) is one line on
+papermill's command line, exit 1 as for a failed notebook, and a ``NbddpEngineError`` from Python.
 
 Launch options come from ``NBDDP_OPTIONS`` (the flags of ``nbddp run``, e.g. ``--cpu --nproc 2``),
 since papermill's command line has no place for them. The run dir goes under papermill's
@@ -25,14 +33,18 @@ working folder (``--cwd``).
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+import papermill.iorw
 from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import Engine, NBClientEngine
 from papermill.exceptions import PapermillException
@@ -43,8 +55,8 @@ from nbddp.errors import CellSyntaxError, NbddpError, UsageError
 from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
 from nbddp.job.status import Status
-from nbddp.notebook.cells import INJECTED, PARAMETERS
-from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
+from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, cell_role, directive
+from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
 from nbddp.notebook.freevars import check_defined
@@ -53,8 +65,66 @@ from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, l
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 
 
-class NbddpEngineError(PapermillException):
-    """``NBDDP_OPTIONS``, or the notebook, can't make a DDP run (nothing ran, nothing was written)."""
+class NbddpEngineError(PapermillException, click.ClickException):
+    """``NBDDP_OPTIONS``, or the notebook, can't make a DDP run (nothing ran, nothing was written).
+
+    A ``click.ClickException`` too, so that papermill's command line (a click command) prints it as one
+    ``Error: ...`` line and exits 1, the exit code of a failed notebook, instead of a traceback through
+    papermill's and nbddp's frames."""
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        """As ``nbddp run`` says a refusal."""
+        click.echo(f"nbddp: error: {self.message}", file=file or sys.stderr)
+
+    def __reduce__(self):  # noqa: ANN204 - pickles as its message, as the other nbddp errors do
+        return type(self), (self.message,)
+
+
+def _read_parameters_directive() -> None:
+    """Make papermill's notebook loader tag a ``#| parameters`` cell ``parameters``.
+
+    papermill looks for the tag when it checks ``-p`` names and places the injected cell, both before it
+    asks the engine anything, so without the tag it warns ``Passed unknown parameter``, injects the values
+    at the top, and the directive cell then sets the defaults back: a run with the defaults, exit 0. The
+    tag is added to the loaded notebook only (the file is never written), whatever the engine, since the
+    directive means the same everywhere; a cell already tagged, or a second such cell, is left alone.
+    """
+    original = papermill.iorw.load_notebook_node
+    if getattr(original, "reads_parameters_directive", False):
+        return
+
+    @functools.wraps(original)
+    def load_notebook_node(notebook_path):  # noqa: ANN001, ANN202 - papermill's signature
+        nb = original(notebook_path)
+        tag_parameters_directive(nb)
+        return nb
+
+    load_notebook_node.reads_parameters_directive = True  # type: ignore[attr-defined]
+    # papermill.execute and papermill.inspection bind the loader by name after their engines are loaded
+    # (this module is one); rebind it where an earlier import already bound the original.
+    for module in (papermill.iorw, sys.modules.get("papermill.execute"), sys.modules.get("papermill.inspection")):
+        if module is not None and getattr(module, "load_notebook_node", None) is original:
+            module.load_notebook_node = load_notebook_node
+
+
+def tag_parameters_directive(nb) -> None:  # noqa: ANN001
+    """Tag the first ``#| parameters`` cell ``parameters``, unless a cell already has the tag."""
+    code_cells = [cell for cell in nb.cells if cell.get("cell_type") == "code"]
+    if any(PARAMETERS in (cell.get("metadata", {}).get("tags") or ()) for cell in code_cells):
+        return
+    for cell in code_cells:
+        if directive(cell.get("source", "")) == PARAMETERS:
+            cell.setdefault("metadata", {})["tags"] = [*(cell["metadata"].get("tags") or ()), PARAMETERS]
+            return
+
+
+_read_parameters_directive()
 
 
 @dataclass(frozen=True)
@@ -73,8 +143,9 @@ class NbddpEngine(Engine):
     @classmethod
     def execute_notebook(cls, nb, kernel_name, **kwargs: Any):  # noqa: ANN001, ANN206 - papermill's signature
         """Check everything first (a refusal writes nothing), then let papermill run the notebook."""
+        notebook = from_nbformat(nb, _notebook_name(kwargs.get("input_path")))
         try:
-            trains = any(is_training_cell(cell) for cell in nb.cells)
+            trains = any(cell_role(cell, notebook.path) == TRAIN for cell in notebook.code_cells)
         except NbddpError as exc:  # a directive nbddp doesn't know (#| ddp-trian)
             raise NbddpEngineError(str(exc)) from None
         if not trains:
@@ -140,10 +211,14 @@ class PapermillKernel(NotebookKernel):
     def execute(self, deadline: float | None) -> KernelResult:
         from nbclient.exceptions import CellTimeoutError
 
-        client = _Client(self.nb_man, timeout=self.timeout, log=_logger(), **self.client_options)
+        options = dict(self.client_options)
+        client = _Client(self.nb_man, km=self.kernel_manager(options["kernel_name"]), timeout=self.timeout,
+                         log=_logger(), **options)
         client.nbddp_kernel = self
         try:
-            client.execute()  # papermill's loop: a failing cell is marked and ends it, without raising
+            # papermill's loop: a failing cell is marked and ends it, without raising. (nbclient shuts down only
+            # a kernel whose manager it made itself unless told to: this one's is ours, for its IPC sockets.)
+            client.execute(cleanup_kc=True)
         except CellTimeoutError as exc:
             self.timeout_error = exc
             return KernelResult.failed(str(exc).strip().splitlines()[0], Status.TIMEOUT, error=exc)
@@ -168,8 +243,8 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
     Raises:
         NbddpEngineError: ``NBDDP_OPTIONS`` can't be honoured, or the notebook can't become a run.
     """
-    name = Path(str(input_path or "notebook.ipynb")).name
-    path = Path(name)  # in papermill's working folder (--cwd): the run dir goes beside it, messages name it
+    path = _notebook_name(input_path)  # in papermill's working folder (--cwd): the run dir goes beside it
+    name = path.name
     text = os.environ.get(OPTIONS_VARIABLE, "")
     try:
         parser = ArgumentParser(prog=OPTIONS_VARIABLE)
@@ -182,7 +257,7 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
         notebook = from_nbformat(nb, path)
         script = generate(notebook, launch.export_options())
         injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell
-        _check_injected(notebook, injected)
+        _warn_unknown(notebook, injected)
         check_defined(script)
     except CellSyntaxError:
         raise
@@ -196,16 +271,22 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
     return _Plan(notebook, launch, script, request)
 
 
-def _check_injected(notebook: Notebook, injected: dict[str, Any]) -> None:
-    """papermill warns about a ``-p`` name the notebook doesn't define; nbddp refuses it (a typo would train
-    with the default)."""
-    if not injected:
-        return
-    try:
-        check_overrides(notebook, injected, roles=(PARAMETERS,))
-    except NbddpError as exc:
-        raise type(exc)(f"{exc} (papermill only warns about an unknown -p name; nbddp refuses it, so that a typo "
-                        "can't train with the default.)") from None
+def _warn_unknown(notebook: Notebook, injected: dict[str, Any]) -> None:
+    """A ``-p`` name the parameters cell doesn't define is injected anyway, as papermill's engine does (a
+    scheduler may pass one shared value to every notebook); the warning names the closest defined name,
+    since a typo trains with the default."""
+    declared = declared_parameters(notebook, roles=(PARAMETERS,))
+    for name in sorted(set(injected) - set(declared)):
+        closest = closest_parameter(name, declared)
+        hint = f"did you mean {closest}? " if closest else ""
+        where = "the parameters cell doesn't define it" if declared else "the notebook has no parameters cell"
+        _logger().warning(f"nbddp: -p {name}: {where} ({hint}injected anyway, as papermill does; the training "
+                          f"uses it only if the code reads {name}).")
+
+
+def _notebook_name(input_path: Any) -> Path:
+    """How messages name papermill's input notebook (its file name; the run dir is named after it)."""
+    return Path(Path(str(input_path or "notebook.ipynb")).name)
 
 
 def _first_training_cell(nb) -> int:  # noqa: ANN001

@@ -33,6 +33,7 @@ from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
 from nbddp.job.record import RunRecord, rank_errors
 from nbddp.job.rundir import RunDir, rank_of
+from nbddp.job.torch_leftovers import TorchLeftovers
 from nbddp.notebook.script import Script, write_script
 from nbddp.job.follow import RunFollower, Sink
 
@@ -103,8 +104,10 @@ class JobSpec:
 class Job:
     """A started job. Always ends through :meth:`wait` or :meth:`stop` (use ``with``)."""
 
-    def __init__(self, spec: JobSpec, launcher: Launcher, launch: Launch, live: registry.LiveRun) -> None:
+    def __init__(self, spec: JobSpec, launcher: Launcher, launch: Launch, live: registry.LiveRun,
+                 leftovers: TorchLeftovers | None = None) -> None:
         self.spec, self.launcher, self.launch, self.live = spec, launcher, launch, live
+        self.leftovers = leftovers
         self.script, self.devices = spec.script, spec.devices
         self.run_dir = spec.run_dir
         self.paths = RunDir(spec.run_dir)
@@ -124,6 +127,7 @@ class Job:
         """Write the script, start the ranks through the launcher seam, register the run: all of it,
         or nothing left running."""
         launcher = launcher_for(spec)
+        leftovers = TorchLeftovers()
         if spec.max_restarts and not launcher.supports_restarts:
             raise UsageError(f"--max-restarts needs torchrun to restart the ranks; this run's launcher "
                              f"({launcher.name}) can't.")
@@ -135,7 +139,7 @@ class Job:
         launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
-            return cls(spec, launcher, launch, live)
+            return cls(spec, launcher, launch, live, leftovers)
         except BaseException:
             launch.stop()
             raise
@@ -337,6 +341,8 @@ class Job:
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop()
         registry.unregister(self.live)
+        if self.leftovers is not None:
+            self.leftovers.clean()
 
 
 def node_gone(roster: list[dict[str, Any]], own_node: int, message: str) -> dict[str, Any] | None:

@@ -116,19 +116,19 @@ def rendezvous_failure(report: str, nodes: Nodes | None, rdzv_timeout: float, ex
         return None
     within = f"within --rdzv-timeout {rdzv_timeout:g}s"
     missing = _NODES_MISSING.search(report)
-    if missing:
-        joined, expected = int(missing.group(1)), int(missing.group(2))
-        return (f"only {joined} of {expected} nodes joined the rendezvous at {nodes.endpoint} {within}; nothing was "
+    if missing or (expired and nodes.rank == 0):
+        # torch's count when it said it first; else node 0's own deadline passed with node 0 there, which with
+        # two nodes is the same count: one message, whichever reports first.
+        expected = int(missing.group(2)) if missing else nodes.count
+        joined = f"only {missing.group(1)} of" if missing else "only 1 of" if expected == 2 else "not all"
+        return (f"{joined} {expected} nodes joined the rendezvous at {nodes.endpoint} {within}; nothing was "
                 f"trained. Start the same `nbddp run` on every node, with --node-rank "
                 f"{'1' if expected == 2 else f'1 to {expected - 1}'} on the others, and check "
                 f"that they can reach {nodes.endpoint} (a firewall, a wrong host name?).")
-    if _NO_HOST.search(report) or (expired and nodes.rank != 0):
+    if _NO_HOST.search(report) or expired:
         return (f"node 0's rendezvous at {nodes.endpoint} never answered {within}; nothing was trained. Is the same "
                 f"`nbddp run` with --node-rank 0 running there, and can this node reach {nodes.endpoint}?")
     if _PORT_TAKEN.search(report) and nodes.rank == 0:
         return (f"the rendezvous port {nodes.host_port()[1]} is already in use on node 0: choose another free port "
                 f"in --rdzv-endpoint (on every node).")
-    if expired:
-        return (f"the {nodes.count} nodes never all met at {nodes.endpoint} {within}; nothing was trained. Start the "
-                f"same `nbddp run` on every node and check that they can reach {nodes.endpoint}.")
     return None

@@ -62,16 +62,14 @@ def cell_role(cell: Cell, notebook_path: Path | str = "notebook") -> str | None:
         return None
     roles = [t for t in cell.tags if t in ROLES]
     first = cell.source.lstrip("\n").split("\n", 1)[0].strip()
-    match = _DIRECTIVE.match(first)
-    if match:
-        word = match.group(1)
-        if word in DIRECTIVE_ROLES:
-            roles.append(word)
-        elif word.startswith("ddp") or word.startswith("param"):
-            raise CellError(
-                f"{notebook_path}: cell {cell.number}, line 1: unknown directive {first!r}. "
-                f"Use one of: {', '.join('#| ' + r for r in DIRECTIVE_ROLES)}."
-            )
+    word = directive(cell.source)
+    if word in DIRECTIVE_ROLES:
+        roles.append(word)
+    elif word is not None and (word.startswith("ddp") or word.startswith("param")):
+        raise CellError(
+            f"{notebook_path}: cell {cell.number}, line 1: unknown directive {first!r}. "
+            f"Use one of: {', '.join('#| ' + r for r in DIRECTIVE_ROLES)}."
+        )
     if first.startswith("%%" + TRAIN_MAGIC) and first[2:].split()[0] == TRAIN_MAGIC:
         roles.append(TRAIN)
     distinct = sorted(set(roles), key=ROLES.index)
@@ -81,6 +79,12 @@ def cell_role(cell: Cell, notebook_path: Path | str = "notebook") -> str | None:
             "Give it one of the tags/directives, or split it into two cells."
         )
     return distinct[0] if distinct else None
+
+
+def directive(source: str) -> str | None:
+    """The word of a cell's first-line ``#| word`` directive (any word), or ``None``."""
+    match = _DIRECTIVE.match(source.lstrip("\n").split("\n", 1)[0].strip())
+    return match.group(1) if match else None
 
 
 def select_cells(notebook: Notebook) -> list[ExportedCell]:

@@ -10,6 +10,7 @@ default and waste the run.
 from __future__ import annotations
 
 import ast
+import difflib
 from typing import Any
 
 from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
@@ -69,8 +70,8 @@ def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, 
     """Refuse names the cells of ``roles`` don't declare; returns the declared defaults.
 
     Raises:
-        ParameterError: a name not declared (the message lists the declared ones), or any name
-            at all when the notebook has no parameters cell.
+        ParameterError: a name not declared (the message lists the declared ones and the closest one),
+            or any name at all when the notebook has no parameters cell.
     """
     declared = declared_parameters(notebook, roles)
     unknown = sorted(set(names) - set(declared))
@@ -81,8 +82,26 @@ def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, 
         raise ParameterError(
             f"{notebook.path}: unknown parameter{plural} {', '.join(unknown)}: the notebook has no 'parameters' "
             "cell. Tag the cell that sets the hyperparameters 'parameters' (or start it with '#| parameters').")
+    hints = [hint for name in unknown if (hint := closest_parameter(name, declared))]
     raise ParameterError(f"{notebook.path}: unknown parameter{plural} {', '.join(unknown)}; "
-                         f"the parameters cell defines {', '.join(declared)}.")
+                         f"the parameters cell defines {', '.join(declared)}."
+                         + (f" Did you mean {' / '.join(hints)}?" if hints else ""))
+
+
+def closest_parameter(name: str, declared: dict[str, Any] | list[str]) -> str | None:
+    """The declared name ``name`` most likely meant: the same but for case, the same initials
+    (``learning_rate`` for ``lr``, and back), or the closest spelling; ``None`` if none is close."""
+    candidates = list(declared)
+    for other in candidates:
+        if other.lower() == name.lower() or _initials(other) == name.lower() or _initials(name) == other.lower():
+            return other
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _initials(name: str) -> str:
+    parts = [part for part in name.lower().split("_") if part]
+    return "".join(part[0] for part in parts) if len(parts) > 1 else ""
 
 
 def effective_parameters(declared: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
