@@ -225,7 +225,7 @@ def latest(notebook: Path) -> Path:
 
 def raise_judged(run_dir: Path, record: Any) -> None:
     """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
-    from nbddp.errors import error_for
+    from nbddp.errors import JUDGED, error_for
 
     paths = RunDir(run_dir)
     try:
@@ -234,7 +234,9 @@ def raise_judged(run_dir: Path, record: Any) -> None:
         error = None
     if isinstance(error, BaseException):
         raise error
-    raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir))
+    judged = {name: value for name, value in (record.failure or {}).items() if name in JUDGED}
+    raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir),
+                    **judged)
 
 
 def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Callable[[], Any] | None = None,

@@ -104,6 +104,10 @@ class RunRecord:
     restarts: int = 0
     checkpoint: str | None = None
     error: str | None = None
+    """Why the run didn't succeed, as the run's error says it (several lines)."""
+    failure: dict[str, Any] | None = None
+    """What was judged of the exception that ended the run, when anything was (:data:`nbddp.errors.JUDGED`:
+    ``rank`` (``None``: a kernel cell), ``exc_type``, ``exc_message``, notebook ``cell`` and ``line``)."""
     script: str = ""
     """The generated script's path."""
     overrides: dict[str, Any] = field(default_factory=dict)
