@@ -138,6 +138,18 @@ class RunRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def error_line(status: str, error: str | None, failure: dict[str, Any] | None) -> str:
+    """A run's error in one line, for a batch's summary and terminal: where the notebook's code raised and
+    what (``rank 1, cell 3, line 5: ValueError: diverged``; a kernel cell: ``cell 6, line 4: AssertionError:
+    (True, 39.61)``), else the first line of its ``error`` (a timeout, an interruption, a rank killed)."""
+    failure = failure or {}
+    if status == "failed" and failure.get("exc_type"):
+        where = [f"{name} {failure[name]}" for name in ("rank", "cell", "line") if failure.get(name) is not None]
+        message = " ".join(line.strip() for line in str(failure.get("exc_message") or "").splitlines() if line.strip())
+        return f"{', '.join(where) or 'kernel'}: {failure['exc_type']}" + (f": {message}" if message else "")
+    return error.strip().splitlines()[0] if error and error.strip() else ""
+
+
 def versions() -> dict[str, str]:
     """nbddp, torch and Python versions, read from package metadata (no torch import)."""
     import platform
