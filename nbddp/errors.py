@@ -9,6 +9,7 @@ with, so that scripts and CI can tell bad input (2) from a bad device request
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from nbddp.job.status import Status
@@ -153,3 +154,12 @@ class SignalReceived(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+def stop_signal(exc: BaseException) -> int:
+    """The signal that ``exc`` stands for, to record and to pass on to the processes a stopped run or batch
+    owns: a :class:`SignalReceived`'s own, SIGINT for a ``KeyboardInterrupt`` (the user's Ctrl-C), SIGTERM
+    for anything else."""
+    if isinstance(exc, SignalReceived):
+        return exc.signum
+    return signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM

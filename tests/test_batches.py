@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import signal
 import time
 
@@ -146,13 +147,23 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     while len(list((tmp_path / "out").glob("*/metrics.jsonl"))) < 2:  # two runs are mid-training
         assert time.monotonic() < deadline and run.proc.poll() is None, run.output
         time.sleep(0.05)
-    run.proc.send_signal(sig)
+    if sig == signal.SIGINT:
+        os.killpg(run.proc.pid, sig)  # Ctrl-C: the terminal signals the batch's whole process group
+    else:
+        run.proc.send_signal(sig)  # kill PID (nbddp kill), or a closed terminal
     sent = time.monotonic()
     assert run.wait(timeout=60) == expected, run.output
     assert time.monotonic() - sent < 15
     assert not run.leftovers(grace=1)
-    statuses = [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")]
-    assert "succeeded" not in statuses and "interrupted" in statuses
+    rows = read_csv(tmp_path / "out" / "summary.csv")
+    assert "succeeded" not in [r["status"] for r in rows]
+    stopped = [r for r in rows if r["status"] == "interrupted"]
+    assert len(stopped) == 2, rows  # the two that were training; the third never started
+    name = signal.Signals(sig).name  # each run says what stopped the batch: the user's Ctrl-C is SIGINT
+    for row in stopped:
+        assert row["error"] == f"interrupted ({name}); every rank was stopped.", rows
+        result = json.loads((tmp_path / "out" / row["run"] / "result.json").read_text())
+        assert result["status"] == "interrupted" and result["exit_code"] == expected, result
 
     if sig != signal.SIGINT:
         return  # what --resume does doesn't depend on the signal that stopped the batch: resumed once, below

@@ -141,11 +141,11 @@ class _NoKernelHere:
 
 def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:
     """Say why the supervisor ends without a ``result.json`` (refused, stopped, broken), where attachers look."""
-    from nbddp.errors import SignalReceived
+    from nbddp.errors import SignalReceived, stop_signal
     from nbddp.job.status import Status
 
     if isinstance(exc, (SignalReceived, KeyboardInterrupt)):
-        signum = getattr(exc, "signum", signal.SIGINT)
+        signum = stop_signal(exc)
         why, code = f"stopped ({signal.Signals(signum).name}) before it started", Status.INTERRUPTED.code(signum)
     elif isinstance(exc, NbddpError):
         why, code = str(exc), exc.exit_code

@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from nbddp.devices import Devices
 from nbddp.display.ending import NO_WEIGHTS, Ending
-from nbddp.errors import CheckpointError, RunError, RunFailed, SignalReceived
+from nbddp.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job, JobSpec, create_run_dir
 from nbddp.job.outcome import JobOutcome, run_error
@@ -250,7 +250,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                     on_start(job)
                 result.kernel = kernel.run(job, train, deadline)
             except (KeyboardInterrupt, SignalReceived) as exc:
-                result.interrupted_by = getattr(exc, "signum", signal.SIGINT)
+                result.interrupted_by = stop_signal(exc)
             trained = bool(judged)
             if not trained:  # interrupted, or the kernel stopped before the training
                 job.stop()
