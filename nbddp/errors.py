@@ -9,6 +9,7 @@ with, so that scripts and CI can tell bad input (2) from a bad device request
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 from nbddp.job.status import Status
@@ -72,26 +73,40 @@ class DeviceError(NbddpError):
     exit_code = 3
 
 
+#: What a run's outcome says about the exception that ended it, as :class:`RunError` attributes and as
+#: ``result.json``'s ``failure``: the ``rank`` that raised it (``None``: a kernel cell), the exception's type
+#: and message (``exc_type``, ``exc_message``), and the notebook ``cell`` and ``line``.
+JUDGED = ("rank", "exc_type", "exc_message", "cell", "line")
+
+
 class RunError(NbddpError):
     """A run that didn't succeed, carrying its judged outcome (not only a message), picklable.
 
     ``status`` (``failed``/``timeout``/``interrupted``), ``exit_code``, the failing ``rank``, the
-    exception type it raised (``exc_type``), the notebook ``cell`` and ``line``, and the ``run_dir``.
+    exception it raised (``exc_type``, ``exc_message``), the notebook ``cell`` and ``line``, and the
+    ``run_dir``; each ``None`` where it isn't known.
     """
 
     status = Status.FAILED
+    FIELDS = ("exit_code", *JUDGED, "run_dir")
+    """Every attribute besides the message: what pickling and re-raising it elsewhere must carry."""
 
     def __init__(self, message: str, *, exit_code: int | None = None, rank: int | None = None,
-                 exc_type: str | None = None, cell: int | None = None, line: int | None = None,
-                 run_dir: str | None = None) -> None:
+                 exc_type: str | None = None, exc_message: str | None = None, cell: int | None = None,
+                 line: int | None = None, run_dir: str | None = None) -> None:
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code
-        self.rank, self.exc_type, self.cell, self.line, self.run_dir = rank, exc_type, cell, line, run_dir
+        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
+        self.cell, self.line, self.run_dir = cell, line, run_dir
+
+    def judged(self) -> dict[str, Any] | None:
+        """The :data:`JUDGED` fields, for ``result.json``; ``None`` when none is known (an interruption)."""
+        values = {name: getattr(self, name) for name in JUDGED}
+        return values if any(value is not None for value in values.values()) else None
 
     def __reduce__(self):
-        fields = {k: getattr(self, k) for k in ("exit_code", "rank", "exc_type", "cell", "line", "run_dir")}
-        return (_rebuild, (self.__class__, self.args, fields))
+        return (_rebuild, (self.__class__, self.args, {k: getattr(self, k) for k in self.FIELDS}))
 
 
 def _rebuild(cls: type, args: tuple, fields: dict) -> RunError:
@@ -121,7 +136,7 @@ class RunInterrupted(RunError):
 def error_for(status: str, message: str, exit_code: int | None = None, run_dir: str | None = None,
               **judged: Any) -> RunError:
     """The error of a run that ended with ``status`` (``failed``, ``timeout``, ``interrupted``); ``judged``:
-    what its outcome knows (``rank``, ``exc_type``, ``cell``, ``line``)."""
+    what its outcome knows (the :data:`JUDGED` fields)."""
     cls = {Status.TIMEOUT: RunTimeout, Status.INTERRUPTED: RunInterrupted}.get(Status(status), RunFailed)
     return cls(message, exit_code=exit_code, run_dir=run_dir, **judged)
 
@@ -139,3 +154,12 @@ class SignalReceived(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+def stop_signal(exc: BaseException) -> int:
+    """The signal that ``exc`` stands for, to record and to pass on to the processes a stopped run or batch
+    owns: a :class:`SignalReceived`'s own, SIGINT for a ``KeyboardInterrupt`` (the user's Ctrl-C), SIGTERM
+    for anything else."""
+    if isinstance(exc, SignalReceived):
+        return exc.signum
+    return signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM

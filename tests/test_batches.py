@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 import signal
 import time
 
@@ -12,7 +13,7 @@ from nbddp.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
 from tests.conftest import code, write_notebook
 
-PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0"
+PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0\nmin_lr = 0.0"
 SETUP = "#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nX = torch.randn(64, 4)\nY = X.sum(1, keepdim=True)"
 TRAIN = (
     "#| ddp-train\n"
@@ -34,7 +35,8 @@ TRAIN = (
 
 @pytest.fixture
 def sweep(tmp_path):
-    return write_notebook(tmp_path / "sweep.ipynb", [code(PARAMS, "parameters"), code(SETUP), code(TRAIN), code("print('done')")])
+    evaluate = "print('done')\nassert lr >= min_lr, (lr >= min_lr, lr)"  # in the kernel, after the training
+    return write_notebook(tmp_path / "sweep.ipynb", [code(PARAMS, "parameters"), code(SETUP), code(TRAIN), code(evaluate)])
 
 
 def test_grid_forms(tmp_path):
@@ -101,16 +103,28 @@ def test_two_by_two_grid_two_at_a_time_with_summaries(sweep, tmp_path, cli_run):
 
 @pytest.mark.slow
 def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_path, cli_run):
-    (tmp_path / "grid.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.5, "fail_at": 0.5}, {"lr": 0.2}]))
+    """A run whose rank raises and one whose evaluation cell (in the kernel, after the training) fails an
+    assertion: each one's error, type and message, cell and line, is in both summaries and on one terminal line."""
+    (tmp_path / "grid.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.5, "fail_at": 0.5}, {"lr": 0.2},
+                                                    {"lr": 0.3, "min_lr": 0.4}]))
     args = ["batch", "sweep.ipynb", "--grid", "grid.json", "--cpu", "--parallel", "2", "--out", "out", "-p", "epochs", "1"]
     run = cli_run(args, tmp_path)
     assert run.wait() == 1, run.output
     out = tmp_path / "out"
     rows = {r["lr"]: r for r in read_csv(out / "summary.csv")}
     assert rows["0.1"]["status"] == rows["0.2"]["status"] == "succeeded"
-    assert rows["0.5"]["status"] == "failed"
-    assert "rank 0 raised ValueError: diverged at lr=0.5" in rows["0.5"]["error"] or \
-        "raised ValueError: diverged at lr=0.5" in rows["0.5"]["error"]
+    assert rows["0.5"]["status"] == rows["0.3"]["status"] == "failed"
+    rank_error = rows["0.5"]["error"]  # (both ranks raise: the root cause is whichever did first)
+    kernel_error = "cell 4, line 2: AssertionError: (False, 0.3)"
+    assert rank_error in ("rank 0, cell 3, line 3: ValueError: diverged at lr=0.5",
+                          "rank 1, cell 3, line 3: ValueError: diverged at lr=0.5")
+    assert rows["0.3"]["error"] == kernel_error
+    markdown = (out / "summary.md").read_text()
+    assert f"| {rank_error} |" in markdown and f"| {kernel_error} |" in markdown
+    lines = run.output.splitlines()
+    assert f"nbddp: {rows['0.5']['run']} failed: {rank_error}" in lines, run.output
+    assert f"nbddp: {rows['0.3']['run']} failed: {kernel_error}" in lines, run.output
+    assert "nbddp: 2/4 runs succeeded; summary in" in run.output
     result = json.loads((out / rows["0.5"]["run"] / "result.json").read_text())
     assert "sweep.ipynb, cell 3, line 3" in result["error"]
     before = {name: (out / rows[name]["run"] / "result.json").stat().st_mtime for name in ("0.1", "0.2")}
@@ -119,7 +133,7 @@ def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_pa
     assert again.wait() == 1
     assert {name: (out / rows[name]["run"] / "result.json").stat().st_mtime for name in ("0.1", "0.2")} == before
     assert (out / f"{rows['0.5']['run']}.try1" / "result.json").exists()  # the first try is kept
-    assert [r["status"] for r in read_csv(out / "summary.csv")] == ["succeeded", "failed", "succeeded"]
+    assert [r["status"] for r in read_csv(out / "summary.csv")] == ["succeeded", "failed", "succeeded", "failed"]
 
 
 @pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
@@ -133,13 +147,23 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     while len(list((tmp_path / "out").glob("*/metrics.jsonl"))) < 2:  # two runs are mid-training
         assert time.monotonic() < deadline and run.proc.poll() is None, run.output
         time.sleep(0.05)
-    run.proc.send_signal(sig)
+    if sig == signal.SIGINT:
+        os.killpg(run.proc.pid, sig)  # Ctrl-C: the terminal signals the batch's whole process group
+    else:
+        run.proc.send_signal(sig)  # kill PID (nbddp kill), or a closed terminal
     sent = time.monotonic()
     assert run.wait(timeout=60) == expected, run.output
     assert time.monotonic() - sent < 15
     assert not run.leftovers(grace=1)
-    statuses = [r["status"] for r in read_csv(tmp_path / "out" / "summary.csv")]
-    assert "succeeded" not in statuses and "interrupted" in statuses
+    rows = read_csv(tmp_path / "out" / "summary.csv")
+    assert "succeeded" not in [r["status"] for r in rows]
+    stopped = [r for r in rows if r["status"] == "interrupted"]
+    assert len(stopped) == 2, rows  # the two that were training; the third never started
+    name = signal.Signals(sig).name  # each run says what stopped the batch: the user's Ctrl-C is SIGINT
+    for row in stopped:
+        assert row["error"] == f"interrupted ({name}); every rank was stopped.", rows
+        result = json.loads((tmp_path / "out" / row["run"] / "result.json").read_text())
+        assert result["status"] == "interrupted" and result["exit_code"] == expected, result
 
     if sig != signal.SIGINT:
         return  # what --resume does doesn't depend on the signal that stopped the batch: resumed once, below

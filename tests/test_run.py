@@ -154,6 +154,33 @@ def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_ru
     assert not run.leftovers()
 
 
+def test_a_kernel_cell_failing_after_training_raises_with_its_cell_and_line(tmp_path):
+    """``nbddp.run()``: an evaluation cell's assertion is a RunFailed that names, and carries, its cell and line
+    (cell 5: the markdown cell counts, the injected parameters cell doesn't), pickled too, and result.json
+    records them."""
+    import pickle
+
+    import nbddp
+    from nbddp.errors import RunFailed
+
+    write_notebook(tmp_path / "regress.ipynb", [
+        code("threshold = 0.5", "parameters"), md("# training"), code(SETUP),
+        code("#| ddp-train\nmodel = nbddp.prepare(model)"),
+        code("acc = 39.61\ncond = True\nassert acc > threshold, (cond, acc)\nprint('EVALUATION PASSED')")])
+    result = nbddp.run(tmp_path / "regress.ipynb", cpu=True, nproc=2, parameters={"threshold": 50}, quiet=True)
+    with pytest.raises(RunFailed) as raised:
+        result.raise_for_status()
+    error = pickle.loads(pickle.dumps(raised.value))
+    assert (error.rank, error.exc_type, error.exc_message, error.cell, error.line) == (
+        None, "AssertionError", "(True, 39.61)", 5, 3)
+    assert "regress.ipynb: cell 5, line 3 raised in the kernel:\nAssertionError: (True, 39.61)" in str(error)
+    assert error.run_dir == str(result.run_dir)
+    recorded = result_of(result.run_dir)
+    assert recorded["failure"] == {"rank": None, "exc_type": "AssertionError", "exc_message": "(True, 39.61)",
+                                   "cell": 5, "line": 3}
+    assert recorded["status"] == "failed" and recorded["error"] == str(error)
+
+
 LONG_TRAINING = [code(SETUP), code("#| ddp-train\nfor step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"), code("print('EVALUATION RAN')")]
 
 

@@ -175,6 +175,9 @@ def _batch(args: argparse.Namespace) -> int:
         print(f"\nnbddp: batch stopped by {signal.Signals(exc.signum).name}. Resume with --resume.", file=sys.stderr)
         return Status.INTERRUPTED.code(exc.signum)
     failed = sum(r["status"] != Status.SUCCEEDED for r in rows)
+    for row in rows:
+        if row["status"] != Status.SUCCEEDED:
+            print(f"nbddp: {row['run']} {row['status']}: {row['error']}", file=sys.stderr)
     print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
           if rows else "nbddp: no runs", file=sys.stderr)
     return code

@@ -141,11 +141,11 @@ class _NoKernelHere:
 
 def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:
     """Say why the supervisor ends without a ``result.json`` (refused, stopped, broken), where attachers look."""
-    from nbddp.errors import SignalReceived
+    from nbddp.errors import SignalReceived, stop_signal
     from nbddp.job.status import Status
 
     if isinstance(exc, (SignalReceived, KeyboardInterrupt)):
-        signum = getattr(exc, "signum", signal.SIGINT)
+        signum = stop_signal(exc)
         why, code = f"stopped ({signal.Signals(signum).name}) before it started", Status.INTERRUPTED.code(signum)
     elif isinstance(exc, NbddpError):
         why, code = str(exc), exc.exit_code
@@ -225,7 +225,7 @@ def latest(notebook: Path) -> Path:
 
 def raise_judged(run_dir: Path, record: Any) -> None:
     """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
-    from nbddp.errors import error_for
+    from nbddp.errors import JUDGED, error_for
 
     paths = RunDir(run_dir)
     try:
@@ -234,7 +234,9 @@ def raise_judged(run_dir: Path, record: Any) -> None:
         error = None
     if isinstance(error, BaseException):
         raise error
-    raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir))
+    judged = {name: value for name, value in (record.failure or {}).items() if name in JUDGED}
+    raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir),
+                    **judged)
 
 
 def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Callable[[], Any] | None = None,

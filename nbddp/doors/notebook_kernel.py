@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -152,7 +153,8 @@ class NotebookKernel:
         except CellTimeoutError:
             return KernelResult.failed("the run exceeded --timeout.", Status.TIMEOUT)
         except CellExecutionError as exc:
-            return self.failed_cell(index, getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc)))
+            return self.failed_cell(index, getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc)),
+                                    getattr(exc, "traceback", ""))
         return KernelResult(loaded=list(self.loaded))
 
     def client(self):  # noqa: ANN201 - an nbclient NotebookClient with TrainingCells
@@ -181,13 +183,17 @@ class NotebookKernel:
         self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
         return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
 
-    def failed_cell(self, index: int, ename: str, evalue: str) -> KernelResult:
-        """A kernel cell (not the job) failed: the run failed there."""
+    def failed_cell(self, index: int, ename: str, evalue: str, traceback: str = "") -> KernelResult:
+        """A kernel cell (not the job) failed: the run failed there. ``traceback``: the kernel's, which
+        names the line (``Cell In[N], line L``)."""
         if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and is_training_cell(self.nb.cells[index]):
             return KernelResult.failed(self.outcome.message, self.outcome.status)  # the job's own failure
         number = self.numbers[index]
-        where = f"cell {number}" if number else "the injected parameters cell"
-        return KernelResult.failed(f"{self.notebook.path}: {where} raised in the kernel:\n{ename}: {evalue}")
+        line = cell_line(traceback, self.nb.cells[index].get("execution_count"))
+        where = (f"cell {number}" if number else "the injected parameters cell") + (f", line {line}" if line else "")
+        return KernelResult.failed(f"{self.notebook.path}: {where} raised in the kernel:\n{ename}: {evalue}",
+                                   exc_type=ename, exc_message=evalue, cell=number, line=line,
+                                   run_dir=str(self.job.run_dir) if self.job is not None else None)
 
     # ------------------------------------------------------------ the training cell
 
@@ -258,10 +264,21 @@ def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's no
     return new_code_cell(raise_code(run_error(outcome, job.paths)))
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def cell_line(traceback: str, execution_count: int | None) -> int | None:
+    """The line of the cell that ran as ``In[execution_count]`` where its error was raised, from the kernel's
+    traceback (IPython's ``Cell In[N], line L``; the innermost frame in that cell); ``None`` if it names none."""
+    if execution_count is None:
+        return None
+    lines = re.findall(rf"Cell In\[{int(execution_count)}\], line (\d+)", _ANSI.sub("", traceback))
+    return int(lines[-1]) if lines else None
+
+
 def raise_code(error: RunError) -> str:
     """Code that raises ``error`` again in a kernel (its class, message and fields: all plain values)."""
-    fields = ", ".join(f"{name}={getattr(error, name)!r}"
-                       for name in ("exit_code", "rank", "exc_type", "cell", "line", "run_dir"))
+    fields = ", ".join(f"{name}={getattr(error, name)!r}" for name in error.FIELDS)
     name = type(error).__name__
     return (f"from nbddp.errors import {name}\n"
             f"raise {name}({str(error)!r}, {fields})")

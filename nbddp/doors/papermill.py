@@ -225,7 +225,8 @@ class PapermillKernel(NotebookKernel):
         for index, cell in enumerate(self.nb.cells):
             if cell.get("metadata", {}).get("papermill", {}).get("status") == "failed":
                 error = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), {})
-                return self.failed_cell(index, error.get("ename", "CellExecutionError"), error.get("evalue", ""))
+                return self.failed_cell(index, error.get("ename", "CellExecutionError"), error.get("evalue", ""),
+                                        "\n".join(error.get("traceback", [])))
         return KernelResult(loaded=list(self.loaded))
 
     def training_deadline(self) -> tuple[float | None, str | None]:

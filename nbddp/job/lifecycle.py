@@ -311,10 +311,11 @@ class Job:
 
     def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
-               command: str = "") -> RunRecord:
+               command: str = "", failure: dict[str, Any] | None = None) -> RunRecord:
         """``result.json`` for this job, written into the run dir and returned.
 
-        ``parameters``: every value the run used; ``overrides``: those given on top of the defaults.
+        ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
+        ``failure``: what was judged of the exception that ended it (:meth:`nbddp.errors.RunError.judged`).
         """
         ended = time.time()
         record = RunRecord(
@@ -326,7 +327,7 @@ class Job:
             final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
             restarts=self.restarts(),
             checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
-            error=message or None, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
+            error=message or None, failure=failure, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
             nodes=self.nodes(),
             **({self.launcher.job_record: self.launcher.job_info(self.paths)} if self.launcher.job_record else {}),
             peak_memory={str(rank): peak for rank, peak in read_peaks(self.run_dir).items()},

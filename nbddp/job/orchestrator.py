@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from nbddp.devices import Devices
 from nbddp.display.ending import NO_WEIGHTS, Ending
-from nbddp.errors import CheckpointError, RunFailed, SignalReceived
+from nbddp.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job, JobSpec, create_run_dir
 from nbddp.job.outcome import JobOutcome, run_error
@@ -99,9 +99,11 @@ class KernelResult:
         return self.note or NO_WEIGHTS
 
     @classmethod
-    def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None) -> "KernelResult":
+    def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None,
+               **judged: Any) -> "KernelResult":
+        """``judged``: what is known of the exception (:data:`nbddp.errors.JUDGED`: ``exc_type``, ``cell``, ``line``…)."""
         return cls(status=status, exit_code=status.exit_code, message=message,
-                   error=error or (RunFailed(message) if status is Status.FAILED else None))
+                   error=error or (RunFailed(message, **judged) if status is Status.FAILED else None))
 
 
 Train = Callable[..., JobOutcome]
@@ -248,7 +250,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                     on_start(job)
                 result.kernel = kernel.run(job, train, deadline)
             except (KeyboardInterrupt, SignalReceived) as exc:
-                result.interrupted_by = getattr(exc, "signum", signal.SIGINT)
+                result.interrupted_by = stop_signal(exc)
             trained = bool(judged)
             if not trained:  # interrupted, or the kernel stopped before the training
                 job.stop()
@@ -257,9 +259,11 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
             result.outcome = judged[-1]
             _conclude(result, trained)
             result.seconds = time.monotonic() - started
+            error = result.error()
             result.record = job.record(result.status, result.exit_code, result.message, result.outcome,
                                        request.parameters, request.source or str(request.notebook),
-                                       overrides=request.overrides, command=request.command)
+                                       overrides=request.overrides, command=request.command,
+                                       failure=error.judged() if isinstance(error, RunError) else None)
     except Exception as exc:  # nbddp itself broke: record it, then let it be seen
         if job is not None and result.record is None:
             job.record(Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None, request.parameters,

@@ -197,5 +197,5 @@ def run_error(outcome: JobOutcome, run_dir: RunDir):  # noqa: ANN201 - an nbddp.
 
     first = outcome.errors[0] if outcome.errors else None
     return error_for(outcome.status, outcome.message, outcome.exit_code, str(run_dir), rank=outcome.rank,
-                     exc_type=first.type if first else None, cell=first.cell if first else None,
-                     line=first.line if first else None)
+                     exc_type=first.type if first else None, exc_message=first.message if first else None,
+                     cell=first.cell if first else None, line=first.line if first else None)

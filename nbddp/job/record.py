@@ -104,6 +104,10 @@ class RunRecord:
     restarts: int = 0
     checkpoint: str | None = None
     error: str | None = None
+    """Why the run didn't succeed, as the run's error says it (several lines)."""
+    failure: dict[str, Any] | None = None
+    """What was judged of the exception that ended the run, when anything was (:data:`nbddp.errors.JUDGED`:
+    ``rank`` (``None``: a kernel cell), ``exc_type``, ``exc_message``, notebook ``cell`` and ``line``)."""
     script: str = ""
     """The generated script's path."""
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -132,6 +136,18 @@ class RunRecord:
             return None
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def error_line(status: str, error: str | None, failure: dict[str, Any] | None) -> str:
+    """A run's error in one line, for a batch's summary and terminal: where the notebook's code raised and
+    what (``rank 1, cell 3, line 5: ValueError: diverged``; a kernel cell: ``cell 6, line 4: AssertionError:
+    (True, 39.61)``), else the first line of its ``error`` (a timeout, an interruption, a rank killed)."""
+    failure = failure or {}
+    if status == "failed" and failure.get("exc_type"):
+        where = [f"{name} {failure[name]}" for name in ("rank", "cell", "line") if failure.get(name) is not None]
+        message = " ".join(line.strip() for line in str(failure.get("exc_message") or "").splitlines() if line.strip())
+        return f"{', '.join(where) or 'kernel'}: {failure['exc_type']}" + (f": {message}" if message else "")
+    return error.strip().splitlines()[0] if error and error.strip() else ""
 
 
 def versions() -> dict[str, str]:

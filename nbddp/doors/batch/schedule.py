@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
-from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError
+from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.launchers import devices_for
 from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
 from nbddp.launchers.slurm import CANCEL_SECONDS
@@ -205,8 +206,8 @@ class Batch:
                         running.remove(state)
                 self.progress(self)
                 time.sleep(POLL_SECONDS)
-        except BaseException:
-            self._stop_all(running)
+        except BaseException as exc:
+            self._stop_all(running, stop_signal(exc))
             raise
         finally:
             for pool in self.pools.values():
@@ -300,11 +301,12 @@ class Batch:
             self._drop_pool(state.slot)  # a rank died, or never left the failed run: the next run starts fresh ones
             self.last_run[state.slot] = ending_note(state.status)
 
-    def _stop_all(self, running: Sequence[RunState]) -> None:
-        """SIGTERM every running run (each stops its ranks and kernel), then SIGKILL stragglers."""
+    def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
+        """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and
+        records it: the user's Ctrl-C as SIGINT, ``nbddp kill``'s SIGTERM as SIGTERM), then SIGKILL stragglers."""
         grace = {"slurm": SLURM_STOP_GRACE_SECONDS, "ray": RAY_STOP_GRACE_SECONDS}.get(self.device_kind,
                                                                                      STOP_GRACE_SECONDS)
-        stop_groups([s.process.pid for s in running], grace=grace,
+        stop_groups([s.process.pid for s in running], sig, grace=grace,
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
             try:

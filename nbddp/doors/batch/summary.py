@@ -2,7 +2,7 @@
 
 One row per run: its parameters, status, wall time, final metrics (the last
 ``nbddp.log`` record, which for Catalyst holds its train/valid metrics) and,
-for a failed run, the first line of its error (which names the cell).
+for a run that didn't succeed, its error in one line (for an exception: rank, cell, line, type and message).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from nbddp.atomic import read_json
 from nbddp.job.metrics import COUNTERS, read_metrics
+from nbddp.job.record import error_line
 from nbddp.job.status import BatchState
 from nbddp.job.rundir import RunDir
 
@@ -32,8 +33,8 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
                 row[key] = value
                 if key not in metric_names:
                     metric_names.append(key)
-        error = result.get("error") or ("" if state.ok else _last_line(RunDir(run_dir).batch_log, state))
-        row["error"] = error.splitlines()[0] if error else ""
+        row["error"] = error_line(result.get("status", ""), result.get("error"), result.get("failure")) or (
+            "" if state.ok else _last_line(RunDir(run_dir).batch_log, state))
         row["run_dir"] = str(run_dir)
         rows.append(row)
         curves[run.name] = read_metrics(run_dir)
