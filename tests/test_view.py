@@ -97,8 +97,10 @@ def test_front_ends_without_widgets_get_lines_as_text_at_once_until_they_keep_co
     view.tick()
     assert copies() == [*at_once, "[rank 1] second"]  # (the allowance is spent)
     view.close(Ending("succeeded", 1.0, None, "model loaded on the CPU"))
-    assert "[rank 0] line 0" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
-    assert "succeeded in 1.0s" in shown.shown[-1]["text/plain"]
+    *_, copy, last = shown.shown
+    assert "nbddp-snapshot" in copy["text/html"] and "succeeded" not in copy["text/plain"]  # the view's own output
+    assert last == {"text/plain": "[nbddp] succeeded in 1.0s · model loaded on the CPU",  # the ending: the last output,
+                    "text/html": view_module.TextMirror.HTML}  # after the lines, its HTML in the copy only
 
 
 def test_a_polls_lines_are_one_update(monkeypatch):
