@@ -335,9 +335,13 @@ class WidgetView:
             f"{' · its logs are in ' + html.escape(shown_path(self.run_dir)) if self.run_dir else ''}</span>")
 
     def _live_text(self) -> str:
-        """The view's text, for what doesn't render its widgets."""
+        """The view's text, for what doesn't render its widgets: why there is no live view here (ipywidgets
+        is installed in this kernel, or there would be no widget view at all)."""
+        why = ("this front end does not render widgets: every rank's lines follow as text" if self.mirror is not None
+               else "the live view is a widget, which this front end did not render: it needs ipywidgets where "
+                    "Jupyter runs too")
         where = f"; its logs are in {shown_path(self.run_dir)}" if self.run_dir else ""
-        return f"[nbddp] training on {self.nproc} processes (live view: needs ipywidgets){where}"
+        return f"[nbddp] training on {self.nproc} processes ({why}){where}"
 
     def _live_bundle(self) -> dict[str, Any]:
         return {"text/plain": self._live_text(),
