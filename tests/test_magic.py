@@ -401,5 +401,7 @@ def test_where_widgets_dont_render_the_ending_is_the_cells_last_output_and_logge
     assert "[rank 1] epoch 1" in "\n".join(texts[1:-1]) and not any("succeeded" in t for t in texts[:-1]), texts
     log = done.stderr
     assert log.count("[nbddp] succeeded in") == 1, log
+    (run_dir,) = run_dirs(tmp_path)
+    assert run_dir.name.startswith("digits_magic-"), run_dir  # named after the notebook papermill ran
     assert log.index("[nbddp] training on 2 processes") < log.index("[rank 1] epoch 1") \
         < log.index("[nbddp] succeeded in") < log.index("[nbddp] final metrics: loss=0.5"), log
