@@ -378,3 +378,30 @@ def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):
     stalled = text_of(nb.cells[6])
     assert "RunTimeout" in stalled and "(--idle-timeout)" in stalled
     assert len(run_dirs(tmp_path)) == 2  # the refused cells launched nothing
+
+
+def test_where_widgets_dont_render_the_ending_is_the_cells_last_output_and_logged_last(tmp_path):
+    """``papermill --log-output`` (text only): the view's first line, every rank's lines, then the ending, in the
+    executed notebook and in papermill's log (which logs new outputs only, never an updated one)."""
+    import subprocess
+    import sys
+
+    train = "%%ddp_train --cpu --nproc 2\nfor epoch in range(2):\n    nbddp.log(epoch=epoch + 1, epochs=2, loss=0.5)\n" \
+            "    print('epoch', epoch)"
+    nbformat.write(notebook(SETUP, train), tmp_path / "digits_magic.ipynb")
+    done = subprocess.run([sys.executable, "-m", "papermill", "digits_magic.ipynb", "out.ipynb", "--log-output",
+                           "--no-progress-bar", "-k", "python3"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    cell = nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[2]
+    texts = [o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs]
+    assert texts[0].startswith("[nbddp] training on 2 processes (this front end does not render widgets: every rank's "
+                               "lines follow as text)"), texts  # the reason, not "needs ipywidgets" (it's installed)
+    assert texts[-1].startswith("[nbddp] succeeded in") and "final metrics: loss=0.5" in texts[-1], texts
+    assert "[rank 1] epoch 1" in "\n".join(texts[1:-1]) and not any("succeeded" in t for t in texts[:-1]), texts
+    log = done.stderr
+    assert log.count("[nbddp] succeeded in") == 1, log
+    (run_dir,) = run_dirs(tmp_path)
+    assert run_dir.name.startswith("digits_magic-"), run_dir  # named after the notebook papermill ran
+    assert log.index("[nbddp] training on 2 processes") < log.index("[rank 1] epoch 1") \
+        < log.index("[nbddp] succeeded in") < log.index("[nbddp] final metrics: loss=0.5"), log

@@ -2,7 +2,8 @@
 
 from nbddp.job.rank_output import QuietStream
 from nbddp.notebook.sourcemap import Segment, SourceMap
-from nbddp.job.follow import LogLine, MetricsEvent
+from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
+from tests.test_stream import GLUED, append
 
 SCRIPT = "/runs/x/train.py"
 SOURCE_MAP = SourceMap("nb.ipynb", "train.py", (Segment(script_start=20, length=10, cell=3, cell_line=1, role="train"),))
@@ -90,3 +91,26 @@ def test_other_events_pass_through():
     metrics = MetricsEvent({"loss": 1.0})
     events = [metrics, LogLine(None, "launcher says"), LogLine(0, "x", progress=True)]
     assert quiet.feed(events) == events
+
+
+def test_torchs_warning_glued_to_a_progress_bar_is_shown_once_for_every_rank_without_its_prefix(tmp_path):
+    """The bytes two ranks wrote (a C++ warning while tqdm's bar held the line), followed and quietened as a run does."""
+    for rank in (0, 1):
+        append(tmp_path / "logs" / f"rank-{rank}.log",
+               GLUED.replace(b"rank 0/2", f"rank {rank}/2".encode()).replace(b"[rank0]:", f"[rank{rank}]:".encode())
+               .replace(b"23.384552090", b"23.384552090" if rank == 0 else b"23.400858476"))  # each its own time
+    quiet = QuietStream(SOURCE_MAP, [0, 1])
+    out = shown(quiet.feed(RunFollower(tmp_path).poll(final=True), final=True, now=0.0))
+    warnings = [line for line in out if "find_unused_parameters=True" in line[1]]
+    assert warnings == [(0, "[W1125 16:48:23.384552090 reducer.cpp:1529] Warning: find_unused_parameters=True was "
+                            "specified in DDP constructor, but did not find any unused parameters in the forward pass. "
+                            "(function operator())", True)], out
+    assert out.index(warnings[0]) > max(out.index((r, f"[nbddp] rank {r}/2 started (pid 11078)", False)) for r in (0, 1))
+    assert sorted(line for line in out if line[1] == "trained") == [(0, "trained", False), (1, "trained", False)]
+
+
+def test_a_cpp_warning_only_one_rank_prints_is_its_own_and_lines_after_it_are_not_part_of_it():
+    quiet = QuietStream(SOURCE_MAP, [0, 1], hold=1.0)
+    warning = "[W1125 16:48:23.384552090 ProcessGroupGloo.cpp:12] Warning: only me (function f)"
+    assert shown(quiet.feed([LogLine(0, f"[rank0]:{warning}"), LogLine(0, "next")], now=0.0)) == []
+    assert shown(quiet.feed([], now=1.5)) == [(0, warning, False), (0, "next", False)]

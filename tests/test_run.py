@@ -254,6 +254,22 @@ def test_floods_bad_bytes_and_progress_bars_neither_block_nor_get_lost(tmp_path,
     assert "more lines not shown: full logs in" in text and len(text) < 500_000
 
 
+def test_torchs_warning_written_over_a_progress_bar_is_one_line_for_all_ranks(tmp_path, cli_run):
+    """DDP's C++ warning, printed by each rank while tqdm's bar holds its line, is shown once, without torch's prefix."""
+    write_notebook(tmp_path / "warned.ipynb", [code(SETUP + "\nfrom tqdm import tqdm"), code(
+        "#| ddp-train\n"
+        "ddp_model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)\n"
+        "for step in tqdm(range(3)):\n"
+        "    ddp_model(torch.randn(4, 4)).sum().backward()\n"
+        "print('DONE', nbddp.rank())"
+    )])
+    run = cli_run(["run", "warned.ipynb"], tmp_path)
+    assert run.wait() == 0, run.output[-3000:]
+    warnings = [line for line in run.output.splitlines() if "find_unused_parameters=True was specified" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[all ranks] [W"), run.output
+    assert "[rank0]:" not in run.output and "[rank1]:" not in run.output
+
+
 CATALYST_SLOW = [
     code(
         "#| ddp\nimport time\nimport torch\nfrom torch.utils.data import DataLoader, TensorDataset\nfrom catalyst import dl\n"

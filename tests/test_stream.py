@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
 
 
@@ -52,3 +54,42 @@ def test_metrics_and_launcher_log(tmp_path):
     assert MetricsEvent({"epoch": 1, "loss": 0.5}) in events
     assert len(events) == 2
     assert list(RunFollower(tmp_path, include_launcher=False).poll())[0] == MetricsEvent({"epoch": 1, "loss": 0.5})
+
+
+#: What rank 0 of a DDP model with ``find_unused_parameters=True`` wrote while ``tqdm(range(3))`` ran (torch 2.13):
+#: torch's C++ warning came while tqdm's bar held the line open.
+GLUED = (b"[nbddp] rank 0/2 started (pid 11078)\n"
+         b"\r  0%|          | 0/3 [00:00<?, ?it/s][rank0]:[W1125 16:48:23.384552090 reducer.cpp:1529] Warning: "
+         b"find_unused_parameters=True was specified in DDP constructor, but did not find any unused parameters in "
+         b"the forward pass. (function operator())\n"
+         b"\r 33%|\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x8e      | 1/3 [00:00<00:00,  4.53it/s]"
+         b"\r100%|\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88\xe2\x96\x88"
+         b"\xe2\x96\x88\xe2\x96\x88| 3/3 [00:00<00:00,  4.75it/s]\ntrained\n")
+
+
+@pytest.mark.parametrize("chunk", [len(GLUED), 7])  # all at once, and as a slow rank writes it
+def test_a_line_written_after_a_progress_bars_state_is_a_line_of_its_own(tmp_path, chunk):
+    follower = RunFollower(tmp_path)
+    events = []
+    for start in range(0, len(GLUED), chunk):
+        append(tmp_path / "logs" / "rank-0.log", GLUED[start:start + chunk])
+        events += follower.poll()
+    lines = [e.text for e in events if not e.progress]
+    assert lines == [
+        "[nbddp] rank 0/2 started (pid 11078)",
+        "[rank0]:[W1125 16:48:23.384552090 reducer.cpp:1529] Warning: find_unused_parameters=True was specified in "
+        "DDP constructor, but did not find any unused parameters in the forward pass. (function operator())",
+        "100%|██████████| 3/3 [00:00<00:00,  4.75it/s]",
+        "trained",
+    ]
+    assert LogLine(0, "  0%|          | 0/3 [00:00<?, ?it/s]", progress=True) in events  # the bar, as a bar
+
+
+def test_a_bar_padded_over_a_longer_state_and_bars_without_a_total(tmp_path):
+    follower = RunFollower(tmp_path)
+    append(tmp_path / "logs" / "rank-1.log",
+           b"\r10it [00:01, 9.50it/s, loss=0.3]   /x.py:3: UserWarning: w\n"  # tqdm pads a shorter state
+           b"\rdone [00:01] not a bar's timing\n")
+    assert [(e.text, e.progress) for e in follower.poll()] == [
+        ("10it [00:01, 9.50it/s, loss=0.3]", True), ("/x.py:3: UserWarning: w", False),
+        ("done [00:01] not a bar's timing", False)]

@@ -1,7 +1,18 @@
 """What `nbddp run` prints: rank lines, and on a terminal tqdm's epoch bar; metrics are never echoed as lines."""
 
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
 from nbddp.job.follow import LogLine, MetricsEvent
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
+from tests.conftest import code, kill_group, write_notebook
 
 
 def test_without_a_terminal_only_what_the_ranks_printed_is_shown():
@@ -44,3 +55,68 @@ def test_progress_bars_of_ranks_are_thinned_and_kept_out_of_the_notebook(tmp_pat
     notebook(LogLine(0, "bar", progress=True))
     (output,) = notebook.outputs()
     assert output["text"].startswith("[rank 0] a\n[rank 0] b\n[nbddp] 1 more lines not shown")
+
+
+def in_a_pty(argv, cwd, timeout=240, columns=100) -> bytes:
+    """Every byte ``argv`` writes to a real terminal (a pty of ``columns`` columns) until it exits."""
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    proc = subprocess.Popen(argv, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            env={**os.environ, "TERM": "xterm"})
+    os.close(slave)
+    received = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: every process holding the terminal has gone
+                    break
+                if not chunk:
+                    break
+                received += chunk
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, received.decode(errors="replace")
+    finally:
+        kill_group(proc.pid)
+        os.close(master)
+    return received
+
+
+def screen(text: str) -> list[str]:
+    """What a terminal shows for ``text``: each ``\\r`` returns to the line's start, later characters overwrite."""
+    lines, line, column = [], [], 0
+    for char in text:
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(line).rstrip())
+            line, column = [], 0
+        else:
+            line[column:column + 1] = [char]
+            column += 1
+    return [*lines, "".join(line).rstrip()] if line else lines
+
+
+@pytest.mark.slow
+def test_on_a_real_terminal_the_bar_ends_once_and_the_ending_has_a_line_of_its_own(tmp_path):
+    write_notebook(tmp_path / "tiny.ipynb", [
+        code("#| ddp\nimport time\nimport torch\nimport nbddp\nmodel = torch.nn.Linear(2, 1)"),
+        code("#| ddp-train\nnbddp.prepare(model)\nfor epoch in range(1, 5):\n    time.sleep(0.4)\n"
+             "    nbddp.log(epoch=epoch, epochs=4, loss=2.441)\nprint('trained')"),
+    ])
+    text = in_a_pty([sys.executable, "-m", "nbddp", "run", "tiny.ipynb"], tmp_path).decode()
+    ending = text.index("nbddp: succeeded in")
+    before, after = text[:ending], text[ending:]
+    assert before.endswith("\r\n"), repr(before[-200:])  # the ending starts a line: never glued to the bar
+    assert "%|" not in after and "epoch/s" not in after, repr(after)  # no bar redrawn after the ending
+    assert len(re.findall(r"epoch/s[^\r\n]*\]\r\n", text)) == 1, repr(text)  # the bar was closed once
+    shown = screen(text)
+    assert re.match(r"^100%\|.*\| 4/4 \[.*loss=2\.441\]$", shown[-3]), shown  # the bar, finished, stays
+    assert shown[-2].startswith("nbddp: succeeded in") and shown[-1].startswith("nbddp: final metrics: loss=2.441")
+    assert "[rank 0] trained" in shown and "[rank 1] trained" in shown, shown  # lines went above the bar
+    assert not any("%|" in line for line in shown[:-3]), shown  # the bar was never left among them

@@ -97,8 +97,12 @@ def test_front_ends_without_widgets_get_lines_as_text_at_once_until_they_keep_co
     view.tick()
     assert copies() == [*at_once, "[rank 1] second"]  # (the allowance is spent)
     view.close(Ending("succeeded", 1.0, None, "model loaded on the CPU"))
-    assert "[rank 0] line 0" not in shown.shown[-1]["text/plain"]  # the final copy doesn't say them twice
-    assert "succeeded in 1.0s" in shown.shown[-1]["text/plain"]
+    *_, copy, last = shown.shown
+    assert shown.shown[0]["text/plain"] == copy["text/plain"] == \
+        "[nbddp] training on 2 processes (this front end does not render widgets: every rank's lines follow as text)"
+    assert "nbddp-snapshot" in copy["text/html"] and "succeeded" not in copy["text/plain"]  # the view's own output
+    assert last == {"text/plain": "[nbddp] succeeded in 1.0s · model loaded on the CPU",  # the ending: the last output,
+                    "text/html": view_module.TextMirror.HTML}  # after the lines, its HTML in the copy only
 
 
 def test_a_polls_lines_are_one_update(monkeypatch):
@@ -155,3 +159,15 @@ def test_a_panes_progress_line_is_made_when_the_first_one_comes():
     pane.progress("43%|████")
     pane.flush()
     assert len(pane.widget.children) == 2 and "43%" in pane.footer.value
+
+
+def test_a_front_end_expected_to_render_widgets_is_told_what_its_view_needs_if_it_does_not(monkeypatch):
+    import IPython.display
+
+    from nbddp.doors.jupyter import view as view_module
+
+    shown = _Display()
+    monkeypatch.setattr(IPython.display, "display", shown)
+    view_module.WidgetView([0, 1], mirror=False)
+    assert shown.shown[0]["text/plain"] == ("[nbddp] training on 2 processes (the live view is a widget, which this "
+                                            "front end did not render: it needs ipywidgets where Jupyter runs too)")

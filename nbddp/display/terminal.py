@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
 from nbddp.job.metrics import format_metrics, measures
@@ -27,7 +28,12 @@ def _count(value: object) -> bool:
 class TerminalSink:
     """Rank output as ``[rank N] line``. Metrics that count epochs (``nbddp.log(epoch=..., epochs=...)``)
     become tqdm's epoch bar under the lines on a terminal; they are never echoed as lines (the ranks
-    print what they want seen; every record is in ``metrics.jsonl``, the last one in the ending)."""
+    print what they want seen; every record is in ``metrics.jsonl``, the last one in the ending).
+
+    The bar is the terminal's last line while the run goes: everything else written to the terminal
+    meanwhile goes above it (:meth:`line`, and nbddp's own lines through :meth:`above`), and the door
+    :meth:`close`\ s it before the ending, which then starts on a line of its own with no bar after it.
+    """
 
     def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None) -> None:
         self.write = write
@@ -50,9 +56,24 @@ class TerminalSink:
 
     def line(self, text: str) -> None:
         """Write ``text`` above the epoch bar (the bar stays under the newest line)."""
+        with self._above_bar():
+            self.write(text)
+
+    def above(self, say: Callable[[str], Any]) -> Callable[[str], None]:
+        """``say`` (nbddp's own lines, on stderr) writing above the epoch bar, as :meth:`line` does."""
+
+        def said(text: str) -> None:
+            with self._above_bar():
+                say(text)
+
+        return said
+
+    @contextmanager
+    def _above_bar(self) -> Iterator[None]:
         if self.bar is not None:
             self.bar.clear()
-        self.write(text)
+            self.bar.fp.flush()  # the bar's stdout before a line on stderr: both reach the same terminal
+        yield
         if self.bar is not None:
             self.bar.refresh()
 
@@ -65,6 +86,7 @@ class TerminalSink:
         self.bar.update(round(values["epoch"] - self.bar.n, 6))
 
     def close(self) -> None:
+        """End the epoch bar where it stands, on a line of its own (once: closing again does nothing)."""
         if self.bar is not None:
             self.bar.close()
             self.bar = None

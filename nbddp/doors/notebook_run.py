@@ -72,9 +72,11 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
         options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None)
     terminal = TerminalSink() if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
+    if terminal is not None:
+        say = terminal.above(say)  # nbddp's lines above the epoch bar, never through it
     try:
         if launch.nodes is not None and launch.nodes.rank != 0:
-            return _other_node(request, shown, say, on_start)
+            return _other_node(request, shown, say, terminal, on_start)
         return _node_zero(request, notebook, options.output, shown, say, terminal, on_start)
     finally:
         if terminal is not None:
@@ -126,12 +128,19 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
     out = where.get("output", Path(output or RunDir(result.run_dir).output))
     write_notebook(executed, out)
     result.extra.update(output=out, executed=executed)
+    _end_bar(terminal)
     say(summary(result, out))
     return result
 
 
+def _end_bar(terminal: TerminalSink | None) -> None:
+    """The epoch bar ends (once) before the run's ending, which then starts on a line of its own."""
+    if terminal is not None:
+        terminal.close()
+
+
 def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callable[[str], None],
-                started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
+                terminal: TerminalSink | None, started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
     """Node 1 and up of a multi-node run: only this node's ranks (node 0 runs the kernel, gets the weights)."""
     nodes = request.launch.nodes
 
@@ -143,6 +152,7 @@ def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callab
     result = orchestrator.run(request, orchestrator.NoKernel("node 0 holds the weights"), sinks, _prefixed(say),
                               on_start=on_start)
     line = f"nbddp: node {nodes.rank}: {result.ending().line()}"
+    _end_bar(terminal)
     say(f"nbddp: error: {result.message}\n{line}" if result.message else line)
     return result
 

@@ -6,7 +6,8 @@ launcher's own output (torchrun, or the Catalyst parent) goes to
 floods its output never blocks, and nothing is lost if the viewer is slow.
 Bytes are split on newlines *before* decoding (a UTF-8 character is never cut
 in two), undecodable bytes are replaced, and a carriage-return progress bar is
-reduced to what a terminal would show. Each rank's peak memory
+reduced to what a terminal would show; a line another writer glued to a bar's state (a warning
+from torch's C++ code, printed while tqdm's bar held the line) is a line of its own. Each rank's peak memory
 (``ranks/memory-N.json``) is read once a second and told when it grew.
 """
 
@@ -23,6 +24,9 @@ from nbddp.job.rank_memory import read_peaks
 from nbddp.job.rundir import RunDir
 
 _RANK_LOG = re.compile(r"rank-(\d+)\.log$")
+#: A tqdm bar's state, up to the end of its timing bracket (``| 1/3 [00:01<00:02, 3.4it/s, loss=0.3]``), then what
+#: was written after it before any newline (tqdm leaves the line open while it redraws), less tqdm's padding.
+_GLUED_TO_BAR = re.compile(rb"^(.*?\[(?:\d+:)?\d+:\d\d(?:<(?:(?:\d+:)?\d+:\d\d|\?))?, [^\]]*\]) *(\S.*)$", re.S)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,12 @@ class RunFollower:
     def _read_lines(self, followed: Followed, final: bool) -> Iterator[LogLine]:
         for raw in read_complete(followed, final):
             text = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # what a terminal shows after redraws
+            glued = _GLUED_TO_BAR.match(text) if b"\r" in raw else None
+            if glued:  # the bar's state, then another writer's line: each is what it is
+                bar, text = glued.groups()
+                if bar != followed.shown_progress:
+                    followed.shown_progress = bar
+                    yield LogLine(followed.rank, bar.decode("utf-8", errors="replace"), progress=True)
             yield LogLine(followed.rank, text.decode("utf-8", errors="replace"))
         if b"\r" in followed.partial:  # a progress bar being redrawn: show its latest state
             current = followed.partial.rsplit(b"\r", 1)[0].rsplit(b"\r", 1)[-1]

@@ -20,7 +20,6 @@ CLI's SIGTERM/SIGHUP) anywhere stops every rank and is recorded as an interrupti
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -333,10 +332,3 @@ def describe(job: Job) -> str:
     else:
         where = spec.devices.describe()
     return f"{spec.script.engine} engine, {where}; run dir {spec.run_dir}"
-
-
-def session_notebook(cwd: Path) -> Path:
-    """What a kernel's run is named after: the notebook jupyter-server says the kernel belongs to
-    (``JPY_SESSION_NAME``; never read), else ``ddp_train.ipynb``, in the kernel's folder."""
-    return Path(cwd) / f"{Path(os.environ.get('JPY_SESSION_NAME') or 'ddp_train').stem}.ipynb"
-

@@ -7,7 +7,9 @@ Between the run dir's files and the sinks (terminal, live view, executed noteboo
   own ``[rankN]:`` line prefix removed;
 * a traceback that only says a peer went away (gloo's "Connection closed by peer", a reset
   connection) becomes one line: the rank that failed first has the traceback that matters;
-* a Python warning printed by every rank is shown once, as ``[all ranks]``.
+* a warning printed by every rank is shown once, as ``[all ranks]``: Python's (``file:line: XWarning:``,
+  its message and source line) and torch's C++ ones (``[W1125 16:48:23.384552090 reducer.cpp:1529]
+  Warning: …``, one line, told apart from another rank's copy by its time only).
 
 Holding never loses a line: whatever is held is let go after ``hold`` seconds, and on the final poll.
 """
@@ -28,6 +30,8 @@ _TORCH_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")
 _TRACEBACK = "Traceback (most recent call last):"
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 _WARNING = re.compile(r"^\S.*:\d+: \w*Warning: ")
+#: c10's warning line (``TORCH_WARN``): ``[W<MMDD> <time> <file>:<line>] <message>``; before torch 2.4 without the time.
+_CPP_WARNING = re.compile(r"^\[W(\d{4} \d\d:\d\d:\d\d\.\d+ )?[^\]\s]+:\d+\] ")
 HOLD_SECONDS = 1.0
 WARNING_LINES = 8
 
@@ -100,7 +104,8 @@ class QuietStream:
                 state.warning.append(text)
                 self._end_warning(rank, state, now)
                 return
-            if _WARNING.match(text) or text == _TRACEBACK or len(state.warning) >= WARNING_LINES:
+            if _WARNING.match(text) or _CPP_WARNING.match(text) or text == _TRACEBACK \
+                    or len(state.warning) >= WARNING_LINES:
                 self._end_warning(rank, state, now)
             else:
                 state.warning.append(text)  # the message went on over several lines
@@ -119,6 +124,9 @@ class QuietStream:
             state.block, state.block_ended = [text], False
         elif _WARNING.match(text) and len(self.ranks) > 1:
             state.warning, state.warning_since = [text], now
+        elif _CPP_WARNING.match(text) and len(self.ranks) > 1:  # one line, complete as it is
+            state.warning, state.warning_since = [text], now
+            self._end_warning(rank, state, now)
         else:
             state.queue.append(LogLine(rank, text))
 
@@ -139,18 +147,19 @@ class QuietStream:
         state.queue.extend(LogLine(rank, line) for line in text.split("\n"))
 
     def _end_warning(self, rank: int, state: _RankState, now: float) -> None:
-        key = tuple(state.warning or ())
+        lines = tuple(state.warning or ())
+        key = _same_everywhere(lines)
         state.warning = None
         warning = self._warnings.get(key)
         if warning is None or warning.shown or rank in warning.ranks or now - warning.first_seen > self.hold:
-            warning = self._warnings[key] = _Warning(key, state.warning_since)
+            warning = self._warnings[key] = _Warning(lines, state.warning_since)
         warning.ranks.add(rank)
         warning.shared = warning.ranks >= self.ranks
         state.queue.append(warning)
 
     def _drain_all(self, now: float, final: bool) -> list[Event]:
-        shown = self._drain(now, final, laters=False)
-        return shown + self._drain(now, final, laters=True) if final else shown
+        shown = self._drain(now, False, laters=False)  # (the last poll too: a shared warning waits for earlier lines)
+        return shown + self._drain(now, final, laters=False) + self._drain(now, final, laters=True) if final else shown
 
     def _drain(self, now: float, final: bool, laters: bool) -> list[Event]:
         """Every rank's lines that can be shown, in each rank's order.
@@ -185,6 +194,14 @@ class QuietStream:
                     state.queue.popleft()
                     moved = True
         return shown
+
+
+def _same_everywhere(lines: tuple[str, ...]) -> tuple[str, ...]:
+    """A warning as every rank prints it alike: a C++ warning's time of day differs from rank to rank."""
+    first = _CPP_WARNING.match(lines[0]) if lines else None
+    if first is None or first.group(1) is None:
+        return lines
+    return (lines[0][:2] + lines[0][first.end(1):], *lines[1:])
 
 
 def _peer_phrase(message: str) -> str:

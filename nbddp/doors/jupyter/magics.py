@@ -14,6 +14,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from nbddp.display.ending import NO_WEIGHTS, Ending, first_line
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
+from nbddp.doors.jupyter.session import session_notebook
 from nbddp.errors import UsageError
 from nbddp.job import orchestrator
 from nbddp.job.metrics import last_metrics
@@ -126,7 +127,7 @@ class DdpMagics(Magics):
             return None
         cwd = Path.cwd()
         request = orchestrator.RunRequest(
-            script, options, orchestrator.session_notebook(cwd), cwd, parameters,
+            script, options, session_notebook(cwd, self.shell.user_ns), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
             source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
         if args.detach:
@@ -162,7 +163,7 @@ class DdpMagics(Magics):
         from nbddp.job.rundir import RunDir
 
         cwd = Path.cwd()
-        run_dir = detached.find_run(which, cwd) if which else detached.latest(orchestrator.session_notebook(cwd))
+        run_dir = detached.find_run(which, cwd) if which else detached.latest(session_notebook(cwd, self.shell.user_ns))
         started = time.monotonic()
         shown = _Shown(self.shell)
 

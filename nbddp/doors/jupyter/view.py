@@ -226,8 +226,9 @@ class WidgetView:
         self._last_refresh = 0.0
         self._allowance, self._allowance_at = float(BURST_REFRESHES), time.monotonic()
         self._update_status()
-        self.handle = display(self._live_bundle(len(ranks)), raw=True, display_id=True)
+        self.nproc = len(ranks)
         self.mirror = TextMirror(display) if (not front_end_renders_widgets() if mirror is None else mirror) else None
+        self.handle = display(self._live_bundle(), raw=True, display_id=True)
 
     def __call__(self, event: Event) -> None:
         if isinstance(event, LogLine):
@@ -284,15 +285,24 @@ class WidgetView:
                 self.plot.value = plot
 
     def close(self, ending: Ending) -> None:
-        """Replace the live view by its static copy, and free the widgets."""
+        """Replace the live view by its static copy, and free the widgets.
+
+        Where the lines went out as text (the mirror), the ending is one more text output after them,
+        so that it is the cell's last in the notebook and in papermill's ``--log-output`` (which logs
+        new outputs only, never an updated one); the view's own output keeps its first line as text.
+        """
         self.refresh()
         panes = [("all ranks", list(self.everything.lines))]
         panes += [(f"rank {rank}" if rank is not None else "launcher", list(p.lines)) for rank, p in self.panes.items()]
-        shown_as_text = self.mirror is not None and self.mirror.shown > 0  # every line is in the outputs already
-        bundle = {"text/html": snapshot_html(ending, panes, self.metrics),
-                  "text/plain": snapshot_text(ending, () if shown_as_text else self.everything.lines,
-                                              0 if shown_as_text else self.everything.dropped)}
-        self.handle.update(bundle, raw=True)
+        html_copy = snapshot_html(ending, panes, self.metrics)
+        if self.mirror is None:
+            self.handle.update({"text/html": html_copy, "text/plain": snapshot_text(
+                ending, self.everything.lines, self.everything.dropped)}, raw=True)
+        else:
+            self.handle.update({"text/html": html_copy, "text/plain": self._live_text()}, raw=True)
+            for line in snapshot_text(ending, ()).split("\n"):
+                self.mirror.add(line)
+            self.mirror.flush()
         _close_tree(self.box)
 
     def _pane(self, rank: int | None) -> LogPane:
@@ -324,9 +334,17 @@ class WidgetView:
             f"<span class='nbddp-gone'><b>the kernel restarted: this run was stopped</b> after {seconds}s"
             f"{' · its logs are in ' + html.escape(shown_path(self.run_dir)) if self.run_dir else ''}</span>")
 
-    def _live_bundle(self, nproc: int) -> dict[str, Any]:
+    def _live_text(self) -> str:
+        """The view's text, for what doesn't render its widgets: why there is no live view here (ipywidgets
+        is installed in this kernel, or there would be no widget view at all)."""
+        why = ("this front end does not render widgets: every rank's lines follow as text" if self.mirror is not None
+               else "the live view is a widget, which this front end did not render: it needs ipywidgets where "
+                    "Jupyter runs too")
         where = f"; its logs are in {shown_path(self.run_dir)}" if self.run_dir else ""
-        return {"text/plain": f"[nbddp] training on {nproc} processes (live view: needs ipywidgets){where}",
+        return f"[nbddp] training on {self.nproc} processes ({why}){where}"
+
+    def _live_bundle(self) -> dict[str, Any]:
+        return {"text/plain": self._live_text(),
                 WIDGET_MIME: {"model_id": self.box.model_id, "version_major": 2, "version_minor": 0}}
 
 
