@@ -247,6 +247,26 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
 
 
 @pytest.mark.slow
+def test_nbddp_run_trains_an_unmarked_accelerate_notebook_with_the_cells_nbddp_chose(tmp_path, cli_run, reference):
+    """No cell marked: the cell calling notebook_launcher trains, cells 1-2 (imports, data, model, loop) are its
+    setup, said in one line; the look at the model and the evaluation run only in the kernel."""
+    engine = "accelerate"
+    write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].unmarked_cells())
+    run = cli_run(["run", "nb.ipynb", "--cpu", "--nproc", "2"], tmp_path)
+    assert run.wait() == 0, run.output
+    assert not run.leftovers()
+    assert ("nbddp: no cell is marked: cell 4 (notebook_launcher) is the training cell, cells 1, 2 its setup; "
+            "cells 3, 5 run only in the kernel\n") in run.output
+    assert ADAPTED[engine] in run.output and "on 2 processes, DistributedType.MULTI_CPU" in run.output
+    [run_dir] = sorted((tmp_path / "runs").iterdir())
+    assert_weights(run_dir, reference(engine), engine)  # the weights came back: the same as one process's
+    script = (run_dir / "train.py").read_text()
+    assert "# %% cell 4 [ddp-train]" in script and "a look at the model" not in script
+    assert "[cell 3] a look at the model: 5 parameters" in run.output  # the kernel ran it
+    assert kernel_weights(run.output) == pytest.approx(weights_sum(reference(engine)), abs=2e-3), run.output
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_lightnings_ranks_although_they_catch_sigterm(tmp_path, cli_run):
     """``nbddp run``'s Ctrl-C stops the launcher (SIGTERM, forwarded to the ranks); Lightning's ranks catch
     SIGTERM and would wait for their next step (10 s away here): they must go with torchrun all the same.
