@@ -5,6 +5,7 @@ import pytest
 
 from nbddp.errors import CellError, NotebookError
 from nbddp.notebook.cells import selection, training_cells
+from nbddp.notebook.freevars import check_defined
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
 from tests.conftest import code, md
@@ -98,6 +99,10 @@ def test_a_needed_cell_that_reads_what_only_a_kernel_has_is_refused_naming_it_an
     assert refused.value.exit_code == 2
     cells[1] = code("trainer = L.Trainer()\ndef show():\n    display(trainer)")  # a function nobody calls: fine
     assert chosen(notebook, cells)[1] == [1, 2]
+    cells[2] = code("trainer.fit(None)\ndisplay(trainer)")  # the training cell's own: refused as a marked one's is
+    with pytest.raises(CellError, match=r"cell 3, line 2: the training code uses 'display'.*No cell is marked, so "
+                                        r"nbddp chose them: a mark turns that off; mark the training cell"):
+        check_defined(generate(read_notebook(notebook(cells))))
 
 
 def test_a_name_only_a_cell_nbddp_cant_export_may_define_is_refused_naming_that_cell(notebook):
@@ -108,6 +113,15 @@ def test_a_name_only_a_cell_nbddp_cant_export_may_define_is_refused_naming_that_
         selection(read_notebook(notebook(cells)))
     cells[1] = code("%%bash\necho unrelated")  # can't be exported either, but says nothing of Helper
     assert chosen(notebook, cells)[1] == [1, 3]
+
+
+def test_a_parameters_cell_that_isnt_python_is_reported_only_when_the_notebook_trains(notebook):
+    cells = [code("lr = = 1", "parameters"), code("import torch")]
+    assert training_cells(read_notebook(notebook(cells))) == ()  # (papermill's engine then runs it as papermill does)
+    cells.append(code("import lightning as L\nL.Trainer().fit(m)"))
+    assert training_cells(read_notebook(notebook(cells))) == (3,)
+    with pytest.raises(CellError, match="cell 1, line 1: SyntaxError"):
+        selection(read_notebook(notebook(cells)))
 
 
 def test_a_needed_cell_with_ipython_syntax_is_exported_as_a_marked_one_is(notebook):

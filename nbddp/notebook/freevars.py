@@ -300,7 +300,10 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
         return
     where = script.source_map.where(reads[missing[0]]) or script.source_map.notebook
     others = f" (also: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+    chosen = getattr(script, "note", None)
     raise CellError(
         f"{where}: the training code uses {missing[0]!r}{others}, which no exported cell or parameter defines, so "
         "every rank would fail with a NameError. Define it in a '#| ddp' cell (or the parameters cell): cells "
-        "without a tag run only in the kernel, never in the ranks.")
+        "without a tag run only in the kernel, never in the ranks."
+        + (" (No cell is marked, so nbddp chose them: a mark turns that off; mark the training cell "
+           "'#| ddp-train' and its setup '#| ddp' too.)" if chosen else ""))

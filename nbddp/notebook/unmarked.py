@@ -68,9 +68,12 @@ def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
             chosen.include(cell, "it seeds a random generator")
     chosen.settle()
     setup = [c for c in before if c.number in chosen.numbers]
+    for cell in setup:
+        if isinstance(error := read[cell.number], CellError):
+            raise error  # a parameters cell, exported whatever the training needs (the others chosen were read)
     if chosen.problems:
         raise NotebookError(chosen.refusal(chosen.problems[0]))
-    cells = [read[c.number] for c in setup]  # (every chosen cell was read: it exported)
+    cells = [read[c.number] for c in setup]
     kernel_only = [c.number for c in notebook.code_cells if c.number not in chosen.numbers and c is not training]
     return Selection((*cells, trained), _note(training.number, launch, [c.number for c in setup], kernel_only))
 
@@ -79,12 +82,9 @@ def _read(notebook: Notebook) -> dict[int, ExportedCell | CellError]:
     """Every code cell exported as setup (its own role for a parameters cell), or why it can't be."""
     read: dict[int, ExportedCell | CellError] = {}
     for cell in notebook.code_cells:
-        role = _role(cell, notebook)
         try:
-            read[cell.number] = export_cell(cell, role or SETUP, notebook.path)
+            read[cell.number] = export_cell(cell, _role(cell, notebook) or SETUP, notebook.path)
         except CellError as error:
-            if role is not None:
-                raise  # a parameters cell is exported whatever the training needs
             read[cell.number] = error
     return read
 
@@ -158,7 +158,7 @@ class _Closure:
         """``name`` comes from no earlier cell nbddp can read: a kernel's own name, a cell it can't read, or
         nowhere (then the kernel would fail too, and the run's check names it: nothing to decide here)."""
         reading = self.names.get(reader)
-        if name in KERNEL_ONLY and reading is not None and name in reading.kernel_only:
+        if name in KERNEL_ONLY and reader in self.why and reading is not None and name in reading.kernel_only:
             self.problems.append(
                 f"cell {reader}, which it needs because {self.why[reader]}, also uses {name!r}, which only a "
                 "notebook kernel has (every rank would fail with a NameError). Move that line into a cell of its "
