@@ -63,7 +63,7 @@ def test_a_papermill_parameters_cell_alone_is_unmarked_and_stays_the_parameters_
     picked = selection(read_notebook(notebook(cells)))
     assert [(c.cell.number, c.role) for c in picked.cells] == [
         (1, "parameters"), (2, "ddp"), (3, "ddp"), (4, "ddp"), (5, "ddp-train")]
-    assert picked.note == "no cell is marked: cell 5 (notebook_launcher) is the training cell, cells 1, 2, 3, 4 its setup"
+    assert picked.note == "no cell is marked: cell 5 (notebook_launcher) is the training cell, cells 1-4 its setup"
     script = generate(read_notebook(notebook(cells)), ExportOptions(parameters={"epochs": 5}))
     assert script.text.index("epochs = 3") < script.text.index("epochs = 5") < script.text.index("def loop")
 

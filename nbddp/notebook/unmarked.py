@@ -207,4 +207,11 @@ def _note(training: int, launch: str, setup: list[int], kernel_only: list[int]) 
 
 
 def _numbers(numbers: Sequence[int]) -> str:
-    return ", ".join(str(n) for n in numbers)
+    """``2, 3, 5, 8-12``: three or more consecutive numbers as a range, so a long notebook's line stays short."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs)
