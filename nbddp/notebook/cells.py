@@ -1,7 +1,8 @@
 """Cell roles and the IPython syntax inside exported cells.
 
 A code cell's role comes from its tags or, equally, from a directive on its
-first line (``#| ddp``), for editors without a tag UI. IPython-only syntax is
+first line (``#| ddp``), for editors without a tag UI; in a notebook with no
+cell marked, from :mod:`nbddp.notebook.unmarked`'s choice. IPython-only syntax is
 found with IPython's own input transformers (the ones the kernel runs), so
 nbddp agrees with the kernel on what is a magic and what is Python; each use is
 then either dropped with a note (it has no meaning in a script), translated
