@@ -39,6 +39,14 @@ class FrameworkNotebook:
         train = self.train.format(batch=self.batch, fail=fail, slow=slow)
         return [code("#| ddp\n" + self.setup), code("#| ddp-train\n" + train), code(self.evaluate)]
 
+    def unmarked_cells(self, fail: str = "False", slow: str = "0") -> list:
+        """The same notebook with no cell marked, as the library's docs write it: 1 the imports, 2 the data
+        and model, 3 a look at the model (the training doesn't need it), 4 the training, 5 the evaluation."""
+        lines = self.setup.split("\n")
+        imports, rest = "\n".join(lines[:4]), "\n".join(lines[4:])  # IMPORTS and the library's own import
+        train = self.train.format(batch=self.batch, fail=fail, slow=slow)
+        return [code(imports), code(rest), code(LOOK), code(train), code(self.evaluate)]
+
     def reference(self, tmp_path: Path, world_size: int = 2) -> dict[str, torch.Tensor]:
         """The model's weights after the same training in one process with the global batch."""
         train = self.train.format(batch=self.batch * world_size, fail="False", slow="0")
@@ -63,6 +71,8 @@ def one_process(source: str, tmp_path: Path) -> dict[str, torch.Tensor]:
 
 
 IMPORTS = "import time\nimport torch\nfrom torch import nn\n"
+#: A cell of an unmarked notebook that only looks: it runs in the kernel, never in the ranks.
+LOOK = "print('a look at the model:', sum(p.numel() for p in model.parameters()), 'parameters')"
 
 ACCELERATE = FrameworkNotebook(
     engine="accelerate",

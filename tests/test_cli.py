@@ -68,6 +68,26 @@ def test_no_training_cell_exits_2(notebook, capsys):
     assert "no training cell" in capsys.readouterr().err
 
 
+def test_export_of_an_unmarked_notebook_says_which_cells_nbddp_chose(notebook, capsys):
+    from tests.framework_notebooks import NOTEBOOKS
+
+    path = notebook(NOTEBOOKS["lightning"].unmarked_cells())
+    assert main(["export", str(path), "-o", "-"]) == 0
+    captured = capsys.readouterr()
+    line = ("no cell is marked: cell 4 (trainer.fit) is the training cell, cells 1, 2 its setup; "
+            "cells 3, 5 run only in the kernel")
+    assert captured.err.startswith(f"nbddp: {line}\n")
+    header = captured.out.split("\n\n")[0]
+    assert "(cells 1, 2, 4); engine: lightning." in header
+    assert f"# No cell is marked: cell 4 (trainer.fit) is the training cell, cells 1, 2 its setup; cells 3, 5 run " \
+           "only in the kernel (nbddp's choice: mark cells '#| ddp-train' / '#| ddp' to choose otherwise)." in header
+
+
+def test_an_unmarked_notebook_that_launches_no_librarys_training_exits_2_saying_what_to_mark(notebook, capsys):
+    assert main(["export", str(notebook([code("import torch"), code("loss.backward()")])), "-o", "-"]) == 2
+    assert "no training cell. Mark the cell that trains: start it with '#| ddp-train'" in capsys.readouterr().err
+
+
 def _modules_after(statement: str) -> set[str]:
     probe = f"import sys\n{statement}\nprint('\\n'.join(sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)

@@ -23,7 +23,7 @@ import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
 from nbddp.devices import Devices
-from nbddp.engines import detect_engine, processes_asked, shard_refusal
+from nbddp.engines import detect_engine, processes_asked, shard_refusal, training_launch
 from nbddp.errors import DeviceError, NbddpError, UsageError
 from nbddp.launchers import devices_for
 from nbddp.notebook.cells import select_cells
@@ -79,6 +79,19 @@ def test_detection_needs_the_import_and_the_call_and_engine_overrides_it(tmp_pat
                      "#| ddp-train\nmodel = nbddp.prepare(AutoModel())\nmodel.train()") == "torch"
     script = exported(tmp_path, NOTEBOOKS["lightning"].cells(), engine="torch")
     assert script.engine == "torch" and "framework=" not in script.text
+
+
+def test_the_cell_that_launches_a_librarys_training_is_found_without_marks():
+    assert training_launch(["from accelerate import notebook_launcher\ndef main():\n    notebook_launcher(f)",
+                            "notebook_launcher(f, num_processes=2)"]) == (1, "notebook_launcher")  # not a def body
+    assert training_launch(["import lightning as L\nfrom sklearn.linear_model import Ridge\nRidge().fit(X, y)",
+                            "model.fit(X, y)", "trainer = L.Trainer(devices=2)", None,  # (a cell that isn't Python)
+                            "trainer.fit(model, loader)"]) == (4, "trainer.fit")
+    assert training_launch(["import pytorch_lightning as pl", "pl.Trainer().fit(m)"]) == (1, "Trainer(...).fit")
+    assert training_launch(["from transformers import Seq2SeqTrainer\nmodel.train()",
+                            "t = Seq2SeqTrainer(model=model)\nt.train()"]) == (1, "t.train")
+    assert training_launch(["import torch\nmodel.train()", "trainer = Trainer()\ntrainer.fit(m)"]) is None  # no library
+    assert training_launch(["from accelerate import Accelerator\nacc = Accelerator()"]) is None  # a loop, not a launch
 
 
 def test_lightning_packages_are_the_ones_the_notebook_imports(tmp_path):
@@ -231,6 +244,26 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert records and {"epoch", "epochs", "step"} <= records[-1].keys()
         assert any(k in records[0] for k in ("train_loss", "loss"))
+
+
+@pytest.mark.slow
+def test_nbddp_run_trains_an_unmarked_accelerate_notebook_with_the_cells_nbddp_chose(tmp_path, cli_run, reference):
+    """No cell marked: the cell calling notebook_launcher trains, cells 1-2 (imports, data, model, loop) are its
+    setup, said in one line; the look at the model and the evaluation run only in the kernel."""
+    engine = "accelerate"
+    write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].unmarked_cells())
+    run = cli_run(["run", "nb.ipynb", "--cpu", "--nproc", "2"], tmp_path)
+    assert run.wait() == 0, run.output
+    assert not run.leftovers()
+    assert ("nbddp: no cell is marked: cell 4 (notebook_launcher) is the training cell, cells 1, 2 its setup; "
+            "cells 3, 5 run only in the kernel\n") in run.output
+    assert ADAPTED[engine] in run.output and "on 2 processes, DistributedType.MULTI_CPU" in run.output
+    [run_dir] = sorted((tmp_path / "runs").iterdir())
+    assert_weights(run_dir, reference(engine), engine)  # the weights came back: the same as one process's
+    script = (run_dir / "train.py").read_text()
+    assert "# %% cell 4 [ddp-train]" in script and "a look at the model" not in script
+    assert "[cell 3] a look at the model: 5 parameters" in run.output  # the kernel ran it
+    assert kernel_weights(run.output) == pytest.approx(weights_sum(reference(engine)), abs=2e-3), run.output
 
 
 @pytest.mark.slow

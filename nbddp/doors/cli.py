@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nbddp",
         description="Distributed PyTorch training (DDP) from Jupyter notebooks.",
         epilog="Tag cells 'parameters', 'ddp' (setup, runs in every rank) and 'ddp-train' "
-        "(the training), or start them with '#| ddp' / '#| ddp-train'.",
+        "(the training), or start them with '#| ddp' / '#| ddp-train'. With no cell marked, the cell that "
+        "calls notebook_launcher(...), trainer.fit(...) or trainer.train() trains, and the cells it needs are its setup.",
     )
     parser.add_argument("--version", action="version", version=f"nbddp {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -97,6 +98,8 @@ def _export(args: argparse.Namespace) -> int:
     options = wanted.export_options(engine=plan.engine, keep_markdown=args.keep_markdown, script_name=script_name,
                                     launch_hint=plan.hint, script_dir=Path.cwd() if target is None else target.parent)
     script = generate(notebook, options)
+    if script.note:
+        print(f"nbddp: {script.note}", file=sys.stderr)  # (also in the script's header)
     if to_stdout:
         sys.stdout.write(script.text)
         return 0

@@ -36,9 +36,9 @@ from nbddp.job.orchestrator import KernelResult, Train
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.status import Status
 from nbddp.launchers.process_groups import owned_temp_dir
-from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, cell_role
+from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
 from nbddp.notebook.literals import assignments
-from nbddp.notebook.reader import Cell, Notebook
+from nbddp.notebook.reader import Notebook
 
 SOCKETS_PREFIX = "nbddp-kernel-"
 PUMP_SECONDS = 0.05
@@ -68,18 +68,9 @@ def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]):  # noqa: AN
     return nb, numbers
 
 
-def is_training_cell(cell) -> bool:  # noqa: ANN001 - an nbformat cell
-    """A ``ddp-train`` cell (tag, directive or ``%%ddp_train``): received from the job, never run in the kernel.
-
-    (Its directives were checked when the script was generated.)"""
-    if cell.get("cell_type") != "code":
-        return False
-    tags = tuple(cell.get("metadata", {}).get("tags", ()) or ())
-    return cell_role(Cell(0, "code", cell.get("source", ""), tags)) == TRAIN
-
-
 class TrainingCells:
-    """Mixin for nbclient's ``NotebookClient``: a training cell is received from the DDP job, not run.
+    """Mixin for nbclient's ``NotebookClient``: a training cell (marked, or chosen where no cell is: the
+    script's :attr:`~nbddp.notebook.script.Script.training`) is received from the DDP job, not run.
 
     ``nbddp_kernel`` (set before executing) does the receiving; every other cell runs as usual.
     """
@@ -88,7 +79,7 @@ class TrainingCells:
 
     def execute_cell(self, cell, cell_index: int, execution_count: int | None = None,  # noqa: ANN001, ANN201
                      store_history: bool = True):
-        if is_training_cell(cell):
+        if self.nbddp_kernel.trains(cell_index):
             return self.nbddp_kernel.receive(self, cell, cell_index)
         return super().execute_cell(cell, cell_index, execution_count, store_history)
 
@@ -104,12 +95,13 @@ class NotebookKernel:
     """The notebook's cells in a kernel beside the job (:class:`nbddp.job.orchestrator.Kernel`)."""
 
     def __init__(self, nb, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,  # noqa: ANN001
-                 collector: NotebookOutputSink, sinks: Sequence[Sink], returns: Sequence[str],
+                 collector: NotebookOutputSink, sinks: Sequence[Sink], returns: Sequence[str], training: Sequence[int],
                  save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None) -> None:
         """``nb``/``numbers``: from :func:`kernel_notebook`; ``collector``: the training cell's output
-        (also one of ``sinks``); ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's
-        text output (the terminal)."""
+        (also one of ``sinks``); ``training``: the numbers of the cells the job trains (the script's);
+        ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's text output (the terminal)."""
         self.nb, self.numbers, self.notebook, self.cwd = nb, list(numbers), notebook, cwd
+        self.training = frozenset(training)
         self.collector, self.sinks, self.returns = collector, list(sinks), tuple(returns)
         self.save, self.echo = save, echo
         self.job: Job | None = None
@@ -147,7 +139,7 @@ class NotebookKernel:
                         continue
                     client.timeout = _seconds_left(deadline)
                     client.execute_cell(cell, index)
-                    if not is_training_cell(cell):
+                    if not self.trains(index):
                         self._echo(index, self.nb.cells[index].outputs)
                     self._save()
         except CellTimeoutError:
@@ -186,7 +178,7 @@ class NotebookKernel:
     def failed_cell(self, index: int, ename: str, evalue: str, traceback: str = "") -> KernelResult:
         """A kernel cell (not the job) failed: the run failed there. ``traceback``: the kernel's, which
         names the line (``Cell In[N], line L``)."""
-        if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and is_training_cell(self.nb.cells[index]):
+        if self.outcome is not None and self.outcome.status != Status.SUCCEEDED and self.trains(index):
             return KernelResult.failed(self.outcome.message, self.outcome.status)  # the job's own failure
         number = self.numbers[index]
         line = cell_line(traceback, self.nb.cells[index].get("execution_count"))
@@ -196,6 +188,10 @@ class NotebookKernel:
                                    run_dir=str(self.job.run_dir) if self.job is not None else None)
 
     # ------------------------------------------------------------ the training cell
+
+    def trains(self, index: int) -> bool:
+        """Whether the kernel's cell ``index`` is a training cell: received from the job, never run here."""
+        return self.numbers[index] in self.training
 
     def receive(self, client, cell, index: int):  # noqa: ANN001, ANN201
         """In place of the training cell: wait for the job, then load its weights or raise its error."""

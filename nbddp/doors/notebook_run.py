@@ -122,7 +122,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
             started(job)
 
     kernel = NotebookKernel(executed, numbers, notebook, request.cwd, collector, [collector, *sinks],
-                            request.launch.returns, save=save,
+                            request.launch.returns, request.script.training, save=save,
                             echo=terminal.line if terminal is not None else None)  # above the epoch bar
     result = orchestrator.run(request, kernel, [collector, *sinks], _prefixed(say), on_start=on_start)
     out = where.get("output", Path(output or RunDir(result.run_dir).output))

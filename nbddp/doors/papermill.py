@@ -3,13 +3,15 @@
 Registered through papermill's ``papermill.engine`` entry point, so anything that drives papermill
 (Airflow's PapermillOperator, Dagster, Ploomber) gets DDP with no change. The engine behaves as
 papermill's own engine does, with one difference: the ``ddp-train`` cells run as a DDP job
-(:func:`nbddp.job.orchestrator.run`), every other cell in papermill's own client. So papermill's
+(:func:`nbddp.job.orchestrator.run`), every other cell in papermill's own client; in a notebook with no
+cell marked, the cell that launches Accelerate's, Lightning's or the Hugging Face Trainer's training is
+that cell, with the cells it needs as its setup (:mod:`nbddp.notebook.unmarked`). So papermill's
 options mean what they mean (``-k``, ``--cwd``, ``--execution-timeout`` per cell, ``--log-output``,
 ``--stdout-file``/``--stderr-file``, ``--request-save-on-cell-execute``, ``--report-mode``), its
 bookkeeping marks the cells, and a failed, timed-out or interrupted (``nbddp kill``) run is a
 ``PapermillExecutionError`` at the training cell, the kernel having raised
 :class:`~nbddp.errors.RunFailed` (``RunTimeout``, ``RunInterrupted``) there. A notebook without a
-``ddp-train`` cell runs exactly as papermill runs it. Ctrl-C stops every rank and propagates, as
+training cell runs exactly as papermill runs it. Ctrl-C stops every rank and propagates, as
 it does with papermill's engine.
 
 A ``-p`` name that the notebook's ``parameters`` cell doesn't define is injected with a warning, as
@@ -50,12 +52,12 @@ from papermill.engines import Engine, NBClientEngine
 from papermill.exceptions import PapermillException
 
 from nbddp.display.terminal import NotebookOutputSink
-from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells, is_training_cell
+from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells
 from nbddp.errors import CellSyntaxError, NbddpError, UsageError
 from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
 from nbddp.job.status import Status
-from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, cell_role, directive
+from nbddp.notebook.cells import INJECTED, PARAMETERS, directive, training_cells
 from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
@@ -145,15 +147,15 @@ class NbddpEngine(Engine):
         """Check everything first (a refusal writes nothing), then let papermill run the notebook."""
         notebook = from_nbformat(nb, _notebook_name(kwargs.get("input_path")))
         try:
-            trains = any(cell_role(cell, notebook.path) == TRAIN for cell in notebook.code_cells)
+            training = training_cells(notebook)
         except NbddpError as exc:  # a directive nbddp doesn't know (#| ddp-trian)
             raise NbddpEngineError(str(exc)) from None
-        if not trains:
+        if not training:
             return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)  # nothing to train: papermill's own
         try:
             plan = _plan(nb, kwargs.get("input_path"))
         except CellSyntaxError as exc:
-            if exc.cell is None or exc.cell > _first_training_cell(nb):
+            if exc.cell is None or exc.cell > training[0]:
                 raise NbddpEngineError(str(exc)) from None
             # The kernel stops at that cell as it would with papermill's engine, before any training:
             # papermill runs it, and reports the SyntaxError where it is.
@@ -169,7 +171,7 @@ class NbddpEngine(Engine):
         timeout = execution_timeout or kwargs.pop("timeout", None)
         kwargs.pop("startup_timeout", None)
         collector = NotebookOutputSink()
-        kernel = PapermillKernel(nb_man, plan.notebook, collector, plan.launch.returns, timeout,
+        kernel = PapermillKernel(nb_man, plan.notebook, collector, plan.launch.returns, plan.script.training, timeout,
                                  dict(kwargs, kernel_name=kernel_name, startup_timeout=start_timeout,
                                       log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file))
 
@@ -202,9 +204,9 @@ class PapermillKernel(NotebookKernel):
     """The notebook's cells in papermill's client, beside the job."""
 
     def __init__(self, nb_man, notebook: Notebook, collector: NotebookOutputSink, returns: tuple[str, ...],  # noqa: ANN001
-                 timeout: float | None, client_options: dict[str, Any]) -> None:
+                 training: tuple[int, ...], timeout: float | None, client_options: dict[str, Any]) -> None:
         numbers = list(range(1, len(nb_man.nb.cells) + 1))  # papermill's notebook: its cells, as they are
-        super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], returns)
+        super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], returns, training)
         self.nb_man, self.timeout, self.client_options = nb_man, timeout, client_options
         self.timeout_error: BaseException | None = None
 
@@ -288,11 +290,6 @@ def _warn_unknown(notebook: Notebook, injected: dict[str, Any]) -> None:
 def _notebook_name(input_path: Any) -> Path:
     """How messages name papermill's input notebook (its file name; the run dir is named after it)."""
     return Path(Path(str(input_path or "notebook.ipynb")).name)
-
-
-def _first_training_cell(nb) -> int:  # noqa: ANN001
-    """The number (from 1, as cells are counted) of the notebook's first training cell."""
-    return next(number for number, cell in enumerate(nb.cells, start=1) if is_training_cell(cell))
 
 
 def _without_help_hint(message: str) -> str:

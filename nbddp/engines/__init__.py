@@ -90,6 +90,55 @@ def detect_engine(cells: Sequence[ExportedCell]) -> str:
     return "torch"
 
 
+#: Accelerate's calls that start a notebook's training (nbddp's ranks run their function in place).
+ACCELERATE_LAUNCHERS = ("notebook_launcher", "debug_launcher")
+
+
+def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
+    """Which of a notebook's cells launches a library's training, with no cell marked: the first whose
+    running code (not a ``def`` body) calls Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``),
+    a Lightning ``Trainer``'s ``.fit(...)``, or a Hugging Face ``...Trainer``'s ``.train()``, the library
+    imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer`` was assigned a Trainer
+    (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)`` don't.
+
+    ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns the index of that
+    cell in ``codes`` and the call as the user wrote it (``trainer.fit``, ``notebook_launcher``), or ``None``.
+    """
+    imported = set().union(*(_imported_packages(c) for c in codes if c is not None))
+    lightning = bool(imported & set(FRAMEWORKS["lightning"]))
+    trainers: dict[str, str] = {}  # variable → the Trainer class it holds
+    for index, code in enumerate(codes):
+        tree = _parse(code) if code is not None else None
+        calls = [node for node in _running_nodes(tree) if isinstance(node, ast.Call)] if tree else []
+        for node in _running_nodes(tree) if tree else ():
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                trainers.update({t.id: _name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
+        for call in calls:
+            name = _name_of(call.func)
+            if "accelerate" in imported and name in ACCELERATE_LAUNCHERS:
+                return index, name
+            if not isinstance(call.func, ast.Attribute) or name not in ("fit", "train"):
+                continue
+            receiver = call.func.value
+            made_by = (trainers.get(receiver.id, "") if isinstance(receiver, ast.Name)
+                       else _name_of(receiver.func) + "(...)" if isinstance(receiver, ast.Call) else "")
+            shown = f"{receiver.id if isinstance(receiver, ast.Name) else made_by}.{name}"
+            if name == "fit" and lightning and made_by.removesuffix("(...)") == "Trainer":
+                return index, shown
+            if name == "train" and "transformers" in imported and made_by.removesuffix("(...)").endswith("Trainer"):
+                return index, shown
+    return None
+
+
+def _running_nodes(tree: ast.AST):  # noqa: ANN202 - yields ast nodes
+    """The nodes of ``tree`` that run with it, in source order: not inside a ``def`` or ``lambda`` body."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        yield node
+        yield from _running_nodes(node)
+
+
 def framework_packages(cells: Sequence[ExportedCell], engine: str) -> tuple[str, ...]:
     """Which of ``engine``'s packages the cells import (``lightning`` and/or ``pytorch_lightning``):
     the ranks adapt only those, so a rank never imports a package the notebook doesn't use."""

@@ -222,6 +222,8 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     """
     launch = request.launch
     started = time.monotonic()
+    if request.script.note:
+        say(request.script.note)  # no cell is marked: which cells nbddp chose
     devices = devices_for(launch, asked=request.script.processes)
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)

@@ -1,7 +1,8 @@
 """Cell roles and the IPython syntax inside exported cells.
 
 A code cell's role comes from its tags or, equally, from a directive on its
-first line (``#| ddp``), for editors without a tag UI. IPython-only syntax is
+first line (``#| ddp``), for editors without a tag UI; in a notebook with no
+cell marked, from :mod:`nbddp.notebook.unmarked`'s choice. IPython-only syntax is
 found with IPython's own input transformers (the ones the kernel runs), so
 nbddp agrees with the kernel on what is a magic and what is Python; each use is
 then either dropped with a note (it has no meaning in a script), translated
@@ -14,6 +15,7 @@ import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from nbddp.errors import CellError, CellSyntaxError, NotebookError
 from nbddp.notebook.reader import Cell, Notebook
@@ -87,25 +89,69 @@ def directive(source: str) -> str | None:
     return match.group(1) if match else None
 
 
-def select_cells(notebook: Notebook) -> list[ExportedCell]:
-    """The cells to export, in notebook order, with their IPython syntax translated.
+@dataclass(frozen=True)
+class Selection:
+    """The cells a notebook's script is made of, and how they were chosen."""
+
+    cells: tuple[ExportedCell, ...]
+    """In notebook order."""
+    note: str | None = None
+    """Set when no cell is marked and nbddp chose them (:mod:`nbddp.notebook.unmarked`): the one line
+    saying which, for a run's start (``nbddp: no cell is marked: cell 7 (trainer.fit) is …``) and the
+    script's header."""
+
+
+def select_cells(notebook: Notebook, returns: Sequence[str] = ()) -> list[ExportedCell]:
+    """The cells to export, in notebook order, with their IPython syntax translated (:func:`selection`)."""
+    return list(selection(notebook, returns).cells)
+
+
+def selection(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
+    """The cells to export: the marked ones (tags, ``#|`` directives, ``%%ddp_train``) or, where no cell is
+    marked but a parameters cell, those nbddp chooses (the cell that launches Accelerate's, Lightning's or
+    the Hugging Face Trainer's training, and the earlier cells it needs: :mod:`nbddp.notebook.unmarked`).
+    ``returns``: the variables the run hands back, which the chosen cells must define.
 
     Raises:
-        NotebookError: no training cell.
+        NotebookError: no training cell (saying what to mark), or no safe choice of an unmarked one's setup.
         CellError: a syntax error, or IPython syntax that can't be exported.
     """
-    exported = []
-    for cell in notebook.code_cells:
-        role = cell_role(cell, notebook.path)
-        if role is not None:
-            exported.append(export_cell(cell, role, notebook.path))
+    roles = [(cell, cell_role(cell, notebook.path)) for cell in notebook.code_cells]
+    if not any(role in (SETUP, TRAIN) for _, role in roles):
+        from nbddp.notebook.unmarked import choose  # (it asks the engines, which import this module)
+
+        return choose(notebook, returns)
+    exported = [export_cell(cell, role, notebook.path) for cell, role in roles if role is not None]
     if not any(e.role == TRAIN for e in exported):
-        raise NotebookError(
-            f"{notebook.path}: no training cell. Tag the cell that trains with 'ddp-train' "
-            "(or start it with '#| ddp-train', or make it a '%%ddp_train' cell), and tag the "
-            "cells it needs (imports, data, model) with 'ddp' (or '#| ddp')."
-        )
-    return exported
+        raise NotebookError(no_training_cell(notebook))
+    return Selection(tuple(exported))
+
+
+def training_cells(notebook: Notebook) -> tuple[int, ...]:
+    """The numbers of the cells that train, marked or (no cell marked) chosen; ``()`` for none. Cheaper
+    than :func:`selection`: the setup isn't chosen (papermill's engine asks it of every notebook)."""
+    roles = [(cell, cell_role(cell, notebook.path)) for cell in notebook.code_cells]
+    if any(role in (SETUP, TRAIN) for _, role in roles):
+        return tuple(cell.number for cell, role in roles if role == TRAIN)
+    from nbddp.notebook.unmarked import launching_cell
+
+    found = launching_cell(notebook)
+    return () if found is None else (found[0].number,)
+
+
+def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
+    """What to mark, when nothing trains: the cell that trains, and the cells it needs. ``unmarked``: no cell
+    is marked, so also what nbddp would have recognised, and a cell that looks like a training loop."""
+    text = (f"{notebook.path}: no training cell. Mark the cell that trains: start it with '#| ddp-train' "
+            "(or tag it 'ddp-train', or make it a '%%ddp_train' cell), and mark the cells it needs (imports, data, "
+            "model) with '#| ddp' (or tag them 'ddp'); cells without a mark run only in the kernel.")
+    if not unmarked:
+        return text
+    loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
+    hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
+    return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
+            "unmarked: Accelerate's notebook_launcher(...), a Lightning Trainer's .fit(...), a Hugging Face "
+            "Trainer's .train().)")
 
 
 def export_cell(cell: Cell, role: str, notebook_path: Path | str) -> ExportedCell:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import symtable
+from dataclasses import dataclass
 
 _ALWAYS_DEFINED = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__",
                    "__package__", "__annotations__"}
@@ -20,6 +21,15 @@ def free_names(code: str, filename: str = "<script>") -> list[str]:
 
     Returns ``[]`` when the code star-imports (its names can't be known statically).
     """
+    bound, used, star_import = _global_names(code, filename)
+    if star_import:
+        return []
+    return [n for n in used if n not in bound and not _always_there(n)]
+
+
+def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
+    """The names ``code`` binds at module level, the global names it reads (in order seen, also
+    inside functions and classes), and whether it star-imports."""
     top = symtable.symtable(code, filename, "exec")
     bound: set[str] = set()
     used: list[str] = []
@@ -45,9 +55,11 @@ def free_names(code: str, filename: str = "<script>") -> list[str]:
             visit(child, False)
 
     visit(top, True)
-    if star_import or _star_imports(code):
-        return []
-    return [n for n in used if n not in bound and n not in _ALWAYS_DEFINED and not hasattr(builtins, n)]
+    return bound, used, star_import or _star_imports(code)
+
+
+def _always_there(name: str) -> bool:
+    return name in _ALWAYS_DEFINED or hasattr(builtins, name)
 
 
 def _star_imports(code: str) -> bool:
@@ -86,6 +98,190 @@ def executed_reads(code: str) -> dict[str, int]:
     return reads
 
 
+#: Names a notebook kernel provides that a script doesn't have.
+KERNEL_ONLY = ("display", "get_ipython", "In", "Out")
+#: Calls that seed a random generator (``torch.manual_seed``, ``np.random.seed``, ``L.seed_everything``,
+#: ``transformers.set_seed``): what a cell draws afterwards depends on them.
+_SEEDING = frozenset({"manual_seed", "manual_seed_all", "seed", "set_seed", "seed_everything"})
+#: Methods a cell calls on an object to look at it (``df.head()``, ``model.parameters()``), not to change it.
+_LOOKING = frozenset(
+    "head tail describe info sample summary show plot hist boxplot imshow numel size dim item tolist numpy "
+    "keys values items count index get parameters named_parameters modules named_modules children "
+    "state_dict value_counts nunique unique isna isnull corr mean sum std min max var median "
+    "num_parameters print_trainable_parameters to_string to_dict".split())
+#: Functions that change their argument in place without a trailing ``_`` (torch's convention).
+_CHANGING_FUNCTIONS = frozenset({"shuffle", "setattr", "delattr"})
+
+
+@dataclass(frozen=True)
+class CellNames:
+    """What one cell means to the cells around it: what nbddp needs to choose an unmarked notebook's
+    setup (:mod:`nbddp.notebook.unmarked`). Static, so it errs on the side of "needed"."""
+
+    defines: frozenset[str]
+    """Names the cell binds at module level, in any branch."""
+    surely_defines: frozenset[str]
+    """Those bound by a statement that always runs (not under ``if``/``for``/``while``/``try``)."""
+    needs: tuple[str, ...]
+    """Names it reads that an earlier cell must define: read and never bound here, or read before
+    (or on the line where) the cell binds them (``model = model.to(device)``)."""
+    changes: frozenset[str]
+    """Names whose objects its running code may change in place: ``model.apply(init)``,
+    ``cfg["lr"] = 0.1``, ``nn.init.zeros_(model.bias)``."""
+    seeds: bool
+    """It seeds a random generator, which changes what later cells draw."""
+    imports: frozenset[str]
+    """Names it binds by ``import`` (modules: calling ``torch.tensor(…)`` changes nothing)."""
+    star_import: bool
+    """``from m import *``: it may define any name."""
+    kernel_only: tuple[str, ...]
+    """Names only a notebook kernel has (``display``) that its running code reads."""
+
+
+def cell_names(code: str) -> CellNames:
+    """The names ``code`` (one cell's Python) defines, needs from earlier cells, and changes."""
+    import ast
+
+    tree = ast.parse(code)
+    bound, used, star_import = _global_names(code, "<cell>")
+    first_bind = _first_binds(tree)
+    first_read: dict[str, int] = {}  # at module level: a function body reads when called, after the cell binds
+    for node in _module_scope(tree):
+        read = (node.id if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+                else node.target.id if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name)
+                else None)  # (`x += 1` reads x first)
+        if read is not None:
+            first_read[read] = min(first_read.get(read, node.lineno), node.lineno)
+            used.extend([read] if read not in used else [])
+    needs = tuple(name for name in used if not _always_there(name) and (
+        name not in bound or first_read.get(name, float("inf")) <= first_bind.get(name, float("inf"))))
+    changes, seeds = _changes(tree)
+    reads = executed_reads(code)
+    imports = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+    return CellNames(frozenset(bound), frozenset(_sure_binds(tree.body)), needs, frozenset(changes), seeds,
+                     frozenset(imports), star_import, tuple(n for n in KERNEL_ONLY if n in reads and n not in bound))
+
+
+def _module_scope(tree):  # noqa: ANN001, ANN202 - an ast.Module; yields ast nodes
+    """The nodes of ``tree`` in its module scope: not inside a function, class, lambda or comprehension
+    (whose names are their own), though the ``def``/``class`` statements themselves are."""
+    import ast
+
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+              ast.DictComp, ast.GeneratorExp)
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, scopes):
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def _first_binds(tree) -> dict[str, int]:  # noqa: ANN001 - an ast.Module
+    """Each name's first binding at module level."""
+    import ast
+
+    first: dict[str, int] = {}
+    for node in _module_scope(tree):
+        names: list[str] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names = [node.id]
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            names = [node.name]
+        for name in names:
+            first[name] = min(first.get(name, node.lineno), node.lineno)
+    return first
+
+
+def _sure_binds(body) -> set[str]:  # noqa: ANN001 - a list of ast statements
+    """Names bound by statements that always run: assignments, imports, ``def``/``class``, ``with``."""
+    import ast
+
+    names: set[str] = set()
+    for statement in body:
+        if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if isinstance(statement, ast.AnnAssign) and statement.value is None:
+                continue
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                          and not _inside_attribute_or_subscript(target, n)}
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(statement.name)
+        elif isinstance(statement, (ast.With, ast.AsyncWith)):
+            for item in statement.items:
+                if isinstance(item.optional_vars, ast.Name):
+                    names.add(item.optional_vars.id)
+            names |= _sure_binds(statement.body)
+    return names
+
+
+def _inside_attribute_or_subscript(target, name) -> bool:  # noqa: ANN001
+    """``a[i] = …`` stores into ``a``'s object: ``i`` (a Load) aside, no name is bound."""
+    import ast
+
+    return any(isinstance(node, (ast.Attribute, ast.Subscript)) and name in ast.walk(node) for node in ast.walk(target))
+
+
+def _changes(tree) -> tuple[set[str], bool]:  # noqa: ANN001 - an ast.Module
+    """Names whose objects the cell's running code may change in place, and whether it seeds a generator.
+
+    A method called for its effect alone (``model.apply(init)``, ``data.append(x)``, not ``df.head()``), one
+    named the in-place way (``x.clamp_(0, 1)``, ``nn.init.zeros_(model.bias)``) or given ``inplace=True``,
+    and a store into an attribute or item (``model.fc = …``, ``cfg["lr"] = …``) change their object;
+    ``X[0].reshape(8, 8)`` (a value used) does not."""
+    import ast
+
+    changed: set[str] = set()
+    seeds = False
+
+    def visit(node: ast.AST) -> None:
+        nonlocal seeds
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return  # runs only when called
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for part in ast.walk(target):
+                if isinstance(part, (ast.Attribute, ast.Subscript)) and (root := _root_name(part)):
+                    changed.add(root)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            if isinstance(func, ast.Attribute) and func.attr not in _LOOKING and (root := _root_name(func.value)):
+                changed.add(root)
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            seeds = seeds or name in _SEEDING
+            in_place = (name.endswith("_") and not name.startswith("_")) or any(
+                k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True for k in node.keywords)
+            if in_place and isinstance(func, ast.Attribute) and (root := _root_name(func.value)):
+                changed.add(root)
+            if in_place or name in _CHANGING_FUNCTIONS:
+                changed.update(root for arg in node.args[:1] if (root := _root_name(arg)))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return changed, seeds
+
+
+def _root_name(node) -> str | None:  # noqa: ANN001
+    """``model`` for ``model``, ``model.fc.weight`` and ``data["x"][0]``; ``None`` through a call (``f(x).y``)."""
+    import ast
+
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
 def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Script (no import cycle)
     """Refuse a script whose running code reads a name no exported cell, parameter or import defines.
 
@@ -104,7 +300,10 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
         return
     where = script.source_map.where(reads[missing[0]]) or script.source_map.notebook
     others = f" (also: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+    chosen = getattr(script, "note", None)
     raise CellError(
         f"{where}: the training code uses {missing[0]!r}{others}, which no exported cell or parameter defines, so "
         "every rank would fail with a NameError. Define it in a '#| ddp' cell (or the parameters cell): cells "
-        "without a tag run only in the kernel, never in the ranks.")
+        "without a tag run only in the kernel, never in the ranks."
+        + (" (No cell is marked, so nbddp chose them: a mark turns that off; mark the training cell "
+           "'#| ddp-train' and its setup '#| ddp' too.)" if chosen else ""))

@@ -1,0 +1,217 @@
+"""The training cell and its setup of a notebook with no cell marked, chosen as a careful reader would.
+
+A notebook written for Accelerate, Lightning or the Hugging Face Trainer says where its training starts:
+the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)`` or ``trainer.train()``
+(:func:`nbddp.engines.training_launch`). With no cell marked (a papermill ``parameters`` cell aside),
+that cell is the training cell, and the earlier cells it depends on are its setup, found from the names
+each cell reads and binds (:func:`nbddp.notebook.freevars.cell_names`), transitively:
+
+- a name a chosen cell reads comes from the last cell before it that binds it, and from earlier ones
+  too where that one binds it only under an ``if``/``for``/``try`` (either may be the value);
+- a cell in between that changes that object in place (``model.apply(init)``, ``cfg["lr"] = 0.1``) is
+  chosen too, as is every cell before the training that seeds a random generator;
+- the parameters cells are always setup (as in a marked notebook).
+
+Every other cell (plots, exploration) runs only in the kernel. Where a choice can't be made safely
+(a needed cell reads ``display`` or ``get_ipython``, which only a kernel has; a needed name comes only
+from a cell nbddp can't read), nbddp refuses, naming the cell and what to mark. What was chosen is said
+in one line (:attr:`nbddp.notebook.cells.Selection.note`): at a run's start, and in the script's header.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from nbddp.engines import training_launch
+from nbddp.errors import CellError, CellSyntaxError, NotebookError
+from nbddp.notebook.cells import (INJECTED, PARAMETERS, SETUP, TRAIN, ExportedCell, Selection, cell_role,
+                                  export_cell, no_training_cell)
+from nbddp.notebook.freevars import KERNEL_ONLY, CellNames, cell_names
+from nbddp.notebook.reader import Cell, Notebook
+
+
+def launching_cell(notebook: Notebook) -> tuple[Cell, str] | None:
+    """The first unmarked code cell that launches a library's training, and the call (``trainer.fit``)."""
+    return _launching(notebook, _read(notebook))
+
+
+def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
+    """The cells of an unmarked notebook's script: its launching cell as training, what it needs as setup.
+
+    ``returns``: the variables the run hands back (``--return``), which the script must define too.
+
+    Raises:
+        NotebookError: nothing launches a library's training (what to mark), or the setup can't be chosen
+            safely (which cell, and what to mark).
+        CellError: the training cell can't be exported; with nothing found to train, the first cell that isn't
+            valid Python (the kernel stops there too).
+    """
+    read = _read(notebook)
+    found = _launching(notebook, read)
+    if found is None:
+        invalid = next((e for e in read.values() if isinstance(e, CellSyntaxError)), None)
+        if invalid is not None:
+            raise invalid
+        raise NotebookError(no_training_cell(notebook, unmarked=True))
+    training, launch = found
+    trained = export_cell(training, TRAIN, notebook.path)
+    trained_names = cell_names(trained.code)
+    before = [cell for cell in notebook.code_cells if cell.number < training.number]
+    chosen = _Closure(notebook, before, read, training, launch)
+    for cell in before:
+        if _role(cell, notebook) in (PARAMETERS, INJECTED):
+            chosen.include(cell, "it is a parameters cell")
+    chosen.need(training.number, [*trained_names.needs, *(r for r in returns if r not in trained_names.defines)])
+    for cell in before:  # a seed changes what every later cell draws, the training's setup included
+        if (names := chosen.names[cell.number]) is not None and names.seeds:
+            chosen.include(cell, "it seeds a random generator")
+    chosen.settle()
+    setup = [c for c in before if c.number in chosen.numbers]
+    for cell in setup:
+        if isinstance(error := read[cell.number], CellError):
+            raise error  # a parameters cell, exported whatever the training needs (the others chosen were read)
+    if chosen.problems:
+        raise NotebookError(chosen.refusal(chosen.problems[0]))
+    cells = [read[c.number] for c in setup]
+    kernel_only = [c.number for c in notebook.code_cells if c.number not in chosen.numbers and c is not training]
+    return Selection((*cells, trained), _note(training.number, launch, [c.number for c in setup], kernel_only))
+
+
+def _read(notebook: Notebook) -> dict[int, ExportedCell | CellError]:
+    """Every code cell exported as setup (its own role for a parameters cell), or why it can't be."""
+    read: dict[int, ExportedCell | CellError] = {}
+    for cell in notebook.code_cells:
+        try:
+            read[cell.number] = export_cell(cell, _role(cell, notebook) or SETUP, notebook.path)
+        except CellError as error:
+            read[cell.number] = error
+    return read
+
+
+def _launching(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> tuple[Cell, str] | None:
+    candidates = [cell for cell in notebook.code_cells if _role(cell, notebook) is None]
+    codes = [e.code if isinstance(e := read[cell.number], ExportedCell) else None for cell in candidates]
+    found = training_launch(codes)
+    return None if found is None else (candidates[found[0]], found[1])
+
+
+class _Closure:
+    """The setup cells chosen so far, and the names still to resolve."""
+
+    def __init__(self, notebook: Notebook, before: list[Cell], read: dict[int, ExportedCell | CellError],
+                 training: Cell, launch: str) -> None:
+        self.notebook, self.before, self.training, self.launch = notebook, before, training, launch
+        self.read = read
+        self.names = {cell.number: _names(read[cell.number]) for cell in before}
+        self.numbers: set[int] = set()
+        self.why: dict[int, str] = {}
+        """Why each cell was chosen (for a refusal that names it)."""
+        self.pending: list[tuple[int, str]] = []
+        self.resolved: set[tuple[int, str]] = set()
+        self.problems: list[str] = []
+        """Why the choice isn't safe, once every name is resolved (so a refusal lists the whole setup)."""
+
+    def include(self, cell: Cell, why: str) -> None:
+        if cell.number in self.numbers:
+            return
+        self.numbers.add(cell.number)
+        self.why[cell.number] = why
+        names = self.names[cell.number]
+        if names is not None:
+            self.need(cell.number, names.needs)
+
+    def need(self, reader: int, names: Sequence[str]) -> None:
+        self.pending.extend((reader, name) for name in names)
+
+    def settle(self) -> None:
+        while self.pending:
+            reader, name = self.pending.pop()
+            if (reader, name) not in self.resolved:
+                self.resolved.add((reader, name))
+                self._resolve(reader, name)
+
+    def _resolve(self, reader: int, name: str) -> None:
+        """Choose the cells before ``reader`` that ``name``'s value there comes from (or changes in)."""
+        earlier = [c for c in reversed(self.before) if c.number < reader]
+        changers = []
+        for cell in earlier:
+            names = self.names[cell.number]
+            if names is None:
+                continue
+            why = f"it defines {name!r}, which cell {reader} needs"
+            if names.star_import and name not in names.defines:
+                self.include(cell, f"its star import may define {name!r}, which cell {reader} needs")
+                continue
+            if name in names.defines:
+                self.include(cell, why)
+                if name not in names.imports:  # a module's calls change no state of the notebook's
+                    for changer in changers:
+                        self.include(changer, f"it changes {name!r}, which cell {reader} needs")
+                if name in names.surely_defines:
+                    return
+            elif name in names.changes:
+                changers.append(cell)
+        self._unresolved(reader, name)
+
+    def _unresolved(self, reader: int, name: str) -> None:
+        """``name`` comes from no earlier cell nbddp can read: a kernel's own name, a cell it can't read, or
+        nowhere (then the kernel would fail too, and the run's check names it: nothing to decide here)."""
+        reading = self.names.get(reader)
+        if name in KERNEL_ONLY and reader in self.why and reading is not None and name in reading.kernel_only:
+            self.problems.append(
+                f"cell {reader}, which it needs because {self.why[reader]}, also uses {name!r}, which only a "
+                "notebook kernel has (every rank would fail with a NameError). Move that line into a cell of its "
+                "own, or mark the cells yourself")
+            return
+        unreadable = [c for c in self.before if c.number < reader and self.names[c.number] is None
+                      and (re.search(rf"\b{re.escape(name)}\b", c.source) or re.search(r"%run\b", c.source))]
+        if unreadable:
+            cell = unreadable[-1]
+            error = str(self.read[cell.number])
+            line = error.rsplit("\n", 1)[-1].strip()
+            why = error.split("\n")[0].split(": ", 2)[-1].split(". ")[0].rstrip(".")
+            self.problems.append(
+                f"cell {reader} needs {name!r}, which no earlier cell that nbddp can export defines; cell "
+                f"{cell.number} may, but can't be exported ({line!r}: {why}). Rewrite that code in Python, or mark "
+                "the cells yourself")
+
+    def refusal(self, what: str) -> str:
+        setup = sorted(self.numbers)
+        cells = f"cell {setup[0]}" if len(setup) == 1 else f"cells {_numbers(setup)}" if setup else "the cells it needs"
+        return (f"{self.notebook.path}: no cell is marked, and nbddp can't choose the setup of cell "
+                f"{self.training.number} ({self.launch}), the training cell: {what}: start cell "
+                f"{self.training.number} with '#| ddp-train' and {cells} (and any other cell the training "
+                "needs) with '#| ddp', or tag them 'ddp-train' / 'ddp'; cells without a mark run only in the kernel.")
+
+
+def _names(exported: ExportedCell | CellError) -> CellNames | None:
+    return cell_names(exported.code) if isinstance(exported, ExportedCell) else None
+
+
+def _role(cell: Cell, notebook: Notebook) -> str | None:
+    return cell_role(cell, notebook.path)
+
+
+def _note(training: int, launch: str, setup: list[int], kernel_only: list[int]) -> str:
+    """``no cell is marked: cell 7 (trainer.fit) is the training cell, cells 2, 3, 5 its setup; …``"""
+    if not setup:
+        setup_text = "with no setup"
+    else:
+        setup_text = (f"cell {setup[0]}" if len(setup) == 1 else f"cells {_numbers(setup)}") + " its setup"
+    rest = ""
+    if kernel_only:
+        rest = (f"; cell {kernel_only[0]} runs" if len(kernel_only) == 1 else f"; cells {_numbers(kernel_only)} run") \
+            + " only in the kernel"
+    return f"no cell is marked: cell {training} ({launch}) is the training cell, {setup_text}{rest}"
+
+
+def _numbers(numbers: Sequence[int]) -> str:
+    """``2, 3, 5, 8-12``: three or more consecutive numbers as a range, so a long notebook's line stays short."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs)
