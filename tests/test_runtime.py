@@ -133,6 +133,10 @@ def test_a_gpu_ranks_group_is_bound_to_its_own_gpu_and_a_cpu_ranks_takes_no_devi
     assert nccl == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
     inspect.signature(dist.init_process_group).bind(**nccl, store=None, rank=0, world_size=1)  # a parameter of it
     assert torch_engine.group_backend(False, 3) == {"backend": "gloo"}
+    for version in ("2.4.1", "2.5.0+cu124", "2.7.1+cu128", "2.11.0+cu130", "2.13.0+cpu"):
+        assert torch_engine.group_backend(True, 1, version)["device_id"] == torch.device("cuda", 1), version
+    for version in ("2.6.0", "2.6.0+cu124", "2.7.0+cu126"):  # NCCL hangs in a bound group there (pytorch#153960)
+        assert torch_engine.group_backend(True, 1, version) == {"backend": "nccl"}, version
     torch_engine.join_group(dist.FileStore(str(tmp_path / "store"), 1), 0, 1)
     try:
         assert dist.get_backend() == "gloo" and dist.get_world_size() == 1

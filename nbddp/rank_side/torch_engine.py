@@ -124,14 +124,28 @@ def join_group(store: Any, rank_: int | None = None, size: int | None = None) ->
     )
 
 
-def group_backend(cuda: bool, gpu: int) -> dict[str, Any]:
+def group_backend(cuda: bool, gpu: int, version: str = torch.__version__) -> dict[str, Any]:
     """``init_process_group``'s backend, and on GPUs the rank's own device: NCCL bound to ``cuda:gpu``
-    (``device_id``, accepted as a ``torch.device`` since torch 2.3) forms its communicator at once on that
-    GPU, and its collectives, barriers included, never guess the device (torch warns "barrier(): using the
-    device under current context" on every GPU run otherwise). gloo (CPU ranks) takes no device."""
-    if cuda:
-        return {"backend": "nccl", "device_id": torch.device("cuda", gpu)}
-    return {"backend": "gloo"}
+    (``device_id``, a ``torch.device`` since torch 2.2) forms its communicator at once on that GPU, and
+    its collectives, barriers included, never guess the device (torch warns "barrier(): using the device
+    under current context" on every GPU run otherwise). gloo (CPU ranks) takes no device.
+
+    Not bound under torch 2.6 and 2.7.0 (``version``), whose NCCL hangs at random in collectives of a
+    bound group (pytorch#153960, worked around in 2.7.1): there the ranks keep the warning.
+    """
+    if not cuda:
+        return {"backend": "gloo"}
+    if _binding_hangs(version):
+        return {"backend": "nccl"}
+    return {"backend": "nccl", "device_id": torch.device("cuda", gpu)}
+
+
+def _binding_hangs(version: str) -> bool:
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    major, minor, patch = (int(n) for n in found.groups()) if found else (0, 0, 0)
+    return (major, minor) == (2, 6) or (major, minor, patch) == (2, 7, 0)
 
 
 def _attempt_store():
