@@ -27,7 +27,7 @@ class Devices:
     """One line for the user when the choice was made for them (no GPU visible)."""
 
     def describe(self) -> str:
-        return f"{self.nproc} GPU{'s' * (self.nproc != 1)}" if self.kind == "cuda" else f"{self.nproc} CPU processes (gloo)"
+        return _gpus(self.nproc) if self.kind == "cuda" else f"{self.nproc} CPU processes (gloo)"
 
 
 def visible_gpu_count(physical: int | None = None) -> int:
@@ -86,6 +86,59 @@ def asked_per_node(gpus_per_node: int | None, cpu: bool, nproc: int | None) -> D
     if cpu or nproc is not None:
         return Devices("cpu", nproc or CPU_PROCESSES)
     return None
+
+
+def notebook_devices(asked: int, cpu: bool = False, visible: int | None = None) -> Devices:
+    """The devices of a run whose notebook gives its library a process count as a literal
+    (``notebook_launcher(num_processes=2)``, ``Trainer(devices=2)``) when no launch option counts them.
+
+    The literal is what the notebook's author ran with; the notebook must run as shipped on a CPU-only
+    machine, on one GPU and on several. On the CPU (``--cpu``, or no GPU visible) it is the number of
+    CPU processes; with GPUs, one process per GPU: as many as it asks, or every visible GPU where fewer
+    are visible, said in the note (an explicit ``--gpus N``/``--nproc N`` beyond them stays an error,
+    :func:`resolve`). Each rank then hands the library the run's count, never the literal
+    (:mod:`nbddp.rank_side.frameworks`), so it neither fails nor starts processes of its own.
+    """
+    visible = 0 if cpu else visible_gpu_count() if visible is None else visible
+    if visible == 0:
+        return Devices("cpu", asked, note=f"{asked} CPU processes (gloo), as the notebook asks "
+                                          "(--gpus / --nproc choose otherwise).")
+    if asked <= visible:
+        return Devices("cuda", asked, note=f"{_gpus(asked)}, as the notebook asks (--gpus / --nproc choose otherwise).")
+    return Devices("cuda", visible, note=(
+        f"the notebook asks for {asked} processes and {_gpus(visible)} {'is' if visible == 1 else 'are'} visible: "
+        f"training on {_gpus(visible)}, one process each (--cpu runs {asked} CPU processes instead)."))
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU{'s' * (count != 1)}"
+
+
+def rank_gpu(local_rank: int, visible: int, per_node: int | None = None,
+             how: str = "torchrun --nproc_per_node {n}") -> int:
+    """The GPU a rank drives, as ``cuda:<index>``: its ``LOCAL_RANK``, one GPU per rank.
+
+    Every launcher numbers a machine's ranks 0 to N-1 (torchrun, Catalyst's spawn, the Ray plan), and a
+    batch run's ``CUDA_VISIBLE_DEVICES`` shows its slot's GPUs as 0 to K-1, so ranks never share a GPU.
+    ``visible``: the GPUs torch sees in the rank; ``per_node``: the processes started on this machine
+    (``LOCAL_WORLD_SIZE``); ``how``: the command that starts ``{n}`` processes, for the message.
+
+    Raises:
+        DeviceError: this rank has no GPU of its own: more processes were started than there are GPUs
+            (an exported script run by hand with ``torchrun --nproc_per_node 2`` on one GPU). Said in
+            one line, instead of CUDA's "invalid device ordinal" from deep in the first CUDA call.
+    """
+    if 0 <= local_rank < visible:
+        return local_rank
+    started = max(per_node or 0, local_rank + 1)
+    narrowed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    sees = f"torch sees {_gpus(visible) if visible else 'no GPU'} here" + (
+        f" (CUDA_VISIBLE_DEVICES={narrowed})" if narrowed is not None else "")
+    cpu = f"nbddp run --cpu --nproc {started}"
+    instead = (f"Start {visible}, one per GPU: {how.format(n=visible)}, or nbddp run --gpus {visible} "
+               f"(or {started} CPU processes: {cpu})." if visible else f"Train on the CPU instead: {cpu}.")
+    raise DeviceError(f"local rank {local_rank} has no GPU: {started} processes were started on this machine, one "
+                      f"per GPU, and {sees}. {instead}")
 
 
 def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None = None,

@@ -3,7 +3,7 @@ machine, so GPU counts are passed in (``visible=``) — the one place tests stan
 
 import pytest
 
-from nbddp.devices import Devices, resolve, visible_gpu_count
+from nbddp.devices import Devices, rank_gpu, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, UsageError
 
 
@@ -66,3 +66,117 @@ def test_cuda_visible_devices_narrows_a_simulated_count(monkeypatch, value, coun
     else:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
     assert visible_gpu_count(physical=4) == count
+
+
+# ---------------------------------------------------------------- a notebook's own process count
+# (Script.processes: `notebook_launcher(num_processes=N)`, `Trainer(devices=N)`.) GPU counts are passed in
+# (``visible=``): this machine has none; 1, 2, 4 and 8 stand for the machines the notebooks must run on.
+
+
+@pytest.mark.parametrize("visible", [0, 1, 2, 4, 8])
+@pytest.mark.parametrize("asked", [1, 2, 4, 8])
+def test_a_notebooks_process_count_runs_as_shipped_on_any_machine(visible, asked):
+    """On the CPU the literal is the CPU process count; on GPUs one process per GPU, at most every visible one."""
+    from nbddp.launchers import devices_for
+    from nbddp.options import LaunchOptions
+
+    devices = devices_for(LaunchOptions(), visible=visible, asked=asked)
+    if visible == 0:
+        assert (devices.kind, devices.nproc) == ("cpu", asked)
+        assert devices.note == f"{asked} CPU processes (gloo), as the notebook asks (--gpus / --nproc choose otherwise)."
+    elif asked <= visible:
+        assert (devices.kind, devices.nproc) == ("cuda", asked) and "as the notebook asks" in devices.note
+    else:
+        assert (devices.kind, devices.nproc) == ("cuda", visible)
+        verb = "is" if visible == 1 else "are"
+        gpus = f"{visible} GPU{'s' * (visible != 1)}"
+        assert devices.note == (f"the notebook asks for {asked} processes and {gpus} {verb} visible: training on "
+                                f"{gpus}, one process each (--cpu runs {asked} CPU processes instead).")
+    on_cpu = devices_for(LaunchOptions(cpu=True), visible=visible, asked=asked)
+    assert (on_cpu.kind, on_cpu.nproc) == ("cpu", asked)
+
+
+@pytest.mark.parametrize("visible", [1, 2, 4])
+def test_an_explicit_count_beyond_the_visible_gpus_stays_an_error_exit_3(visible):
+    from nbddp.launchers import devices_for
+    from nbddp.options import LaunchOptions
+
+    for launch, said in ((LaunchOptions(gpus=str(visible * 2)), f"--gpus {visible * 2}"),
+                         (LaunchOptions(nproc=visible * 2), f"--nproc {visible * 2}")):
+        with pytest.raises(DeviceError, match=f"{said} asks for more GPUs than the {visible} visible") as info:
+            devices_for(launch, visible=visible, asked=2)
+        assert info.value.exit_code == 3
+    assert devices_for(LaunchOptions(gpus="1"), visible=visible, asked=8) == Devices("cuda", 1)
+    assert devices_for(LaunchOptions(nproc=3), visible=0, asked=8) == Devices("cpu", 3, devices_for(
+        LaunchOptions(nproc=3), visible=0).note)
+
+
+# ---------------------------------------------------------------- each rank's own GPU
+# Several GPUs, and several GPU nodes, cannot exist here: the GPU count a rank's torch would report
+# (torch.cuda.device_count()) is passed in. What torchrun, Ray and a batch give each rank is real code.
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 4, 8])
+@pytest.mark.parametrize("nnodes", [1, 2, 3])
+def test_every_rank_of_every_node_drives_a_gpu_of_its_own(per_node, nnodes):
+    from nbddp.launchers import devices_for
+    from nbddp.launchers.torchrun import torchrun_options
+    from nbddp.options import LaunchOptions
+
+    devices = devices_for(LaunchOptions(), visible=per_node)  # what each node runs: all its GPUs
+    assert devices == Devices("cuda", per_node)
+    options = torchrun_options(devices.nproc, nnodes=nnodes, node_rank=0, endpoint="node0:29500")
+    assert f"--nproc-per-node={per_node}" in options
+    # torchrun numbers each node's processes LOCAL_RANK 0..nproc-1, RANK node * nproc + LOCAL_RANK:
+    plan = {(node, local): (node * per_node + local, rank_gpu(local, per_node, per_node))
+            for node in range(nnodes) for local in range(per_node)}
+    assert sorted(rank for rank, _ in plan.values()) == list(range(nnodes * per_node))
+    for node in range(nnodes):
+        assert sorted(plan[node, local][1] for local in range(per_node)) == list(range(per_node))  # none shared
+
+
+def test_a_batch_runs_ranks_drive_their_slots_gpus(monkeypatch):
+    """A batch gives each run its slot's GPUs as CUDA_VISIBLE_DEVICES; a rank's ``cuda:LOCAL_RANK`` is then
+    the slot's LOCAL_RANK-th GPU, so no two runs and no two ranks share one (8 GPUs simulated)."""
+    from nbddp.doors.batch import schedule
+    from nbddp.doors.batch.schedule import BatchOptions, device_slots
+
+    monkeypatch.setattr(schedule, "visible_gpu_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for per_run in (1, 2, 4, 8):
+        slots, nproc, kind = device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=per_run), print)
+        assert (nproc, kind, len(slots)) == (per_run, "cuda", 8 // per_run)
+        physical = [slot[rank_gpu(local, len(slot), nproc)] for slot in slots for local in range(nproc)]
+        assert sorted(physical, key=int) == [str(i) for i in range(8)]  # every GPU once
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(slots[-1]))  # what the last slot's run sees
+        assert visible_gpu_count(physical=8) == per_run
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.mark.parametrize("local_rank, visible, per_node, said", [
+    (1, 1, 2, "local rank 1 has no GPU: 2 processes were started on this machine, one per GPU, and torch sees "
+              "1 GPU here. Start 1, one per GPU: torchrun --nproc_per_node 1, or nbddp run --gpus 1 "
+              "(or 2 CPU processes: nbddp run --cpu --nproc 2)."),
+    (5, 4, 8, "8 processes were started on this machine, one per GPU, and torch sees 4 GPUs here. Start 4, one "
+              "per GPU: torchrun --nproc_per_node 4, or nbddp run --gpus 4"),
+    (2, 2, None, "local rank 2 has no GPU: 3 processes were started"),
+    (0, 0, 2, "torch sees no GPU here. Train on the CPU instead: nbddp run --cpu --nproc 2."),
+])
+def test_a_rank_without_a_gpu_of_its_own_is_refused_in_one_line_exit_3(monkeypatch, local_rank, visible, per_node,
+                                                                       said):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(DeviceError) as info:
+        rank_gpu(local_rank, visible, per_node)
+    assert said in str(info.value) and "\n" not in str(info.value) and info.value.exit_code == 3
+
+
+def test_the_refusal_names_the_narrowing_and_the_launchers_own_command(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(DeviceError, match=r"torch sees 1 GPU here \(CUDA_VISIBLE_DEVICES=3\)\. Start 1, one per "
+                                          r"GPU: NBDDP_NPROC=1 python train.py, or nbddp run --gpus 1"):
+        rank_gpu(1, 1, 2, how="NBDDP_NPROC={n} python train.py")  # (Catalyst's spawn: its own count)
+
+
+@pytest.mark.parametrize("local_rank, visible", [(0, 1), (1, 2), (7, 8), (3, 8)])
+def test_a_rank_with_a_gpu_drives_its_local_rank(local_rank, visible):
+    assert rank_gpu(local_rank, visible, visible) == local_rank

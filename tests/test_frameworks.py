@@ -100,15 +100,19 @@ def test_lightning_packages_are_the_ones_the_notebook_imports(tmp_path):
     assert "packages=('pytorch_lightning',)" in script.text and script.processes == 3
 
 
-def test_the_notebooks_process_count_is_the_runs_unless_a_launch_option_says_otherwise():
+def test_the_notebooks_process_count_is_the_runs_unless_a_launch_option_or_fewer_gpus_say_otherwise():
     asked = devices_for(LaunchOptions(), visible=0, asked=3)
     assert asked == Devices("cpu", 3, asked.note) and "as the notebook asks" in asked.note
     assert devices_for(LaunchOptions(nproc=2), visible=0, asked=3).nproc == 2
     on_cpu = devices_for(LaunchOptions(cpu=True), visible=4, asked=3)
     assert (on_cpu.kind, on_cpu.nproc) == ("cpu", 3)
-    assert devices_for(LaunchOptions(), visible=4, asked=2).kind == "cuda"
-    with pytest.raises(DeviceError, match="the notebook asks for 8 processes: .* Choose with --gpus N or --cpu"):
-        devices_for(LaunchOptions(), visible=4, asked=8)
+    assert devices_for(LaunchOptions(), visible=4, asked=2) == Devices("cuda", 2, "2 GPUs, as the notebook asks "
+                                                                       "(--gpus / --nproc choose otherwise).")
+    fewer = devices_for(LaunchOptions(), visible=1, asked=2)  # (GPU counts simulated: see tests/test_devices.py)
+    assert fewer == Devices("cuda", 1, "the notebook asks for 2 processes and 1 GPU is visible: training on 1 GPU, "
+                                       "one process each (--cpu runs 2 CPU processes instead).")
+    with pytest.raises(DeviceError, match="--gpus 2 asks for more GPUs than the 1 visible"):
+        devices_for(LaunchOptions(gpus="2"), visible=1, asked=2)
     assert processes_asked([], "transformers") is None
 
 
@@ -162,6 +166,28 @@ def test_a_lightning_trainer_gets_this_runs_devices_and_says_so(monkeypatch, cap
             "node, cpu), started by torchrun") in capsys.readouterr().out
     with pytest.raises(NbddpError, match=r"Trainer\(strategy='fsdp'\) trains on GPUs only .* use strategy='ddp' here"):
         _lightning_kwargs({"strategy": "fsdp"})
+
+
+def test_on_fewer_gpus_than_the_notebook_asks_each_library_gets_the_runs_count(monkeypatch, capsys):
+    """One GPU, a notebook written for 2: the run has 1 rank (see the test above), and in it Accelerate's
+    ``notebook_launcher(num_processes=2)`` runs the function once and Lightning's ``devices=2`` becomes 1,
+    so neither waits for a second process nor starts one. (Run here in a CPU process: the device is the
+    one thing a GPU would change, ``accelerator``.)"""
+    pytest.importorskip("accelerate")
+    from nbddp.rank_side import frameworks
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    frameworks.notebook_launcher(calls.append, args=("trained",), num_processes=2)
+    assert calls == ["trained"]
+    out = capsys.readouterr().out
+    assert "notebook_launcher(num_processes=2): running on 1 process(es) per node, as the run chose" in out
+    assert "runs in each of the 1 ranks torchrun started" in out
+    kwargs = {"strategy": "ddp_notebook", "devices": 2, "accelerator": "cpu"}
+    frameworks._lightning_kwargs(kwargs)
+    assert (kwargs["devices"], kwargs["num_nodes"], kwargs["strategy"]) == (1, 1, "ddp")
+    assert "Trainer(strategy='ddp_notebook', devices=2) runs as strategy='ddp' on 1 process(es)" in capsys.readouterr().out
 
 
 def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides(monkeypatch):

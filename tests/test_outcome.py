@@ -65,6 +65,10 @@ ROWS = [
     ("unpicklable for Catalyst's spawn is bad input", {"launcher_exit": 1, "checkpoint_exists": False,
                                                        "launcher_tail": "nbddp.rank_side.catalyst_engine.UnpicklableError: x"},
      Status.FAILED, 2, None, "UnpicklableError: x"),
+    ("a rank without a GPU of its own exits 3, as for devices", {
+        "launcher_exit": 1, "rank_exit_codes": {1: 3, 0: -15}, "checkpoint_exists": False,
+        "errors": (error(1, "DeviceError", "local rank 1 has no GPU: 2 processes were started on this machine"),)},
+     Status.FAILED, 3, 1, "rank 1 raised DeviceError: local rank 1 has no GPU"),
     ("an error means failure even with weights", {"errors": (error(),)}, Status.FAILED, 1, 1, "rank 1 raised ValueError"),
     ("Slurm ended the job itself", {"launcher_exit": 1, "rank_exit_codes": {0: -15, 1: -15}, "checkpoint_exists": False,
                                     "scheduler_end": "Slurm stopped job 7 at its time limit (00:01:00)"},

@@ -119,3 +119,49 @@ def test_a_rank_about_to_exit_skips_the_final_collection_but_a_warm_rank_never_d
     env = {k: v for k, v in os.environ.items() if k != "NBDDP_WARM"} | ({"NBDDP_WARM": warm} if warm else {})
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env, check=True)
     assert out.stdout.strip() == frozen, out.stderr
+
+
+def test_a_gpu_ranks_group_is_bound_to_its_own_gpu_and_a_cpu_ranks_takes_no_device(tmp_path):
+    """NCCL gets ``device_id=cuda:LOCAL_RANK`` (no "barrier(): using the device under current context" warning,
+    the communicator formed on that GPU); gloo none. NCCL can't run here: its arguments are checked against
+    this torch's ``init_process_group``, and the gloo ones by joining a real group."""
+    import inspect
+
+    from nbddp.rank_side import torch_engine
+
+    nccl = torch_engine.group_backend(True, 3)
+    assert nccl == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
+    inspect.signature(dist.init_process_group).bind(**nccl, store=None, rank=0, world_size=1)  # a parameter of it
+    assert torch_engine.group_backend(False, 3) == {"backend": "gloo"}
+    for version in ("2.4.1", "2.5.0+cu124", "2.7.1+cu128", "2.11.0+cu130", "2.13.0+cpu"):
+        assert torch_engine.group_backend(True, 1, version)["device_id"] == torch.device("cuda", 1), version
+    for version in ("2.6.0", "2.6.0+cu124", "2.7.0+cu126"):  # NCCL hangs in a bound group there (pytorch#153960)
+        assert torch_engine.group_backend(True, 1, version) == {"backend": "nccl"}, version
+    torch_engine.join_group(dist.FileStore(str(tmp_path / "store"), 1), 0, 1)
+    try:
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_started_beyond_the_gpus_ends_in_one_line_exit_3_recorded(tmp_path):
+    """torchrun --nproc_per_node 2 on one GPU: local rank 1 says so before its first CUDA call (which would die
+    with "invalid device ordinal"), and its error is recorded as any rank's. The GPU count is the one fake
+    (this machine has no GPU); the rank's check, its message, the record and the exit are real."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import torch\ntorch.cuda.device_count = lambda: 1  # one GPU (a fake: none here)\n"
+             "from nbddp.rank_side import torch_engine\ntorch_engine.own_gpu()\nprint('not reached')")
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               NBDDP_RUN_DIR=str(tmp_path))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 3 and done.stdout == "", (done.stdout, done.stderr)
+    assert done.stderr == ("nbddp: error: local rank 1 has no GPU: 2 processes were started on this machine, one per "
+                           "GPU, and torch sees 1 GPU here. Start 1, one per GPU: torchrun --nproc_per_node 1, or "
+                           "nbddp run --gpus 1 (or 2 CPU processes: nbddp run --cpu --nproc 2).\n")
+    report = json.loads((tmp_path / "errors" / "rank-1.json").read_text())
+    assert report["type"] == "DeviceError" and report["message"] in done.stderr and report["rank"] == 1

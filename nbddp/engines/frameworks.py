@@ -12,9 +12,8 @@ in the rank, the fork strategy becomes the matching torchrun one, and the librar
 
 from __future__ import annotations
 
-from nbddp.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
-from nbddp.launchers.torchrun import by_hand, torchrun_options
+from nbddp.launchers.torchrun import default_hint
 
 #: What each library's adaptation does, for the script's header: the code the user would otherwise write.
 ADAPTATIONS = {
@@ -47,6 +46,6 @@ def code(engine: str, packages: tuple[str, ...], returns: tuple[str, ...], scrip
         ),
         train_prologue=(),
         train_epilogue=(f"_nbddp.finish(globals(), returns={list(returns)!r})  # rank 0 saves the returned state",),
-        launch_hint=by_hand(torchrun_options(CPU_PROCESSES), script_name),
+        launch_hint=default_hint(script_name),
         notes=ADAPTATIONS[engine],
     )

@@ -8,9 +8,8 @@ plain ``python train.py``.
 
 from __future__ import annotations
 
-from nbddp.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
-from nbddp.launchers.torchrun import by_hand, torchrun_options
+from nbddp.launchers.torchrun import default_hint
 
 
 #: What ``--shard`` makes of ``nbddp.prepare(model)``, shown in the script's header as the code it runs.
@@ -34,6 +33,6 @@ def code(returns: tuple[str, ...], script_name: str, shard: bool = False) -> Eng
         imports=("import nbddp.rank_side.torch_engine as _nbddp", start),
         train_prologue=(),
         train_epilogue=(f"_nbddp.finish(globals(), returns={list(returns)!r})  # rank 0 saves the returned state",),
-        launch_hint=by_hand(torchrun_options(CPU_PROCESSES), script_name),
+        launch_hint=default_hint(script_name),
         notes=SHARDED_PREPARE if shard else (),
     )

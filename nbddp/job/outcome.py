@@ -151,9 +151,14 @@ def judge(e: Evidence) -> JobOutcome:
         codes = {r: 0 for r in range(e.first_rank, e.first_rank + e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)
     message = failure_message(e, codes)
-    # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2.
+    # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2; a rank
+    # without a GPU of its own (nbddp.devices.rank_gpu): exit 3, as for devices refused before the start.
+    from nbddp.errors import DeviceError
+
     bad_input = not errors and "UnpicklableError:" in message
-    return outcome(Status.FAILED, message, 2 if bad_input else 1, rank=errors[0].rank if errors else None)
+    no_device = bool(errors) and errors[0].type == DeviceError.__name__
+    return outcome(Status.FAILED, message, 2 if bad_input else DeviceError.exit_code if no_device else 1,
+                   rank=errors[0].rank if errors else None)
 
 
 def _gist(message: str) -> str:

@@ -24,16 +24,14 @@ use this to watch every front door's runs go through the seam.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from importlib import import_module
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from nbddp.devices import Devices, resolve
+from nbddp.devices import Devices, notebook_devices, resolve
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.errors import DeviceError
 from nbddp.job.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -150,8 +148,8 @@ class Launcher:
 def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
     """The devices of one node of the run: this machine's, or what a Slurm job or Ray run asks for per node.
 
-    ``asked``: the process count the notebook asks its library for (``Script.processes``), taken as
-    ``--nproc`` when no launch option counts the devices.
+    ``asked``: the process count the notebook asks its library for (``Script.processes``), the run's
+    when no launch option counts the devices (:func:`nbddp.devices.notebook_devices`).
 
     Raises:
         UsageError, DeviceError: before anything starts.
@@ -166,12 +164,7 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
         return ray_devices(launch.ray, launch.cpu, launch.nproc)
     if asked is None or launch.nproc is not None or launch.gpus is not None:
         return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
-    try:
-        devices = resolve(None, launch.cpu, asked, visible)
-    except DeviceError as exc:
-        raise DeviceError(f"the notebook asks for {asked} processes: {exc} Choose with --gpus N or --cpu.") from None
-    kind = "GPUs" if devices.kind == "cuda" else "CPU processes (gloo)"
-    return dataclasses.replace(devices, note=f"{asked} {kind}, as the notebook asks (--gpus / --nproc choose otherwise).")
+    return notebook_devices(asked, launch.cpu, visible)
 
 
 def launcher_name(spec: "JobSpec") -> str:

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Sequence
 
-from nbddp.devices import Devices
+from nbddp.devices import CPU_PROCESSES, Devices
 from nbddp.launchers import Launcher
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.job.rundir import RunDir
@@ -65,6 +65,14 @@ def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int 
 def by_hand(options: Sequence[str], script: str, python: str = "python") -> str:
     """What a person types to run ``script`` under torchrun with ``options`` (placeholders left as they are)."""
     return " ".join([python, *MODULE, *(_shell_word(o) for o in options), shlex.quote(script)])
+
+
+def default_hint(script: str) -> str:
+    """The header's command when the export named no devices: ``CPU_PROCESSES`` processes, which on a
+    GPU machine are one per GPU, so the header says how to start one per GPU there (a rank beyond the GPUs
+    is refused: :func:`nbddp.devices.rank_gpu`)."""
+    return (by_hand(torchrun_options(CPU_PROCESSES), script)
+            + f"   (with G GPUs: {torchrun_options('G')[-1]}, one process per GPU)")
 
 
 def _shell_word(option: str) -> str:

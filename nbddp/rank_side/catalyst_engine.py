@@ -21,6 +21,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Sequence
 
+import torch
 from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
@@ -90,8 +91,13 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
                         nprocs=self._num_local_workers, join=True)
 
     def setup(self, local_rank: int, world_size: int) -> None:
-        """Catalyst's setup; across nodes, joining waits at most ``--rdzv-timeout`` (then the collective
-        timeout applies) and the nodes check they run the same script."""
+        """Catalyst's setup, on GPUs with the rank's own GPU checked, made current and bound to the NCCL
+        group (as the torch engine's ranks); across nodes, joining waits at most ``--rdzv-timeout`` (then
+        the collective timeout applies) and the nodes check they run the same script."""
+        if self._process_group_kwargs.get("backend", "nccl") == "nccl":  # (Catalyst's default: GPUs)
+            gpu = self._own_gpu(local_rank)
+            torch.cuda.set_device(gpu)
+            self._process_group_kwargs = {**runtime.group_backend(True, gpu), **self._process_group_kwargs}
         env = RankEnv.from_environ()
         if not env.nnodes or env.nnodes < 2:
             return super().setup(local_rank, world_size)
@@ -104,6 +110,18 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         nproc = self._num_local_workers
         rank_process.exchange_roster(env.node_rank or 0, env.nnodes, self._workers_global_rank + local_rank,
                                      range(self._workers_global_rank, self._workers_global_rank + nproc))
+
+    def _own_gpu(self, local_rank: int) -> int:
+        """``local_rank``'s GPU; a rank spawned beyond the GPUs (``NBDDP_NPROC`` set by hand) ends in one line."""
+        from nbddp.devices import rank_gpu
+        from nbddp.errors import DeviceError
+        from nbddp.job.rundir import SCRIPT_NAME
+
+        how = f"{RankEnv.shell(nproc='{n}')} python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}"
+        try:
+            return rank_gpu(local_rank, torch.cuda.device_count(), self._num_local_workers, how=how)
+        except DeviceError as exc:
+            rank_process.refuse(self._workers_global_rank + local_rank, exc)
 
     def cleanup(self) -> None:
         """Leave the group the way the torch engine does (see :func:`nbddp.rank_side.process.leave_group`)."""

@@ -87,10 +87,12 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
                       max_restarts: int | None = None, **rendezvous: Any) -> None:
     """Accelerate's ``notebook_launcher`` in a rank torchrun started: ``function(*args)``, here.
 
-    ``num_processes`` chose the run's process count before launch (unless ``--gpus``/``--nproc`` did);
-    ``mixed_precision`` means what it means to ``accelerate launch``; the nodes and restarts are
-    nbddp's (``--nnodes``, ``--slurm``, ``--max-restarts``), so values given that disagree with them
-    are refused (left out, they are the run's). ``node_rank`` is each node's own, given by nbddp.
+    ``num_processes`` chose the run's process count before launch (unless ``--gpus``/``--nproc`` did, or
+    fewer GPUs are visible: :func:`nbddp.devices.notebook_devices`); here the function runs once in each
+    of the run's ranks, whatever it says. ``mixed_precision`` means what it means to ``accelerate launch``;
+    the nodes and restarts are nbddp's (``--nnodes``, ``--slurm``, ``--max-restarts``), so values given
+    that disagree with them are refused (left out, they are the run's). ``node_rank`` is each node's own,
+    given by nbddp.
     """
     from accelerate.utils import PrecisionType, patch_environment
 
@@ -113,7 +115,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if num_processes is not None and num_processes != local:
         say(f"notebook_launcher(num_processes={num_processes}): running on {local} process(es) per node, as the "
-            "launch options chose")
+            "run chose (one per visible GPU, or --gpus/--nproc)")
     say(f"notebook_launcher: {getattr(function, '__name__', 'function')}() runs in each of the "
         f"{torch_engine.world_size()} ranks torchrun started")
     with patch_environment(accelerate_mixed_precision=str(precision)):

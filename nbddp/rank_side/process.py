@@ -18,11 +18,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
+from nbddp.errors import NbddpError
 from nbddp.rank_side import memory
 from nbddp.rank_side.env import RankEnv
 from nbddp.job.rundir import SCRIPT_NAME, RunDir
@@ -113,6 +114,15 @@ def skip_final_collection() -> None:
         gc.freeze()
 
 
+def refuse(global_rank: int, error: NbddpError) -> NoReturn:
+    """End this rank at once because of ``error``, a setup it can't train with (no GPU of its own): one
+    line saying what happened and what to run instead, not a traceback from deep in torch; recorded as
+    any rank's exception (``errors/rank-N.json``), and the rank exits with the error's code (3 for devices)."""
+    record_exception(global_rank, type(error), error, error.__traceback__)
+    print(f"nbddp: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(error.exit_code)
+
+
 def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
     """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook."""
     directory = run_dir()
@@ -174,8 +184,6 @@ def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: r
         write_json(directory.nodes, roster, indent=1)
     mine = roster[node_rank]
     for other in roster:
-        from nbddp.errors import NbddpError
-
         if other["script"] != mine["script"]:
             raise NbddpError(
                 f"node {other['node']} ({other['host']}) runs a different training script than node {node_rank}: "

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from nbddp import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
-                                mark_done, restart_count, run_dir, skip_final_collection,
-                                   use_notebook_folder)
+                                     mark_done, refuse, restart_count, run_dir, skip_final_collection,
+                                     use_notebook_folder)
 from nbddp.rank_side.env import RankEnv
 from nbddp.job.rundir import RunDir
 
@@ -90,7 +90,7 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         become_rank(rank(), world_size())
         if _use_cuda():
-            torch.cuda.set_device(local_rank())
+            torch.cuda.set_device(own_gpu())
         join_group(_attempt_store())
         nnodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
         if nnodes > 1:
@@ -103,13 +103,49 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
         adapt(framework, packages)
 
 
+def own_gpu() -> int:
+    """This rank's GPU index, checked before the first CUDA call: a rank without a GPU of its own (more
+    processes started than GPUs) ends at once with one line saying what to run instead, exit 3."""
+    from nbddp.devices import rank_gpu
+    from nbddp.errors import DeviceError
+
+    try:
+        return rank_gpu(local_rank(), torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+    except DeviceError as exc:
+        refuse(rank(), exc)
+
+
 def join_group(store: Any, rank_: int | None = None, size: int | None = None) -> None:
     """Join the default process group through ``store`` (NCCL on GPUs, gloo on CPUs); a warm rank
     joins a new one, under a prefix of its own, after a job that didn't end well on every rank."""
     dist.init_process_group(
-        backend="nccl" if _use_cuda() else "gloo", timeout=collective_timeout(), store=store,
+        **group_backend(_use_cuda(), local_rank()), timeout=collective_timeout(), store=store,
         rank=rank() if rank_ is None else rank_, world_size=world_size() if size is None else size,
     )
+
+
+def group_backend(cuda: bool, gpu: int, version: str = torch.__version__) -> dict[str, Any]:
+    """``init_process_group``'s backend, and on GPUs the rank's own device: NCCL bound to ``cuda:gpu``
+    (``device_id``, a ``torch.device`` since torch 2.2) forms its communicator at once on that GPU, and
+    its collectives, barriers included, never guess the device (torch warns "barrier(): using the device
+    under current context" on every GPU run otherwise). gloo (CPU ranks) takes no device.
+
+    Not bound under torch 2.6 and 2.7.0 (``version``), whose NCCL hangs at random in collectives of a
+    bound group (pytorch#153960, worked around in 2.7.1): there the ranks keep the warning.
+    """
+    if not cuda:
+        return {"backend": "gloo"}
+    if _binding_hangs(version):
+        return {"backend": "nccl"}
+    return {"backend": "nccl", "device_id": torch.device("cuda", gpu)}
+
+
+def _binding_hangs(version: str) -> bool:
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    major, minor, patch = (int(n) for n in found.groups()) if found else (0, 0, 0)
+    return (major, minor) == (2, 6) or (major, minor, patch) == (2, 7, 0)
 
 
 def _attempt_store():
