@@ -210,12 +210,17 @@ class WarmPool:
         return found
 
     def busy(self) -> bool:
-        """A job handed out that not every rank has ended: the ranks can't take another.
+        """A job handed out that not every rank has ended, and that wasn't stopped: the ranks can't take
+        another. (Ranks yet to take a stopped job end it the moment they take it.)
 
         The folder counts the jobs, not :attr:`runs`: a batch's pool gets its jobs from the runs that
         adopt it, so the batch itself learns of a run that died mid-job only there."""
         handed = self.dir.jobs_handed_out()
-        return handed > 0 and None in self.endings(handed - 1)
+        endings = self.endings(handed - 1) if handed else []
+        if None not in endings:
+            return False
+        return not self.dir.stopped(handed - 1).exists() or any(
+            ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings))
 
     def note_modules(self) -> None:
         """Learn the local modules the ranks imported, from every job's end report (a batch reads
@@ -238,8 +243,13 @@ class WarmPool:
         return changed
 
     def interrupt(self, number: int) -> None:
-        """Interrupt job ``number`` in every rank still running it (SIGINT: ``KeyboardInterrupt`` in the
-        job only, see :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job."""
+        """Stop job ``number``: mark it stopped (a rank yet to take it ends it without running it), then
+        interrupt every rank that hasn't ended it (SIGINT: ``KeyboardInterrupt`` in the job only, see
+        :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job.
+
+        In this order, and the ranks' pids read after the mark: a rank that isn't ready yet (its pid
+        unknown here) takes the job after the mark exists."""
+        self.dir.mark(self.dir.stopped(number))
         endings = self.endings(number)
         for rank, pid in self._rank_pids().items():
             if rank < len(endings) and endings[rank] is None:
