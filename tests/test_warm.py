@@ -150,6 +150,132 @@ def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_
     assert all(alive(pid) for pid in started.values())
 
 
+def ranks_in_the_job(tmp_path, ranks, runs_before: int, printed: str = "", timeout: float = 60) -> None:
+    """Wait until each of ``ranks`` has started the newest run's job (its ``ranks/rank-N.json``), and
+    printed ``printed``."""
+    from nbddp.job.rundir import RunDir
+
+    def there(run: RunDir, rank: int) -> bool:
+        if not run.rank_info(rank).exists():
+            return False
+        return not printed or printed in run.rank_log(rank).read_text(errors="replace")
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runs = run_dirs(tmp_path)
+        if len(runs) > runs_before and all(there(RunDir(runs[-1]), r) for r in ranks):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"ranks {ranks} never started the job" + (f" and printed {printed!r}" if printed else ""))
+
+
+def interrupt(kernel, after: float | None = None, then=None) -> tuple[str, float]:
+    """The stop button, while the cell runs; ``then()`` runs ``after`` seconds later. The cell's output, and
+    how long the cell took to end after the interrupt."""
+    import threading
+
+    timer = threading.Timer(after, then) if then is not None else None
+    interrupted_at = time.monotonic()
+    kernel.km.interrupt_kernel()
+    if timer is not None:
+        timer.start()
+    try:
+        return kernel.finish_execute(), time.monotonic() - interrupted_at
+    finally:
+        if timer is not None:
+            timer.join()
+
+
+#: Every rank takes 5 s to leave once interrupted (a clean-up that saves something; a loaded machine).
+SLOW_TO_LEAVE = ("try:\n    print('waiting', flush=True)\n    time.sleep(60)\n"
+                 "except KeyboardInterrupt:\n    end = time.monotonic() + 5\n"
+                 "    while time.monotonic() < end:\n        pass\n    raise\n")
+
+
+def test_an_interrupt_that_comes_before_a_rank_took_the_job_keeps_the_ranks(kernel, tmp_path):
+    """A loaded machine stretches every step: the interrupt may come before a rank took the job (it was sent only
+    to the ranks then running, and a rank ignores SIGINT between jobs, so that rank then ran the whole job and the
+    pool was lost: issue 32's "could not be kept"). The job is marked stopped: a rank that takes it later ends it
+    without running it, the ranks are kept, and the next run is a warm one."""
+    import os
+    import signal
+
+    started = pids(train(kernel))
+    reference = weight(kernel)
+
+    # Rank 1 is paused (SIGSTOP: the scheduler of a loaded machine, stretched) before it takes the job, while
+    # rank 0 takes it and waits for rank 1 in DDP's first collective. Rank 1 hears of the interrupt 5 s later.
+    os.kill(started[1], signal.SIGSTOP)
+    try:
+        before = len(run_dirs(tmp_path))
+        kernel.start_execute(TRAIN.format(flags="", extra=""), "train")
+        ranks_in_the_job(tmp_path, [0], before)
+        out, took = interrupt(kernel, 5, lambda: os.kill(started[1], signal.SIGCONT))
+    finally:
+        if alive(started[1]):
+            os.kill(started[1], signal.SIGCONT)
+    assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
+    assert "[rank 1] [nbddp] rank 1/2 started" not in out, out  # it ended the job without running it
+    assert took < 15, took
+    after = train(kernel)
+    assert "the last run was interrupted: on the same warm ranks, in a new process group" in after, after
+    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+    assert all(alive(pid) for pid in started.values())
+
+
+def test_ranks_that_take_seconds_to_leave_are_waited_for_and_kept(kernel, tmp_path):
+    """A rank that heard the interrupt and keeps working on its way out (a clean-up; a loaded machine) is slow,
+    not stuck: the interrupt waits for it (it was given 3 s), and the ranks are kept."""
+    started = pids(train(kernel))
+    reference = weight(kernel)
+    before = len(run_dirs(tmp_path))
+    kernel.start_execute(TRAIN.format(flags="", extra=SLOW_TO_LEAVE), "train")
+    ranks_in_the_job(tmp_path, [0, 1], before, printed="waiting")
+    out, took = interrupt(kernel)
+    assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
+    assert 4.5 < took < 15, took  # it waited for the ranks that kept working on their way out
+    after = train(kernel)
+    assert "the last run was interrupted: on the same warm ranks, in a new process group" in after, after
+    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+    assert all(alive(pid) for pid in started.values())
+
+
+#: Rank 1 sleeps where no interrupt reaches it (SIGINT blocked: as in C code that never returns) while rank 0
+#: waits for it in an all-reduce.
+STUCK = ("import signal, torch.distributed as dist\nif nbddp.rank() == 1:\n"
+         "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    print('waiting', flush=True)\n"
+         "    time.sleep(60)\n"
+         "dist.all_reduce(torch.ones(1))\n")
+
+
+def test_a_rank_that_cannot_leave_is_replaced_and_named_with_where_it_was(kernel, tmp_path):
+    started = pids(train(kernel))
+    reference = weight(kernel)
+    before = len(run_dirs(tmp_path))
+    kernel.start_execute(TRAIN.format(flags="", extra=STUCK), "train")
+    ranks_in_the_job(tmp_path, [1], before, printed="waiting")
+    time.sleep(1)  # rank 1 in its sleep, rank 0 in the all-reduce
+    out, took = interrupt(kernel)
+    assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
+    assert took < 15, took
+    after = train(kernel)
+    said = next(line for line in after.splitlines() if "could not be kept" in line)
+    # The magic's line and TRAIN's 5, then STUCK's: rank 1 sleeps on the cell's line 11, rank 0 waits on line 12.
+    assert "the last run was interrupted and its warm ranks could not be kept (rank 0 couldn't leave the job: " \
+           "in all_reduce at distributed_c10d.py:" in said, said
+    assert ", from the %%ddp_train cell, line 12; rank 1 couldn't leave the job: at the %%ddp_train cell, line 11): " \
+           "on fresh ones, started as it ended (" in said, said
+    log = (run_dirs(tmp_path)[-2] / "logs" / "rank-1.log").read_text()  # the whole stack, in the run's log
+    assert "[nbddp] rank 1 couldn't leave the job after the interrupt; where it was (most recent call last):" in log
+    assert "[the %%ddp_train cell, line 11]" in log, log
+    assert "[rank 1] [nbddp] rank 1 couldn't leave the job after the interrupt" in out, out  # and in the view
+    assert not set(pids(after).values()) & set(started.values()) and weight(kernel) == reference
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in started.values()), "the stuck ranks outlived their pool"
+
+
 def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
     kernel.execute("%ddp_ranks --idle 2")
     started = pids(train(kernel))
@@ -196,7 +322,8 @@ def test_a_warm_rank_killed_mid_run_is_named_and_fresh_ranks_start_as_the_run_en
     described = kernel.execute("%ddp_ranks")
     assert "2 warm ranks" in described and "0 run(s)" in described, described  # replacements, already starting
     again = train(kernel)
-    assert "the last run failed and its warm ranks could not be kept: on fresh ones, started as it ended" in again
+    assert "the last run failed and its warm ranks could not be kept (its ranks had exited): on fresh ones, " \
+           "started as it ended" in again, again
     assert not set(pids(again).values()) & set(first.values()) and weight(kernel) == reference
 
 

@@ -10,7 +10,12 @@ both address a pool's files through :class:`PoolDir`, as run dirs are addressed 
       pool.json                     what the pool was started with (its key, idle limit, launcher pid/group)
       ready/rank-R                  rank R joined the group and waits (its pid)
       jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
-      ended/N-R.json                rank R ended job N: ok or failed, and the local modules it imported
+      taken/N-R                     rank R took job N (a rank without it hasn't: it won't run the job once stopped)
+      stopped/N                     job N was stopped: a rank yet to take it ends it without running it
+      heard/N-R.json                rank R heard job N's interrupt: where it was (its Python frames)
+      ended/N-R.json                rank R ended job N: ok, failed or interrupted, and the local modules it imported
+      released/N-R                  rank R freed the process group after job N went wrong (its peers are woken)
+      stacks/rank-R.txt             rank R's threads' Python stacks, written when the kernel asks (SIGUSR1)
       stop                          its owner is stopping it for good: the folder can go
       logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
       logs/torchrun/                torchrun's own folder
@@ -65,6 +70,26 @@ class PoolDir:
 
     def ended(self, number: int, rank: int) -> Path:
         return self.ended_dir / f"{number}-{rank}.json"
+
+    def taken(self, number: int, rank: int) -> Path:
+        return self.path / "taken" / f"{number}-{rank}"
+
+    def stopped(self, number: int) -> Path:
+        return self.path / "stopped" / str(number)
+
+    def heard(self, number: int, rank: int) -> Path:
+        return self.path / "heard" / f"{number}-{rank}.json"
+
+    def released(self, number: int, rank: int) -> Path:
+        return self.path / "released" / f"{number}-{rank}"
+
+    def stack(self, rank: int) -> Path:
+        return self.path / "stacks" / f"rank-{rank}.txt"
+
+    def mark(self, path: Path) -> None:
+        """Create the empty mark ``path`` (and its folder): the fact is that it exists."""
+        path.parent.mkdir(exist_ok=True)
+        path.touch()
 
     @property
     def stop_mark(self) -> Path:

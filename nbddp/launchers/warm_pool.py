@@ -9,9 +9,9 @@ runs in a fresh namespace with the run's own environment and run dir.
 Two rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
 engine, several nodes, Slurm, ``--max-restarts``) and :func:`why_fresh` (can *this* pool serve it:
 what the ranks were started with, the notebook's local modules, whether they are alive and idle;
-a pool whose last run failed is kept only if it is :meth:`WarmPool.sound`). ``%%ddp_train`` keeps
-one pool per kernel (:class:`KernelPool`); ``nbddp batch`` one per device slot, which its runs adopt
-(:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
+a pool whose last run failed is kept unless :meth:`WarmPool.why_not_kept` says why not).
+``%%ddp_train`` keeps one pool per kernel (:class:`KernelPool`); ``nbddp batch`` one per device
+slot, which its runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
 The kernel's death takes the ranks with it (torchrun runs under
 :mod:`nbddp.launchers.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
@@ -39,15 +39,13 @@ from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
 from nbddp.launchers.pool_dir import FOLDER_PREFIX, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.torchrun import torchrun_options
+from nbddp.launchers.warm_departure import Departure
 from nbddp.options import DEFAULT_WARM_IDLE
 from nbddp.rank_side.env import RankEnv
 
 if TYPE_CHECKING:
     from nbddp.options import LaunchOptions
 
-#: How long the ranks of a job that failed or was stopped may take to end it (interrupted), before
-#: their pool is stopped instead (and, for ``%%ddp_train``, replaced at once).
-SETTLE_SECONDS = 3.0
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
 #: Environment variables that differ between runs by design, that nbddp sets per run, or that a library
@@ -117,6 +115,7 @@ class WarmPool:
         self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.runs = 0
         self.stopped = False
+        self.lost = ""
         self.last_used = self.started = time.monotonic()
         self.local_modules: dict[str, float] = {}
         options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs))
@@ -156,6 +155,7 @@ class WarmPool:
         pool.key, pool.devices, pool.idle, pool.dir = key, devices, idle, directory
         pool.runs = directory.jobs_handed_out()
         pool.stopped = False
+        pool.lost = ""
         pool.last_used = pool.started = time.monotonic()
         pool.local_modules = {}
         pool.launch = AdoptedGroup(pid, pgid)
@@ -169,9 +169,9 @@ class WarmPool:
         """
         if self.stopped or self.launch.poll() is not None or not self.dir.description.exists():
             return False
-        return all(process_alive(pid) for pid in self._rank_pids().values())
+        return all(process_alive(pid) for pid in self.rank_pids().values())
 
-    def _rank_pids(self) -> dict[int, int]:
+    def rank_pids(self) -> dict[int, int]:
         """Each rank's pid, from its ready mark (ranks still starting have none)."""
         pids = {}
         for path in self.dir.ready_dir.glob("rank-*"):
@@ -210,12 +210,17 @@ class WarmPool:
         return found
 
     def busy(self) -> bool:
-        """A job handed out that not every rank has ended: the ranks can't take another.
+        """A job handed out that not every rank has ended, and that wasn't stopped: the ranks can't take
+        another. (Ranks yet to take a stopped job end it the moment they take it.)
 
         The folder counts the jobs, not :attr:`runs`: a batch's pool gets its jobs from the runs that
         adopt it, so the batch itself learns of a run that died mid-job only there."""
         handed = self.dir.jobs_handed_out()
-        return handed > 0 and None in self.endings(handed - 1)
+        endings = self.endings(handed - 1) if handed else []
+        if None not in endings:
+            return False
+        return not self.dir.stopped(handed - 1).exists() or any(
+            ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings))
 
     def note_modules(self) -> None:
         """Learn the local modules the ranks imported, from every job's end report (a batch reads
@@ -238,20 +243,47 @@ class WarmPool:
         return changed
 
     def interrupt(self, number: int) -> None:
-        """Interrupt job ``number`` in every rank still running it (SIGINT: ``KeyboardInterrupt`` in the
-        job only, see :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job."""
+        """Stop job ``number``: mark it stopped (a rank yet to take it ends it without running it), then
+        interrupt every rank that hasn't ended it (SIGINT: ``KeyboardInterrupt`` in the job only, see
+        :mod:`nbddp.rank_side.warm_loop`); the ranks stay, for the next job.
+
+        In this order, and the ranks' pids read after the mark: a rank that isn't ready yet (its pid
+        unknown here) takes the job after the mark exists."""
+        self.dir.mark(self.dir.stopped(number))
         endings = self.endings(number)
-        for rank, pid in self._rank_pids().items():
+        for rank, pid in self.rank_pids().items():
             if rank < len(endings) and endings[rank] is None:
                 try:
                     os.kill(pid, signal.SIGINT)
                 except OSError:
                     pass
 
+    def why_not_kept(self) -> str:
+        """Why the pool can't take the next job after one that didn't succeed (``""``: it can). The one rule.
+
+        Its ranks must be alive and out of the last job, or on their way out: ranks still leaving a stopped
+        job are waited for while they make progress (:class:`nbddp.launchers.warm_departure.Departure`),
+        after which a rank that couldn't leave is named, with where it was."""
+        if self.lost:
+            return self.lost
+        if not self.alive():
+            return "its ranks had exited"
+        handed = self.dir.jobs_handed_out()
+        if handed == 0 or None not in self.endings(handed - 1):
+            return ""
+        if not self.dir.stopped(handed - 1).exists():
+            return "its ranks are still in the last job"
+        return Departure(self, handed - 1).wait()
+
     def sound(self) -> bool:
-        """Every rank alive and out of its last job: the pool can take the next one (after a failed job
-        too: the ranks rebuild their group between jobs)."""
-        return self.alive() and not self.busy()
+        """Every rank alive and out of its last job (or on its way out): the pool can take the next one (after a
+        failed job too: the ranks rebuild their group between jobs)."""
+        return not self.why_not_kept()
+
+    def lose(self, why: str, sig: int = signal.SIGTERM) -> None:
+        """Its ranks can't be kept (``why``): stop them, and remember why for whoever asks next."""
+        self.lost = why
+        self.terminate(sig)
 
     def terminate(self, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and torchrun (their reports stay readable until :meth:`stop`). Safe to call again."""
@@ -276,8 +308,10 @@ class WarmRun:
     ``poll()`` is ``None`` while the ranks run the job, ``0`` once every rank ended it normally and
     ``1`` once every rank ended it and one failed (its error report is in the run dir), or the
     pool's exit code if it died. When a rank fails, the others are interrupted at once (as torchrun
-    stops the survivors of a fresh run), and the pool is stopped if they don't all end the job
-    within :data:`SETTLE_SECONDS` (a rank stuck where no interrupt reaches).
+    stops the survivors of a fresh run); so are all of them when the job is stopped. The job is over
+    once every rank has left it or hasn't taken it (it ends it the moment it does); ranks that
+    can't leave (:class:`~nbddp.launchers.warm_departure.Departure`: no progress, or still leaving
+    after its longest wait) cost the pool, which is stopped.
     """
 
     def __init__(self, pool: WarmPool, number: int) -> None:
@@ -285,7 +319,7 @@ class WarmRun:
         self.pid, self.pgid = pool.launch.pid, pool.launch.pgid
         self.stopped_by: int | None = None
         self._code: int | None = None
-        self._interrupted_at: float | None = None
+        self._departure: Departure | None = None
 
     def poll(self) -> int | None:
         if self._code is not None:
@@ -300,30 +334,34 @@ class WarmRun:
             self.pool.last_used = time.monotonic()
         elif self.pool.launch.poll() is not None:
             self._code = self.pool.launch.poll() or 1
-        elif any(s not in (None, "ok") for s in statuses):  # a rank failed: end the job in the others
-            self._interrupt()
-            if time.monotonic() - self._interrupted_at > SETTLE_SECONDS:
-                self.pool.terminate()
+        elif self._departure is not None or any(s not in (None, "ok") for s in statuses):
+            self._interrupt()  # a rank failed (or the job is being stopped): end the job in the others
+            why = self._departure.check()
+            if why == "":  # the ranks left haven't taken the job: they end it the moment they do
                 self._code = 1
+            elif why:
+                self.pool.lose(why, self.stopped_by or signal.SIGTERM)  # the folder stays until the run is judged
+                self._code = -self.stopped_by if self.stopped_by else 1
         return self._code
 
     def _interrupt(self) -> None:
-        if self._interrupted_at is None:
-            self._interrupted_at = time.monotonic()
+        if self._departure is None:
+            self._departure = Departure(self.pool, self.number)
             self.pool.interrupt(self.number)
 
     def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
-        """End the job: interrupt it in every rank and wait (at most :data:`SETTLE_SECONDS`) until each has
-        ended it, keeping the ranks; stop the pool if they don't (or for ``SIGKILL``)."""
+        """End the job: interrupt it in every rank and wait until each has left it (or hasn't taken it),
+        keeping the ranks; stop the pool if they can't leave (or for ``SIGKILL``)."""
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        if self._code is None and sig != signal.SIGKILL:
-            self._interrupt()
-            while self.poll() is None and time.monotonic() - self._interrupted_at <= SETTLE_SECONDS:
-                time.sleep(0.01)
-        if self._code is None or sig == signal.SIGKILL:
+        if sig == signal.SIGKILL:
             self.pool.terminate(sig)  # the folder stays until the run is judged (retire)
             self._code = -sig
+            return
+        if self._code is None:
+            self._interrupt()
+            while self.poll() is None:
+                time.sleep(0.01)
 
     def alive(self) -> bool:
         """True while the ranks work on this job (idle warm ranks don't count: they are the pool's)."""
@@ -371,8 +409,9 @@ class KernelPool:
     """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`).
 
     A run that failed, timed out or was interrupted keeps its ranks when each of them left the job
-    (they rebuild their process group before the next one); otherwise fresh ranks start the moment
-    the run ends, so that they are ready, or nearly, by the time the cell runs again.
+    or is on its way out (they rebuild their process group before the next one); otherwise fresh
+    ranks start the moment the run ends, so that they are ready, or nearly, by the time the cell
+    runs again, and the next run says why.
     """
 
     def __init__(self) -> None:
@@ -381,14 +420,14 @@ class KernelPool:
         """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
         self.last_run = ""
         """How the last run ended, when it didn't succeed (the next run says what that meant for its ranks)."""
-        self.replaced = False
-        """Its ranks could not be kept: the pool was replaced as it ended."""
+        self.replaced = ""
+        """Why its ranks could not be kept, when they couldn't: the pool was replaced as it ended."""
         self._at_exit = False
 
     def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
         key = pool_key(devices, cwd, collective_timeout)
-        last_run, replaced, self.last_run, self.replaced = self.last_run, self.replaced, "", False
+        last_run, replaced, self.last_run, self.replaced = self.last_run, self.replaced, "", ""
         why = ""
         if self.pool is not None:
             why = why_fresh(self.pool, key, self.idle)
@@ -397,8 +436,8 @@ class KernelPool:
                     return self.pool, ""
                 if not replaced:
                     return self.pool, f"{last_run}: on the same warm ranks, in a new process group"
-                return self.pool, (f"{last_run} and its warm ranks could not be kept: on fresh ones, started as it "
-                                   f"ended ({self.pool.startup_note()})")
+                return self.pool, (f"{last_run} and its warm ranks could not be kept ({replaced}): on fresh ones, "
+                                   f"started as it ended ({self.pool.startup_note()})")
             self.pool.stop()
         self.pool = self._start(key, devices)
         return self.pool, f"starting fresh warm ranks: {why}" if why else ""
@@ -414,11 +453,11 @@ class KernelPool:
 
     def ended(self, pool: WarmPool, status: str) -> None:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
-        left the job, else stop them and start fresh ones now."""
+        left the job (or is on its way out), else stop them and start fresh ones now."""
         note = ending_note(status)
         if not note or pool is not self.pool:
             return
-        self.last_run, self.replaced = note, not pool.sound()
+        self.last_run, self.replaced = note, pool.why_not_kept()
         if self.replaced:
             pool.stop()
             self.pool = self._start(pool.key, pool.devices)

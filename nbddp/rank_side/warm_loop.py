@@ -13,12 +13,18 @@ The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the po
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
 kernel dies (parent-death signal, through torchrun).
 
-A job that fails or is interrupted doesn't cost the ranks: the kernel interrupts every rank still
-in the job (SIGINT, which raises ``KeyboardInterrupt`` in the job only), a rank whose job didn't
-end ``ok`` frees its process group (:func:`nbddp.rank_side.process.release_group`), which wakes any
+A job that fails or is interrupted doesn't cost the ranks: the kernel marks the job stopped
+(``stopped/N``) and interrupts every rank still in it (SIGINT, which raises ``KeyboardInterrupt`` in
+the job only, and which the rank acknowledges with where it was: ``heard/N-R.json``); a rank that
+takes the job after that ends it without running it (on a loaded machine the interrupt can come
+before a rank took the job, which would otherwise run it to the end). A rank whose job didn't end
+``ok`` frees its process group (:func:`nbddp.rank_side.process.release_group`), which wakes any
 peer waiting for it in a collective, and once every rank has ended the job, all of them join a
-new group before the next one. Only a rank that can't be brought back (killed, or stuck in C code)
-costs the pool, which the kernel then replaces at once.
+new group before the next one. Only a rank that can't be brought back (killed, or stuck where no
+interrupt reaches it) costs the pool, which the kernel then replaces at once; SIGUSR1 writes every
+thread's Python stack to ``stacks/rank-R.txt`` (:mod:`faulthandler`, which runs whatever the main
+thread is doing), so that the kernel can say where such a rank was
+(:mod:`nbddp.launchers.warm_departure`).
 
 ``python -m torch.distributed.run … -m nbddp.rank_side.warm_loop POOL`` starts one.
 """
@@ -63,6 +69,7 @@ def main(folder: Path) -> int:
     store = dist_store()  # the group's store: a rebuilt group gets a prefix of its own in it
     idle = RankEnv.from_environ().warm_idle or DEFAULT_WARM_IDLE
     signal.signal(signal.SIGINT, _interrupt_the_job)
+    _dump_stacks_when_asked(pool, rank)
     pool.ready_dir.mkdir(exist_ok=True)
     write_json(pool.ready(rank), os.getpid())
     number = 0
@@ -72,7 +79,7 @@ def main(folder: Path) -> int:
         if job is None:
             break
         try:
-            status, modules = _run(job, rank, size, number)
+            status, modules = _run(job, pool, rank, size, number)
         except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
             status, modules = "interrupted", {}
         sys.stdout.flush()
@@ -82,6 +89,7 @@ def main(folder: Path) -> int:
         write_json(pool.ended(number, rank), {"status": status, "modules": modules})
         if status != "ok":  # (said first: should freeing the group block, the kernel still ends the job)
             rank_process.release_group()  # wakes the peers still in a collective with this rank
+            pool.mark(pool.released(number, rank))
         gc.collect()  # the job's garbage, once the kernel knows the job ended
         _release_device_memory()
         if not _every_rank_ended_well(pool, number, size):
@@ -97,14 +105,49 @@ def dist_store():
     return dist.distributed_c10d._get_default_store()
 
 
-#: True while a job's script runs: only then does SIGINT interrupt (the kernel's way to stop a job
-#: and keep its ranks); between jobs, an interrupt that came late is ignored.
-_in_job = False
+#: The job this rank is in (its pool, number and this rank), while it is: only then does SIGINT
+#: interrupt (the kernel's way to stop a job and keep its ranks); between jobs, an interrupt that came
+#: late is ignored, and one that came early is the job's ``stopped`` mark, read as the job is taken.
+_in_job: tuple[PoolDir, int, int] | None = None
+#: Where SIGUSR1 writes this rank's stacks (kept open: :mod:`faulthandler` writes to its descriptor).
+_stacks = None
 
 
 def _interrupt_the_job(signum: int, frame) -> None:  # noqa: ANN001 - signal handler
-    if _in_job:
+    job = _in_job
+    if job is not None:
+        _heard(*job, frame)
         raise KeyboardInterrupt
+
+
+def _heard(pool: PoolDir, number: int, rank: int, frame) -> None:  # noqa: ANN001 - a frame
+    """Tell the kernel this rank heard the interrupt, and where: it is in Python (not stuck in C code),
+    on its way out of the job. Best effort: a full disk must not turn an interrupt into another error."""
+    frames = [[f.filename, f.lineno, f.name]
+              for f in traceback.StackSummary.extract(traceback.walk_stack(frame), limit=60, lookup_lines=False)]
+    try:
+        pool.heard(number, rank).parent.mkdir(exist_ok=True)
+        write_json(pool.heard(number, rank), {"frames": frames[::-1]})
+    except OSError:
+        pass
+
+
+def _dump_stacks_when_asked(pool: PoolDir, rank: int) -> None:
+    """SIGUSR1: every thread's Python stack into ``stacks/rank-R.txt``, after a line naming the main thread.
+
+    :mod:`faulthandler`'s handler is C, so it answers while the main thread is blocked in C code (a
+    collective that never returns), where no Python signal handler can run: that is how the kernel
+    learns where a rank that couldn't leave a job was.
+    """
+    import faulthandler
+    import threading
+
+    global _stacks
+    pool.stack(rank).parent.mkdir(exist_ok=True)
+    _stacks = open(pool.stack(rank), "w", encoding="utf-8")  # noqa: SIM115 - open for the rank's life
+    _stacks.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+    _stacks.flush()
+    faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
 
 
 def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
@@ -139,9 +182,9 @@ def _next_job(pool: PoolDir, number: int, idle: float) -> dict | None:
     return None
 
 
-def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, float]]:
+def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int) -> tuple[str, dict[str, float]]:
     """Run one job's script as a fresh rank would: ``ok``, ``failed`` or ``interrupted``, and the local
-    modules it imported."""
+    modules it imported. A job stopped before this rank took it ends ``interrupted`` without running."""
     global _in_job
     from nbddp.rank_side import process as rank_process
 
@@ -152,10 +195,15 @@ def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, f
     _fresh_random_state()
     status = "ok"
     try:
-        rank_process.log_to_run_dir(rank)
-        rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
         try:
-            _in_job = True
+            # In this order: the kernel marks a job stopped *before* it sends SIGINT, and reads which ranks
+            # took it after; so an interrupt is either seen here or raised by the handler, never lost.
+            _in_job = (pool, number, rank)
+            pool.mark(pool.taken(number, rank))
+            if pool.stopped(number).exists():
+                raise KeyboardInterrupt
+            rank_process.log_to_run_dir(rank)
+            rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
             runpy.run_path(job["script"], run_name="__main__")
         except SystemExit as exc:
             status = "ok" if exc.code in (None, 0) else "failed"
@@ -168,7 +216,7 @@ def _run(job: dict, rank: int, size: int, number: int) -> tuple[str, dict[str, f
             status = "failed"
             del tb  # its frames hold the job's namespace, and through it the process group
         finally:
-            _in_job = False
+            _in_job = None
     finally:
         memory.watch(None)  # the next job counts its own peak, in its own run dir
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler

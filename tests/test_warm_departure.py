@@ -1,0 +1,165 @@
+"""How the ranks of a stopped warm job are judged as they leave it (nbddp.launchers.warm_departure): by
+progress, not by a clock. Real processes stand for the ranks (a busy one, a blocked one, a paused one), over a
+real pool folder; the stall limit is shortened so that each case takes a moment.
+
+(The same rule with real kernels and torch ranks: tests/test_warm.py.)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nbddp.atomic import write_json
+from nbddp.devices import resolve
+from nbddp.launchers import warm_departure
+from nbddp.launchers.local_process import AdoptedGroup
+from nbddp.launchers.pool_dir import PoolDir
+from nbddp.launchers.warm_departure import Departure, main_thread_frames, where
+from nbddp.launchers.warm_pool import WarmPool
+
+BUSY = [sys.executable, "-c", "while True: pass"]
+BLOCKED = ["sleep", "60"]
+
+
+@pytest.fixture
+def ranks():
+    """Start stand-ins for ranks; every one is killed at the end."""
+    started: list[subprocess.Popen] = []
+
+    def start(argv: list[str]) -> subprocess.Popen:
+        # Deaf to SIGUSR1 (a stuck rank is asked for its stacks with it; these write none).
+        started.append(subprocess.Popen(argv, preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_IGN)))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    monkeypatch.setattr(warm_departure, "SETTLE_SECONDS", 0.6)
+    monkeypatch.setattr(warm_departure, "STACK_SECONDS", 0.3)
+
+
+def pool_of(tmp_path: Path, *processes: subprocess.Popen) -> WarmPool:
+    """A pool whose ranks are ``processes`` (its torchrun: this process), job 0 handed out and stopped."""
+    directory = PoolDir(tmp_path / "pool")
+    directory.ready_dir.mkdir(parents=True)
+    write_json(directory.description, {})
+    for rank, process in enumerate(processes):
+        write_json(directory.ready(rank), process.pid)
+    directory.jobs.mkdir()
+    write_json(directory.job(0), {"script": str(tmp_path / "train.py"), "env": {}})
+    directory.mark(directory.stopped(0))
+    pool = WarmPool.__new__(WarmPool)
+    pool.devices, pool.dir, pool.stopped, pool.lost = resolve(cpu=True, nproc=len(processes)), directory, False, ""
+    pool.launch = AdoptedGroup(os.getpid(), os.getpgid(0))
+    return pool
+
+
+def take(pool: WarmPool, *ranks: int) -> None:
+    for rank in ranks:
+        pool.dir.mark(pool.dir.taken(0, rank))
+
+
+def end(pool: WarmPool, rank: int, status: str = "interrupted", released: bool = True) -> None:
+    """Rank ``rank`` ended job 0 with ``status`` (and, when that isn't ``ok``, freed its group if ``released``)."""
+    pool.dir.ended_dir.mkdir(exist_ok=True)
+    write_json(pool.dir.ended(0, rank), {"status": status})
+    if released and status != "ok":
+        pool.dir.mark(pool.dir.released(0, rank))
+
+
+def answer_within(departure: Departure, seconds: float) -> str | None:
+    deadline = time.monotonic() + seconds
+    while (why := departure.check()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return why
+
+
+def test_ranks_that_make_progress_are_waited_for_and_a_stall_names_the_ranks(tmp_path, ranks):
+    busy, blocked = ranks(BUSY), ranks(BLOCKED)
+    pool = pool_of(tmp_path, blocked, busy)
+    take(pool, 0, 1)
+    departure = Departure(pool, 0)
+    assert answer_within(departure, 1.2) is None  # rank 1 works (it may be what rank 0 waits for): no verdict
+    end(pool, 1)
+    # Rank 0 now waits for nothing that moves: stuck once no progress was seen for SETTLE_SECONDS.
+    assert answer_within(departure, 3.0) == "rank 0 couldn't leave the job"
+    end(pool, 0)
+    assert Departure(pool, 0).check() == ""  # everyone out
+
+
+def test_a_rank_that_heard_the_interrupt_or_is_paused_is_responsive_not_stuck(tmp_path, ranks):
+    blocked, paused = ranks(BLOCKED), ranks(BLOCKED)
+    pool = pool_of(tmp_path, blocked, paused)
+    take(pool, 0)  # rank 1 hasn't taken the job, and is paused (SIGSTOP: a loaded machine, stretched)
+    os.kill(paused.pid, signal.SIGSTOP)
+    departure = Departure(pool, 0)
+    assert answer_within(departure, 1.2) is None
+    os.kill(paused.pid, signal.SIGCONT)  # continued: it gets its own SETTLE_SECONDS to show progress
+    assert answer_within(departure, 0.3) is None
+    assert answer_within(departure, 3.0) == "rank 0 couldn't leave the job; rank 1 hadn't taken the job"
+
+    heard = Departure(pool, 0)
+    pool.dir.heard(0, 0).parent.mkdir(exist_ok=True)
+    write_json(pool.dir.heard(0, 0), {"frames": [[str(tmp_path / "train.py"), 7, "<module>"]]})
+    assert answer_within(heard, 1.2) is None  # it runs Python, on its way out: waited for (up to LEAVE_SECONDS)
+
+
+def test_ranks_that_have_not_taken_a_stopped_job_are_not_waited_for(tmp_path, ranks):
+    pool = pool_of(tmp_path, ranks(BLOCKED), ranks(BLOCKED))
+    end(pool, 0)
+    assert Departure(pool, 0).check() == ""  # rank 1 ends the job the moment it takes it (the stopped mark)
+    assert not pool.busy() and pool.why_not_kept() == ""
+    pool.dir.stopped(0).unlink()  # a job nobody stopped: rank 1 would run it
+    assert pool.busy() and pool.why_not_kept() == "its ranks are still in the last job"
+
+
+def test_a_rank_that_ended_badly_is_still_leaving_until_it_freed_its_group(tmp_path, ranks):
+    pool = pool_of(tmp_path, ranks(BLOCKED), ranks(BLOCKED))
+    end(pool, 0, "failed", released=False)
+    end(pool, 1, "ok")
+    assert Departure(pool, 0).states() == {0: "releasing", 1: "out"}
+    assert answer_within(Departure(pool, 0), 3.0) == "rank 0 ended the job but couldn't free its process group"
+    pool.dir.mark(pool.dir.released(0, 0))
+    assert Departure(pool, 0).check() == ""
+
+
+def test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump(tmp_path):
+    """The dump may be written by any thread (the signal goes to the process): the main thread is found by the
+    id the rank wrote first; its frames are named from the script on, as cells when a source map is there."""
+    stacks = tmp_path / "rank-0.txt"
+    with open(stacks, "w", encoding="utf-8") as file:
+        file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
+        file.flush()
+
+        def dump() -> None:
+            faulthandler.dump_traceback(file, all_threads=True)
+
+        def in_the_script() -> None:  # the line below stands for the job's line the rank is on
+            worker = threading.Thread(target=dump)
+            worker.start()
+            worker.join()
+        in_the_script()
+    frames = main_thread_frames(stacks.read_text())
+    names = [name for _, _, name in frames]
+    test = "test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump"
+    assert names[-1] == "wait" and names.index("in_the_script") == names.index(test) + 1
+    inner, mine = frames[-1], frames[names.index("in_the_script")]
+    assert where(frames, __file__) == \
+        f"in wait at threading.py:{inner[1]}, from test_warm_departure.py, line {mine[1]}"  # (no source map here)
+    assert where(frames[:names.index("in_the_script") + 1], __file__) == f"at test_warm_departure.py, line {mine[1]}"
+    assert where(frames, "elsewhere.py") == f"in wait at threading.py:{inner[1]}"
+    assert where([], __file__) == ""
