@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from nbddp.devices import CPU_PROCESSES, requested_gpus
-from nbddp.engines import ENGINES, shard_refusal, spawns_its_own_ranks
+from nbddp.engines import DEFAULT_RETURNS, ENGINES, shard_refusal, spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.job.status import Status
 
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 #: ``--rdzv-timeout``: how long the nodes of a multi-node run wait for each other before failing.
 DEFAULT_RDZV_TIMEOUT = 300.0
-DEFAULT_RETURNS = ("model",)
 #: Warm ranks with no job for this long (seconds) leave the group and exit (``%ddp_ranks --idle``).
 DEFAULT_WARM_IDLE = 600.0
 _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")

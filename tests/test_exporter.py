@@ -21,7 +21,7 @@ def test_nbconvert_exporter_matches_nbddp_export(notebook, tmp_path):
 
 
 def test_the_header_names_the_notebook_from_where_the_script_is(notebook, tmp_path):
-    path = notebook([code("#| ddp-train\nprint(1)")], name="demo.ipynb")
+    path = notebook([code("#| ddp-train\nmodel = torch.nn.Linear(1, 1)")], name="demo.ipynb")
     assert main(["export", str(path), "-o", str(tmp_path / "deep" / "er" / "t.py")]) == 0
     header = (tmp_path / "deep" / "er" / "t.py").read_text().split("\n\n")[0]
     assert "#     or: nbddp run ../../demo.ipynb " in header

@@ -95,14 +95,14 @@ class NotebookKernel:
     """The notebook's cells in a kernel beside the job (:class:`nbddp.job.orchestrator.Kernel`)."""
 
     def __init__(self, nb, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,  # noqa: ANN001
-                 collector: NotebookOutputSink, sinks: Sequence[Sink], returns: Sequence[str], training: Sequence[int],
+                 collector: NotebookOutputSink, sinks: Sequence[Sink], training: Sequence[int],
                  save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None) -> None:
         """``nb``/``numbers``: from :func:`kernel_notebook`; ``collector``: the training cell's output
         (also one of ``sinks``); ``training``: the numbers of the cells the job trains (the script's);
         ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's text output (the terminal)."""
         self.nb, self.numbers, self.notebook, self.cwd = nb, list(numbers), notebook, cwd
         self.training = frozenset(training)
-        self.collector, self.sinks, self.returns = collector, list(sinks), tuple(returns)
+        self.collector, self.sinks = collector, list(sinks)
         self.save, self.echo = save, echo
         self.job: Job | None = None
         self.train: Train | None = None
@@ -207,7 +207,7 @@ class NotebookKernel:
         try:
             client.run_in_kernel(receipt, index)
             if self.outcome.status == Status.SUCCEEDED:
-                self.loaded = list(self.returns)
+                self.loaded = list(self.job.script.returns)
         finally:
             cell.outputs = [*self.collector.outputs(), *receipt.outputs]
             cell.execution_count = receipt.execution_count
@@ -249,6 +249,8 @@ def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's no
     """What the kernel runs in the training cell's place: load the weights, or raise the run's error."""
     from nbformat.v4 import new_code_cell
 
+    if outcome.status == Status.SUCCEEDED and not job.script.returns:
+        return new_code_cell(f"print({('[nbddp] ' + job.script.returns_note)!r})")
     if outcome.status == Status.SUCCEEDED:
         checkpoint = job.checkpoint
         return new_code_cell(

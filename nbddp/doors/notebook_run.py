@@ -122,7 +122,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
             started(job)
 
     kernel = NotebookKernel(executed, numbers, notebook, request.cwd, collector, [collector, *sinks],
-                            request.launch.returns, request.script.training, save=save,
+                            request.script.training, save=save,
                             echo=terminal.line if terminal is not None else None)  # above the epoch bar
     result = orchestrator.run(request, kernel, [collector, *sinks], _prefixed(say), on_start=on_start)
     out = where.get("output", Path(output or RunDir(result.run_dir).output))
@@ -169,7 +169,8 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
 def summary(result: orchestrator.RunResult, output: Path) -> str:
     """The run's ending: its error (if any), then one line, then the final metrics."""
     weights = RunDir(result.run_dir).weights
-    ending = replace(result.ending(), weights=f"weights {shown_path(weights)}" if weights.exists() else NO_WEIGHTS)
+    ending = replace(result.ending(), weights=f"weights {shown_path(weights)}" if weights.exists()
+                     else result.ending().weights if result.status == Status.SUCCEEDED else NO_WEIGHTS)
     lines = [f"nbddp: error: {result.message}"] if result.message else []
     lines.append(f"nbddp: {ending.line()} · notebook {shown_path(output)}")
     if ending.metrics_line():

@@ -171,7 +171,7 @@ class NbddpEngine(Engine):
         timeout = execution_timeout or kwargs.pop("timeout", None)
         kwargs.pop("startup_timeout", None)
         collector = NotebookOutputSink()
-        kernel = PapermillKernel(nb_man, plan.notebook, collector, plan.launch.returns, plan.script.training, timeout,
+        kernel = PapermillKernel(nb_man, plan.notebook, collector, plan.script.training, timeout,
                                  dict(kwargs, kernel_name=kernel_name, startup_timeout=start_timeout,
                                       log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file))
 
@@ -203,10 +203,10 @@ class _Client(TrainingCells, PapermillNotebookClient):
 class PapermillKernel(NotebookKernel):
     """The notebook's cells in papermill's client, beside the job."""
 
-    def __init__(self, nb_man, notebook: Notebook, collector: NotebookOutputSink, returns: tuple[str, ...],  # noqa: ANN001
+    def __init__(self, nb_man, notebook: Notebook, collector: NotebookOutputSink,  # noqa: ANN001
                  training: tuple[int, ...], timeout: float | None, client_options: dict[str, Any]) -> None:
         numbers = list(range(1, len(nb_man.nb.cells) + 1))  # papermill's notebook: its cells, as they are
-        super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], returns, training)
+        super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], training)
         self.nb_man, self.timeout, self.client_options = nb_man, timeout, client_options
         self.timeout_error: BaseException | None = None
 

@@ -25,6 +25,8 @@ FRAMEWORKS: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers",),
 }
 ENGINES = ("torch", "catalyst", *FRAMEWORKS)
+#: What a run hands back unless ``--return`` says otherwise: ``model``, where a cell defines one.
+DEFAULT_RETURNS = ("model",)
 #: Engines whose ranks are not started by torchrun (Catalyst's ``runner.train`` spawns its own).
 SPAWN_THEIR_OWN_RANKS = frozenset({"catalyst"})
 _SHARD_INSTEAD = {
@@ -147,24 +149,48 @@ def framework_packages(cells: Sequence[ExportedCell], engine: str) -> tuple[str,
     return tuple(p for p in packages if p in imported) or packages[:1]
 
 
+#: For each engine, the calls whose literal process count the run takes: ``(function names, keyword,
+#: position of the count among the positional arguments)``. ``mp.spawn(fn, args, nprocs)`` and
+#: ``start_processes`` count with any engine that torchrun starts (a library may call them).
+_PROCESS_COUNTS = {
+    "accelerate": (("notebook_launcher",), "num_processes", 2),  # notebook_launcher(function, args, num_processes)
+    "lightning": (("Trainer",), "devices", None),
+}
+_SPAWN_COUNT = (("spawn", "start_processes"), "nprocs", 2)
+
+
 def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
     """The process count the training cells ask their library for, when it is a literal:
-    ``notebook_launcher(..., num_processes=N)`` or ``Trainer(devices=N)``. It becomes the run's
-    process count unless a launch option (``--gpus``, ``--nproc``) says otherwise."""
-    keyword = {"accelerate": "num_processes", "lightning": "devices"}.get(engine)
-    positional = {"accelerate": 2}.get(engine)  # notebook_launcher(function, args, num_processes)
-    for cell in cells if keyword else ():
-        tree = _parse(cell.code)
-        for node in ast.walk(tree) if tree else ():
-            if not (isinstance(node, ast.Call) and _name_of(node.func) in ("notebook_launcher", "Trainer")):
-                continue
-            values = [k.value for k in node.keywords if k.arg == keyword]
-            if positional is not None and len(node.args) > positional:
-                values.append(node.args[positional])
-            for value in values:
-                if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
-                    return value.value
+    ``notebook_launcher(..., num_processes=N)``, ``Trainer(devices=N)``, or ``mp.spawn(fn, nprocs=N)`` (PyTorch's
+    DDP tutorial). It becomes the run's process count unless a launch option (``--gpus``, ``--nproc``) says
+    otherwise (:func:`nbddp.devices.notebook_devices`)."""
+    asked = [_PROCESS_COUNTS[engine]] if engine in _PROCESS_COUNTS else []
+    if not spawns_its_own_ranks(engine):
+        asked.append(_SPAWN_COUNT)
+    for names, keyword, position in asked:
+        for cell in cells:
+            tree = _parse(cell.code)
+            for node in ast.walk(tree) if tree else ():
+                if not (isinstance(node, ast.Call) and _name_of(node.func) in names):
+                    continue
+                if names is _SPAWN_COUNT[0] and not _is_torch_spawn(node.func):
+                    continue
+                values = [k.value for k in node.keywords if k.arg == keyword]
+                if position is not None and len(node.args) > position:
+                    values.append(node.args[position])
+                for value in values:
+                    if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
+                        return value.value
     return None
+
+
+def _is_torch_spawn(func: ast.expr) -> bool:
+    """``mp.spawn``, ``torch.multiprocessing.spawn``, ``multiprocessing.start_processes`` or a bare ``spawn``
+    (imported from torch.multiprocessing): not another library's ``spawn`` (``pexpect.spawn``)."""
+    if isinstance(func, ast.Name):
+        return True
+    owner = func.value if isinstance(func, ast.Attribute) else None
+    return _name_of(owner) in ("mp", "multiprocessing", "torch_mp", "tmp") if owner is not None else False
 
 
 def saves_checkpoints(cells: Sequence[ExportedCell]) -> bool:

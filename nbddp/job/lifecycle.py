@@ -276,7 +276,7 @@ class Job:
             deadline_name=self.deadline_name,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
-            checkpoint_expected=self.spec.nodes is None or self.spec.nodes.rank == 0,
+            checkpoint_expected=bool(self.script.returns) and (self.spec.nodes is None or self.spec.nodes.rank == 0),
             final_metrics=last_metrics(self.run_dir),
             rendezvous_failure=self.launcher.rendezvous_failure(log, expired=self.rendezvous_expired),
             scheduler_end=self.launcher.ended_by_scheduler(self.paths),

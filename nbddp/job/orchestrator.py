@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -126,6 +126,8 @@ class InProcess:
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         if train().status != Status.SUCCEEDED:
             return KernelResult()
+        if not job.script.returns:
+            return KernelResult()  # (the orchestrator says why nothing came back)
         return self.load(job.checkpoint)
 
     def load(self, checkpoint: Path) -> KernelResult:
@@ -250,6 +252,8 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                 if on_start is not None:  # (a Ctrl-C or nbddp kill landing here is an interruption too)
                     on_start(job)
                 result.kernel = kernel.run(job, train, deadline)
+                if not request.script.returns and not result.kernel.note:  # (nothing to load: say why)
+                    result.kernel = replace(result.kernel, note=request.script.returns_note)
             except (KeyboardInterrupt, SignalReceived) as exc:
                 result.interrupted_by = stop_signal(exc)
             trained = bool(judged)

@@ -74,7 +74,8 @@ class Evidence:
     """The ranks this launcher ran (one node's, in a multi-node run), numbered from ``first_rank``."""
     first_rank: int = 0
     checkpoint_expected: bool = True
-    """False on nodes 1 and up of a multi-node run: node 0's rank 0 saves the weights, on node 0."""
+    """False on nodes 1 and up of a multi-node run (node 0's rank 0 saves the weights, on node 0), and for a
+    script that returns nothing (:attr:`nbddp.notebook.script.Script.returns`)."""
     final_metrics: dict[str, Any] = field(default_factory=dict)
     rendezvous_failure: str | None = None
     """Why the nodes of a multi-node run never all met (the launcher's reading of torch's store error)."""

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 from nbddp import __version__
 from nbddp.notebook.cells import INJECTED, PARAMETERS, TRAIN, ExportedCell, select_cells, selection
-from nbddp.engines import (ENGINES, detect_engine, engine_code, framework_packages, processes_asked,
-                           saves_checkpoints)
+from nbddp.engines import (DEFAULT_RETURNS, ENGINES, detect_engine, engine_code, framework_packages,
+                           processes_asked, saves_checkpoints, spawns_its_own_ranks)
 from nbddp.errors import NbddpError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides
@@ -36,7 +36,7 @@ class ExportOptions:
     engine: str | None = None
     """An engine of :data:`nbddp.engines.ENGINES`, or ``None`` to detect it from the training cells."""
     parameters: dict[str, Any] = field(default_factory=dict)
-    returns: tuple[str, ...] = ("model",)
+    returns: tuple[str, ...] = DEFAULT_RETURNS
     shard: bool = False
     """Every ``nbddp.prepare(model)`` shards with FSDP2 (``--shard``); the torch engine only."""
     keep_markdown: bool = False
@@ -72,6 +72,10 @@ class Script:
     note: str | None = None
     """No cell is marked: which cells nbddp chose (:attr:`nbddp.notebook.cells.Selection.note`), said
     when a run starts and written in the header."""
+    returns: tuple[str, ...] = DEFAULT_RETURNS
+    """The variables rank 0 saves for the kernel; ``()`` when no cell defines the default ``model``."""
+    returns_note: str = ""
+    """Why nothing comes back, when :attr:`returns` is empty (for the kernel and the ending)."""
 
     @property
     def training(self) -> tuple[int, ...]:
@@ -104,7 +108,8 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     source = Path(source)
     markdown = markdown or {}
     engine = options.engine or detect_engine(cells)
-    engine_lines = engine_code(engine, options.returns, options.script_name, options.shard,
+    returns, returns_note = returned(cells, options.returns, engine)
+    engine_lines = engine_code(engine, returns, options.script_name, options.shard,
                                framework_packages(cells, engine))
     writer = _Writer()
     if any(c.cell.label for c in cells):
@@ -121,8 +126,9 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
             *([f"    or: nbddp run {_notebook_ref(source, options.script_dir)}{' --shard' if options.shard else ''}   "
                f"(the whole notebook, training {'sharded' if options.shard else 'as DDP'})"]
               if source.suffix == ".ipynb" else []),  # (not from a kernel's cells: there is no notebook file)
-            f"Weights: rank 0 saves {', '.join(options.returns)} to {Path(options.script_name).stem}.weights.pt "
-            "beside this script (weights.pt in the run dir under nbddp).",
+            (f"Weights: rank 0 saves {', '.join(returns)} to {Path(options.script_name).stem}.weights.pt "
+             "beside this script (weights.pt in the run dir under nbddp)." if returns else
+             f"Weights: {returns_note[:1].upper()}{returns_note[1:]}."),
             *engine_lines.notes,
         ]
     )
@@ -154,7 +160,31 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
         writer.line(INDENT + line)
     source_map = SourceMap(str(source), options.script_name, tuple(writer.segments))
     return Script(writer.text(), source_map, engine, tuple(cells), processes_asked(cells, engine),
-                  saves_checkpoints(cells), note)
+                  saves_checkpoints(cells), note, returns, returns_note)
+
+
+def returned(cells: Sequence[ExportedCell], returns: tuple[str, ...], engine: str) -> tuple[tuple[str, ...], str]:
+    """The variables the script hands back, and why none when none: the default ``model`` where no cell defines
+    one at module level (PyTorch's DDP tutorial builds its model inside the function ``mp.spawn`` runs, and
+    saves it there) comes back as nothing, said, rather than as a NameError after a finished training.
+    Asked for by name (``--return``), a missing variable stays an error."""
+    if returns != DEFAULT_RETURNS or spawns_its_own_ranks(engine):
+        return returns, ""
+    from nbddp.notebook.freevars import cell_names
+
+    defined: set[str] = set()
+    for cell in cells:
+        try:
+            names = cell_names(cell.code)
+        except SyntaxError:
+            return returns, ""
+        if names.star_import:
+            return returns, ""
+        defined |= names.defines
+    if set(returns) <= defined:
+        return returns, ""
+    missing = ", ".join(name for name in returns if name not in defined)
+    return (), f"nothing to return: no cell defines {missing} (the training function keeps its own)"
 
 
 def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:

@@ -97,6 +97,11 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
             per_node = int(os.environ["LOCAL_WORLD_SIZE"])
             node = int(os.environ["GROUP_RANK"])
             exchange_roster(node, nnodes, rank(), range(node * per_node, (node + 1) * per_node))
+    if "RANK" in os.environ and dist.is_initialized():
+        from nbddp.rank_side import spawn
+
+        spawn.adapt()  # mp.spawn(fn, ...) runs fn here; the code's own init_process_group joins this group
+        spawn.new_job()
     if framework is not None:
         from nbddp.rank_side.frameworks import adapt
 
@@ -176,7 +181,7 @@ def finish(namespace: dict[str, Any], returns: Iterable[str], mark: bool = True)
     from nbddp.rank_side.sharding import modules_in
 
     values = _gathered({n: namespace[n] for n in names if n in namespace}, modules_in(namespace.values()))
-    if is_main():
+    if is_main() and names:  # (none: the script returns nothing, and says why)
         missing = [n for n in names if n not in namespace]
         if missing:
             raise NameError(
