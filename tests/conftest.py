@@ -54,9 +54,26 @@ def notebook(tmp_path):
     return make
 
 
+def cpu_rank(nproc: int | None = None) -> dict[str, str]:
+    """The variables that make a process one of ``--cpu``'s ranks (``NBDDP_DEVICE=cpu``, and ``NBDDP_NPROC``
+    for an engine that spawns its own): it runs on the CPU, with gloo, on a machine with GPUs too."""
+    from nbddp.rank_side.env import RankEnv
+
+    return RankEnv(device="cpu", nproc=nproc).variables()
+
+
 @pytest.fixture
-def group(tmp_path):
-    """A real one-rank gloo process group in this process (torch imported only by the tests that use it)."""
+def as_cpu_rank(monkeypatch):
+    """This process as one of ``--cpu``'s ranks: ``nbddp.prepare`` keeps models on the CPU, on a machine with
+    GPUs too."""
+    for name, value in cpu_rank().items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def group(tmp_path, as_cpu_rank):
+    """A real one-rank gloo process group in this process, a CPU rank (:func:`as_cpu_rank`). Torch is
+    imported only by the tests that use it."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
