@@ -232,6 +232,32 @@ def cli_run():
         run.leftovers(grace=0)
 
 
+_cuda_missing: list[str] = []
+
+
+def _why_no_gpu() -> str:
+    """Why this machine can't run the ``gpu`` tests (``""``: it can), found once, on the first gpu test."""
+    if not _cuda_missing:
+        import torch
+
+        from nbddp.devices import visible_gpu_count
+
+        _cuda_missing.append(
+            "" if torch.cuda.is_available() and visible_gpu_count() else
+            "needs a GPU: torch.cuda.is_available() is False here" if not torch.cuda.is_available() else
+            "needs a GPU that nbddp sees: NVML counts none (CUDA_VISIBLE_DEVICES?)")
+    return _cuda_missing[0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.gpu`` tests skip where there is no usable GPU (torch imported for the first of them
+    only), or fail with ``NBDDP_REQUIRE_GPU=1``: on a GPU machine a skip would hide a broken setup."""
+    if item.get_closest_marker("gpu") is not None and (reason := _why_no_gpu()):
+        if os.environ.get("NBDDP_REQUIRE_GPU") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
 @pytest.fixture(autouse=True)
 def private_state_dir(tmp_path_factory, monkeypatch):
     """Live-run registry per test (children inherit it through the environment)."""
