@@ -54,9 +54,26 @@ def notebook(tmp_path):
     return make
 
 
+def cpu_rank(nproc: int | None = None) -> dict[str, str]:
+    """The variables that make a process one of ``--cpu``'s ranks (``NBDDP_DEVICE=cpu``, and ``NBDDP_NPROC``
+    for an engine that spawns its own): it runs on the CPU, with gloo, on a machine with GPUs too."""
+    from nbddp.rank_side.env import RankEnv
+
+    return RankEnv(device="cpu", nproc=nproc).variables()
+
+
 @pytest.fixture
-def group(tmp_path):
-    """A real one-rank gloo process group in this process (torch imported only by the tests that use it)."""
+def as_cpu_rank(monkeypatch):
+    """This process as one of ``--cpu``'s ranks: ``nbddp.prepare`` keeps models on the CPU, on a machine with
+    GPUs too."""
+    for name, value in cpu_rank().items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def group(tmp_path, as_cpu_rank):
+    """A real one-rank gloo process group in this process, a CPU rank (:func:`as_cpu_rank`). Torch is
+    imported only by the tests that use it."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -213,6 +230,32 @@ def cli_run():
     for run in runs:
         kill_group(run.proc.pid)
         run.leftovers(grace=0)
+
+
+_cuda_missing: list[str] = []
+
+
+def _why_no_gpu() -> str:
+    """Why this machine can't run the ``gpu`` tests (``""``: it can), found once, on the first gpu test."""
+    if not _cuda_missing:
+        import torch
+
+        from nbddp.devices import visible_gpu_count
+
+        _cuda_missing.append(
+            "" if torch.cuda.is_available() and visible_gpu_count() else
+            "needs a GPU: torch.cuda.is_available() is False here" if not torch.cuda.is_available() else
+            "needs a GPU that nbddp sees: NVML counts none (CUDA_VISIBLE_DEVICES?)")
+    return _cuda_missing[0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """``@pytest.mark.gpu`` tests skip where there is no usable GPU (torch imported for the first of them
+    only), or fail with ``NBDDP_REQUIRE_GPU=1``: on a GPU machine a skip would hide a broken setup."""
+    if item.get_closest_marker("gpu") is not None and (reason := _why_no_gpu()):
+        if os.environ.get("NBDDP_REQUIRE_GPU") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True)

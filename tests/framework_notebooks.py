@@ -64,8 +64,11 @@ def one_process(source: str, tmp_path: Path) -> dict[str, torch.Tensor]:
     out = tmp_path / "reference.pt"
     script = tmp_path / "reference.py"
     script.write_text(source + f"\ntorch.save({{k: v.detach().cpu() for k, v in model.state_dict().items()}}, {str(out)!r})\n")
+    # On the CPU, as the ranks it is compared with (--cpu): this one process sees no GPU (Accelerate and a
+    # single-process Trainer would take one, whatever ACCELERATE_USE_CPU says).
     done = subprocess.run([PYTHON, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)})
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "HOME": str(tmp_path),
+                               "CUDA_VISIBLE_DEVICES": ""})
     assert done.returncode == 0, done.stdout + done.stderr
     return torch.load(out, weights_only=True)
 

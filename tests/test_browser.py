@@ -37,7 +37,7 @@ torch.manual_seed(0)
 model = nn.Linear(4, 1)
 X = torch.randn(64, 4)
 y = X.sum(1, keepdim=True)"""
-TRAIN = f"""%%ddp_train
+TRAIN = f"""%%ddp_train --cpu
 ddp = nbddp.prepare(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 for epoch in range({EPOCHS}):

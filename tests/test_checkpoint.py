@@ -13,13 +13,15 @@ from nbddp.errors import CheckpointError
 
 def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
     model = torch.nn.Linear(3, 2)
-    wrapped = torch.nn.DataParallel(model)  # same `.module` stripping as DDP
+    wrapped = torch.nn.DataParallel(model)  # same `.module` stripping as DDP (on a GPU machine: moved to cuda:0)
     path = save_returns({"model": wrapped, "scale": 2.5}, tmp_path / "w.pt", note="final")
     states, note = load_returns(path)
     assert note == "final" and set(states["model"]) == {"weight", "bias"}
+    assert {t.device.type for t in states["model"].values()} == {"cpu"}  # saved from whichever device trained it
     fresh = {"model": torch.nn.Linear(3, 2), "scale": 1.0}
     assert load_into(fresh, states) == ["model", "scale"]
-    torch.testing.assert_close(fresh["model"].weight, model.weight)
+    assert fresh["model"].weight.device.type == "cpu"
+    torch.testing.assert_close(fresh["model"].weight, model.weight.detach().cpu())
     assert fresh["scale"] == 2.5
 
 

@@ -1,8 +1,9 @@
 """Exported scripts of the example notebooks train across 2 real processes (gloo, CPU).
 
 torch engine: ``torchrun --standalone --nproc-per-node=2 train.py`` (the fast tier's real-process test
-of ``nbddp export``); catalyst engine: ``python train.py`` (Catalyst's own mp.spawn). Scripts that an
-earlier nbddp exported keep working.
+of ``nbddp export``); catalyst engine: ``python train.py`` (Catalyst's own mp.spawn). The ranks are told
+they are CPU ranks (``NBDDP_DEVICE=cpu``, as ``--cpu`` tells them), so that they are on a machine with
+GPUs too. Scripts that an earlier nbddp exported keep working.
 """
 
 import os
@@ -15,12 +16,13 @@ import torch
 
 from nbddp.checkpoint import load_returns
 from nbddp.doors.cli import main
-from tests.conftest import EXAMPLES, PYTHON, kill_group, survivors
+from tests.conftest import EXAMPLES, PYTHON, cpu_rank, kill_group, survivors
 
-def run_in_own_group(argv, cwd, timeout=240):
+
+def run_in_own_group(argv, cwd, timeout=240, env=None):
     scratch = Path(cwd) / "tmp"  # a hand-run torchrun leaves torchelastic_* in TMPDIR: keep it in the test's folder
     scratch.mkdir(exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch), **(env or {})}
     env.pop("NBDDP_RUN_DIR", None)
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -52,7 +54,8 @@ def test_torch_script_runs_under_torchrun_on_two_processes(tmp_path):
     shutil.copy(EXAMPLES / "digits_torch.ipynb", tmp_path)
     assert main(["export", str(tmp_path / "digits_torch.ipynb"), "-o", str(tmp_path / "train.py"), "-p", "epochs", "4"]) == 0
     proc, out = run_in_own_group(
-        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], tmp_path)
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"], tmp_path,
+        env=cpu_rank())
     assert proc.returncode == 0, out
     assert out.count("epoch 4 loss") == 2, out  # once per rank
     returns, _ = load_returns(tmp_path / "train.weights.pt")
@@ -64,7 +67,7 @@ def test_torch_script_runs_under_torchrun_on_two_processes(tmp_path):
 def test_catalyst_script_runs_with_python_on_two_processes(tmp_path):
     shutil.copy(EXAMPLES / "digits_catalyst.ipynb", tmp_path)
     assert main(["export", str(tmp_path / "digits_catalyst.ipynb"), "-o", str(tmp_path / "train.py"), "-p", "epochs", "3"]) == 0
-    proc, out = run_in_own_group([PYTHON, "train.py"], tmp_path)
+    proc, out = run_in_own_group([PYTHON, "train.py"], tmp_path, env=cpu_rank(nproc=2))  # as `nbddp export --cpu` says
     assert proc.returncode == 0, out
     assert "[nbddp] rank 0/2 started" in out and "[nbddp] rank 1/2 started" in out
     assert "returning the runner's best checkpoint" in out

@@ -1,6 +1,7 @@
 """Fault injection: each test a row of docs/reliability.md, with real processes, checked by PID.
 
-Every test asserts the exit code, the message, and that no process of the run is left.
+Every test asserts the exit code, the message, and that no process of the run is left. The runs ask for
+CPU ranks (``--cpu``: 2 gloo processes, on a machine with GPUs too).
 """
 
 import json
@@ -31,7 +32,7 @@ def result_of(folder):
 
 def run_faulty(tmp_path, cli_run, body, *args, timeout=120):
     write_notebook(tmp_path / "f.ipynb", training(body))
-    run = cli_run(["run", "f.ipynb", *args], tmp_path)
+    run = cli_run(["run", "f.ipynb", "--cpu", *args], tmp_path)
     code_ = run.wait(timeout=timeout)
     assert "EVALUATION RAN" not in run.output
     assert not run.leftovers(), "a process of the run outlived it"
@@ -97,7 +98,7 @@ def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
 def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     """SIGKILL to nbddp itself: no cleanup code runs; the guard's parent-death signal must do it."""
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
-    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path)
     run.wait_for("[rank 1] step 2")
     ranks = set(run.seen)
     run.proc.send_signal(signal.SIGKILL)
@@ -130,11 +131,11 @@ def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
             pass  # already busy: even better
     try:
         write_notebook(tmp_path / "f.ipynb", training("dist.all_reduce(torch.ones(1))"))
-        run = cli_run(["run", "f.ipynb", "--run-dir", "r1"], tmp_path)
+        run = cli_run(["run", "f.ipynb", "--cpu", "--run-dir", "r1"], tmp_path)
         assert run.wait() == 0, run.output
         mode = (tmp_path / "r1" / "train.py").stat().st_mode
         assert not mode & 0o022 and (tmp_path / "r1").stat().st_mode & 0o777 == 0o700
-        again = cli_run(["run", "f.ipynb", "--run-dir", "r1"], tmp_path)
+        again = cli_run(["run", "f.ipynb", "--cpu", "--run-dir", "r1"], tmp_path)
         assert again.wait() == 2 and "already holds a run" in again.output
         zero = cli_run(["run", "f.ipynb", "--cpu", "--nproc", "0"], tmp_path)
         assert zero.wait() == 2 and "--nproc 0: need at least 1 process" in zero.output  # a bad value, not a device problem
@@ -145,7 +146,7 @@ def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):
 
 def test_ps_lists_a_live_run_and_kill_ends_it(tmp_path, cli_run):
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
-    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path)
     run.wait_for("[rank 1] step 2")
     (run_dir,) = (tmp_path / "runs").iterdir()
     ps = cli_run(["ps"], tmp_path)
@@ -186,7 +187,7 @@ def test_catalyst_rank_raising_names_cell_line_and_rank(tmp_path, cli_run):
     loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8)}"
     write_notebook(tmp_path / "c.ipynb", [code("BOOM = True", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN),
                                           code("print('EVALUATION RAN')")])
-    run = cli_run(["run", "c.ipynb"], tmp_path)
+    run = cli_run(["run", "c.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 1, run.output
     assert "rank 1 raised ValueError: catalyst rank broke" in run.output
     assert "c.ipynb, cell 2, line 12" in run.output and "EVALUATION RAN" not in run.output
@@ -196,7 +197,7 @@ def test_catalyst_rank_raising_names_cell_line_and_rank(tmp_path, cli_run):
 def test_catalyst_lambda_that_spawn_must_pickle_is_named_before_the_ranks_start(tmp_path, cli_run):
     loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8,\n                         collate_fn=lambda b: torch.utils.data.default_collate(b))}"
     write_notebook(tmp_path / "c.ipynb", [code("BOOM = False", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN)])
-    run = cli_run(["run", "c.ipynb"], tmp_path)
+    run = cli_run(["run", "c.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 2, run.output
     assert "UnpicklableError: c.ipynb, cell 2, line 14: Catalyst's DDP engine sends the runner" in run.output
     assert "runner._loaders['train'].collate_fn (function) can't be pickled" in run.output
@@ -222,7 +223,7 @@ def _listeners():
 def test_what_listens_during_a_run_is_what_the_docs_say(tmp_path, cli_run):
     """docs/reliability.md: ranks, kernel: loopback only; torchrun's stores: all interfaces, random ports."""
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
-    run = cli_run(["run", "f.ipynb"], tmp_path)
+    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path)
     run.wait_for("[rank 1] step 2")
     ours = [(a, port, pid, open(f"/proc/{pid}/cmdline", "rb").read()) for a, port, pid in _listeners() if pid in run.seen]
     run.proc.send_signal(signal.SIGTERM)
@@ -252,7 +253,7 @@ def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, cli_run):
         "    nbddp.log(epoch=epoch)"
     )
     write_notebook(tmp_path / "f.ipynb", training(body)[:2])
-    run = cli_run(["run", "f.ipynb", "--max-restarts", "1"], tmp_path)
+    run = cli_run(["run", "f.ipynb", "--cpu", "--max-restarts", "1"], tmp_path)
     assert run.wait(timeout=120) == 0, run.output
     assert "[rank 0] attempt 0 starts at epoch 0" in run.output
     assert "[rank 0] attempt 1 starts at epoch 2" in run.output and "resumed from resume.pt" in run.output

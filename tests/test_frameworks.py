@@ -154,7 +154,8 @@ def test_lightnings_forking_strategies_become_torchruns():
     assert lightning_strategy(Forking(), 2)._start_method == "popen"
 
 
-def test_a_lightning_trainer_gets_this_runs_devices_and_says_so(monkeypatch, capsys):
+def test_a_lightning_trainer_gets_this_runs_devices_and_says_so(monkeypatch, capsys, as_cpu_rank):
+    """A CPU rank's Trainer (``--cpu``, on a machine with GPUs too): the GPU case is in tests/test_gpu.py."""
     from nbddp.rank_side.frameworks import _lightning_kwargs
 
     for name, value in {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"}.items():
@@ -256,7 +257,7 @@ def assert_weights(run_dir, expected: dict[str, torch.Tensor], engine: str) -> N
 def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_weights(tmp_path, cli_run, engine,
                                                                                       reference):
     write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells())
-    run = cli_run(["run", "nb.ipynb"], tmp_path)
+    run = cli_run(["run", "nb.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 0, run.output
     assert not run.leftovers()
     assert ADAPTED[engine] in run.output, run.output
@@ -299,7 +300,7 @@ def test_ctrl_c_stops_lightnings_ranks_although_they_catch_sigterm(tmp_path, cli
     (Ctrl-C in a notebook, the stop button, is tested for every library in the kernel test below.)"""
     engine = "lightning"
     write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(slow="10"))  # each step 10 s: still training
-    run = cli_run(["run", "nb.ipynb"], tmp_path)
+    run = cli_run(["run", "nb.ipynb", "--cpu"], tmp_path)
     run.wait_for(ADAPTED[engine], timeout=120)  # the library's training starts
     time.sleep(2)
     run.proc.send_signal(signal.SIGINT)
@@ -331,19 +332,20 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
         notebook = NOTEBOOKS[engine]
         train = notebook.train.format(batch=notebook.batch, fail="False", slow="0")
         where[engine] = {"setup": len(cells), "train": len(cells) + 1}
-        cells += [new_code_cell("#| ddp\n" + notebook.setup), new_code_cell("%%ddp_train\n" + train),
+        cells += [new_code_cell("#| ddp\n" + notebook.setup), new_code_cell("%%ddp_train --cpu\n" + train),
                   new_code_cell(notebook.evaluate)]
         if engine == "lightning":  # the peer's own way, from the same kernel
             where[engine]["peer"] = len(cells)
             cells.append(new_code_cell(train.replace("trainer.fit", "try:\n    trainer.fit") +
                                        "\nexcept RuntimeError as exc:\n    print('LIGHTNING REFUSED:', exc)"))
         where[engine]["fail"] = len(cells)
-        cells.append(new_code_cell("%%ddp_train\n" + notebook.train.format(batch=notebook.batch, fail="True", slow="0")))
+        cells.append(new_code_cell("%%ddp_train --cpu\n" + notebook.train.format(batch=notebook.batch, fail="True",
+                                                                                slow="0")))
         slow = notebook.train.format(batch=notebook.batch, fail="False", slow="10")  # 10 s a step
         where[engine]["timeout"] = len(cells)
-        cells.append(new_code_cell("%%ddp_train --timeout 8\n" + slow))
+        cells.append(new_code_cell("%%ddp_train --cpu --timeout 8\n" + slow))
         where[engine]["interrupt"] = len(cells)
-        cells.append(new_code_cell("%%ddp_train\n" + slow))
+        cells.append(new_code_cell("%%ddp_train --cpu\n" + slow))
     nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                             "language": "python"}})
     client = NotebookClient(nb, timeout=400, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}})

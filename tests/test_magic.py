@@ -236,9 +236,11 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
 class ProtocolKernel:
     """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them."""
 
-    def __init__(self, cwd):
+    def __init__(self, cwd, timeout: float = 120):
         from jupyter_client import KernelManager
 
+        self.timeout = timeout
+        """Seconds to wait for the cell's next message (a cell may be quiet that long, not longer)."""
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=str(cwd))
         self.kc = self.km.client()
@@ -260,7 +262,7 @@ class ProtocolKernel:
         msg = self.msg
         text, displays = [], {}
         while True:
-            reply = self.kc.get_iopub_msg(timeout=120)
+            reply = self.kc.get_iopub_msg(timeout=self.timeout)
             if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
                 continue
             kind, content = reply["msg_type"], reply["content"]

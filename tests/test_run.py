@@ -1,4 +1,7 @@
-"""``nbddp run`` with real processes: 2 ranks, gloo, a real kernel, checked by PID."""
+"""``nbddp run`` with real processes: 2 ranks, gloo, a real kernel, checked by PID.
+
+The runs ask for CPU ranks (``--cpu``: 2 gloo processes, on a machine with GPUs too); the examples'
+test runs with this machine's default devices and checks what they are."""
 
 import json
 import re
@@ -10,6 +13,7 @@ import nbformat
 import pytest
 import torch
 
+from nbddp.devices import resolve, visible_gpu_count
 from tests.conftest import EXAMPLES, code, md, write_notebook
 
 pytestmark = pytest.mark.slow
@@ -39,29 +43,35 @@ def cell_texts(path):
 
 @pytest.mark.parametrize("name, epochs, minimum", [("digits_torch", 6, 0.9), ("digits_catalyst", 3, 0.85)])
 def test_examples_end_to_end_with_cpu_evaluation(tmp_path, cli_run, name, epochs, minimum):
+    """With no device flag: 2 CPU processes (gloo) where no GPU is visible, and it says so; every GPU where
+    there are some. Either way the kernel evaluates the returned weights on the CPU."""
+    devices = resolve()  # what this machine gives a run that names no devices
+    last = devices.nproc - 1
     shutil.copy(EXAMPLES / f"{name}.ipynb", tmp_path)
     run = cli_run(["run", f"{name}.ipynb", "-p", "epochs", epochs], tmp_path)
     assert run.wait() == 0, run.output
-    assert "no GPU visible: running on the CPU with 2 processes (gloo)." in run.output
-    assert "[rank 0]" in run.output and "[rank 1]" in run.output
+    if devices.kind == "cpu":
+        assert devices.nproc == 2 and "no GPU visible: running on the CPU with 2 processes (gloo)." in run.output
+    assert "[rank 0]" in run.output and f"[rank {last}]" in run.output
     accuracy = float(re.search(r"\[cell \d+\] test accuracy: ([\d.]+)", run.output).group(1))
     assert accuracy > minimum
     (run_dir,) = run_dirs(tmp_path)
-    for part in ("train.py", "train.py.map.json", "logs/rank-0.log", "logs/rank-1.log", "logs/launcher.log",
+    for part in ("train.py", "train.py.map.json", "logs/rank-0.log", f"logs/rank-{last}.log", "logs/launcher.log",
                  "weights.pt", "metrics.jsonl", "result.json", "output.ipynb"):
         assert (run_dir / part).exists(), part
     assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
     result = result_of(run_dir)
     assert result["status"] == "succeeded" and result["exit_code"] == 0
-    assert result["world_size"] == 2 and result["devices"] == {"kind": "cpu", "nproc": 2}
-    assert result["rank_exit_codes"] == {"0": 0, "1": 0} and result["overrides"] == {"epochs": epochs}
+    assert result["world_size"] == devices.nproc and result["devices"] == {"kind": devices.kind, "nproc": devices.nproc}
+    assert result["rank_exit_codes"] == {str(r): 0 for r in range(devices.nproc)}
+    assert result["overrides"] == {"epochs": epochs}
     assert result["parameters"]["epochs"] == epochs and len(result["parameters"]) > 1  # the defaults too
     assert result["command"] == f"nbddp run {name}.ipynb -p epochs {epochs}"
     assert set(result["versions"]) == {"nbddp", "torch", "python"} and result["notebook"].endswith(f"{name}.ipynb")
     assert result["final_metrics"]["epoch"] == epochs
     assert result["wall_time_s"] > 0 and result["ended_at"] > result["started_at"]
     texts = cell_texts(run_dir / "output.ipynb")
-    assert any("[rank 1]" in t and "loaded the trained model" in t for t in texts)
+    assert any(f"[rank {last}]" in t and "loaded the trained model" in t for t in texts)
     assert f"test accuracy: {accuracy:.3f}" in texts[-1]
     assert not run.leftovers()
 
@@ -111,7 +121,7 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
         code("#| ddp-train\nprint(f'rank {nbddp.rank()} tag={tag!r} steps={steps} content={content}')"),
         code("print(f'kernel tag={tag!r} steps={steps}')"),
     ])
-    run = cli_run(["run", "p.ipynb", "-p", "tag", value, "-p", "steps", "3"], tmp_path)
+    run = cli_run(["run", "p.ipynb", "--cpu", "-p", "tag", value, "-p", "steps", "3"], tmp_path)
     assert run.wait() == 0, run.output
     for rank in (0, 1):
         assert f"[rank {rank}] rank {rank} tag={value!r} steps=3 content=relative file ok" in run.output
@@ -134,7 +144,7 @@ def test_rank_raising_names_cell_line_rank_and_stops_everything(tmp_path, cli_ru
         code("print('EVALUATION RAN')"),
     ])
     started = time.monotonic()
-    run = cli_run(["run", "boom.ipynb"], tmp_path)
+    run = cli_run(["run", "boom.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 1, run.output
     assert time.monotonic() - started < 90
     assert "rank 1 raised ValueError: bad batch at step 3" in run.output
@@ -187,7 +197,7 @@ LONG_TRAINING = [code(SETUP), code("#| ddp-train\nfor step in range(100000):\n  
 @pytest.mark.parametrize("sig, expected", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expected):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
-    run = cli_run(["run", "long.ipynb"], tmp_path)
+    run = cli_run(["run", "long.ipynb", "--cpu"], tmp_path)
     run.wait_for("[rank 1] step 3")
     run.proc.send_signal(sig)
     sent = time.monotonic()
@@ -201,7 +211,7 @@ def test_signal_during_training_stops_every_process(tmp_path, cli_run, sig, expe
 @pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 def test_timeout_stops_the_run_with_124(tmp_path, cli_run):
     write_notebook(tmp_path / "long.ipynb", LONG_TRAINING)
-    run = cli_run(["run", "long.ipynb", "--timeout", "12"], tmp_path)
+    run = cli_run(["run", "long.ipynb", "--cpu", "--timeout", "12"], tmp_path)
     assert run.wait(timeout=60) == 124, run.output
     assert "EVALUATION RAN" not in run.output
     assert result_of(run_dirs(tmp_path)[0])["status"] == "timeout"
@@ -210,7 +220,7 @@ def test_timeout_stops_the_run_with_124(tmp_path, cli_run):
 
 def test_two_concurrent_runs_in_one_folder(tmp_path, cli_run):
     write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code("#| ddp-train\nmodel = nbddp.prepare(model)\nprint('rank', nbddp.rank(), 'trained')"), code(EVALUATE)])
-    runs = [cli_run(["run", "nb.ipynb"], tmp_path) for _ in range(2)]
+    runs = [cli_run(["run", "nb.ipynb", "--cpu"], tmp_path) for _ in range(2)]
     assert [r.wait() for r in runs] == [0, 0], [r.output for r in runs]
     dirs = run_dirs(tmp_path)
     assert len(dirs) == 2 and all(result_of(d)["status"] == "succeeded" for d in dirs)
@@ -219,10 +229,11 @@ def test_two_concurrent_runs_in_one_folder(tmp_path, cli_run):
 
 
 def test_more_gpus_than_visible_is_an_error_before_anything_starts(tmp_path, cli_run):
+    visible = visible_gpu_count()  # 0 on a machine without GPUs
     write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code("#| ddp-train\npass")])
-    run = cli_run(["run", "nb.ipynb", "--gpus", "4"], tmp_path)
+    run = cli_run(["run", "nb.ipynb", "--gpus", str(visible + 4)], tmp_path)
     assert run.wait() == 3
-    assert "--gpus 4 asks for more GPUs than the 0 visible" in run.output
+    assert f"--gpus {visible + 4} asks for more GPUs than the {visible} visible" in run.output
     assert not (tmp_path / "runs").exists()
 
 
@@ -239,7 +250,7 @@ def test_floods_bad_bytes_and_progress_bars_neither_block_nor_get_lost(tmp_path,
         "sys.stderr.write('\\n')\n"
         "print('DONE', nbddp.rank())"
     ), code(EVALUATE)])
-    run = cli_run(["run", "noisy.ipynb"], tmp_path)
+    run = cli_run(["run", "noisy.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 0, run.output[-3000:]
     (run_dir,) = run_dirs(tmp_path)
     for rank in (0, 1):
@@ -263,7 +274,7 @@ def test_torchs_warning_written_over_a_progress_bar_is_one_line_for_all_ranks(tm
         "    ddp_model(torch.randn(4, 4)).sum().backward()\n"
         "print('DONE', nbddp.rank())"
     )])
-    run = cli_run(["run", "warned.ipynb"], tmp_path)
+    run = cli_run(["run", "warned.ipynb", "--cpu"], tmp_path)
     assert run.wait() == 0, run.output[-3000:]
     warnings = [line for line in run.output.splitlines() if "find_unused_parameters=True was specified" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[all ranks] [W"), run.output
@@ -294,7 +305,7 @@ CATALYST_SLOW = [
 
 def test_interrupted_catalyst_run_is_never_a_success(tmp_path, cli_run):
     write_notebook(tmp_path / "cat.ipynb", CATALYST_SLOW)
-    run = cli_run(["run", "cat.ipynb"], tmp_path)
+    run = cli_run(["run", "cat.ipynb", "--cpu"], tmp_path)
     run.wait_for("[rank 1] batch 1")
     run.proc.send_signal(signal.SIGINT)
     sent = time.monotonic()

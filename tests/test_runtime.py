@@ -44,7 +44,7 @@ def test_prepared_model_is_ddp(group):
 
 
 
-def test_leave_group_keeps_the_final_barrier_alive_until_exit(tmp_path, monkeypatch):
+def test_leave_group_keeps_the_final_barrier_alive_until_exit(tmp_path, monkeypatch, as_cpu_rank):
     """The teardown abort's fix: the last barrier's work is never released by a gloo thread.
 
     (The race itself needs a busy machine, ~1 run in 10 there; the soak test shows it gone. This
@@ -83,7 +83,7 @@ def test_no_submodule_shadows_the_api_of_training_cells():
         assert callable(getattr(nbddp, name)) and not isinstance(getattr(nbddp, name), type(nbddp)), name
 
 
-def test_the_training_codes_own_destroy_process_group_leaves_the_group_safely(tmp_path, monkeypatch):
+def test_the_training_codes_own_destroy_process_group_leaves_the_group_safely(tmp_path, monkeypatch, as_cpu_rank):
     """`dist.barrier(); dist.destroy_process_group()` at the end of a training cell: the final barrier
     before the destroy is kept until exit too (the teardown race of any barrier)."""
     import torch.distributed.distributed_c10d as c10d
@@ -114,8 +114,10 @@ def test_a_rank_about_to_exit_skips_the_final_collection_but_a_warm_rank_never_d
     import subprocess
     import sys
 
-    probe = ("import gc\nfrom nbddp.rank_side.process import skip_final_collection\nskip_final_collection()\n"
-             "print(gc.get_freeze_count() > 0)")
+    # Compared with the count before: Python 3.12 starts with objects in the permanent generation (375 of them),
+    # 3.11 and 3.13 with none.
+    probe = ("import gc\nfrom nbddp.rank_side.process import skip_final_collection\nbefore = gc.get_freeze_count()\n"
+             "skip_final_collection()\nprint(gc.get_freeze_count() > before)")
     env = {k: v for k, v in os.environ.items() if k != "NBDDP_WARM"} | ({"NBDDP_WARM": warm} if warm else {})
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env, check=True)
     assert out.stdout.strip() == frozen, out.stderr

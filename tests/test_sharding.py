@@ -226,7 +226,9 @@ def test_the_exported_script_shows_the_fsdp_calls(tmp_path):
     assert "_nbddp.start()" in plain and "fully_shard" not in plain
 
 
-def test_peak_memory_is_reported_read_and_said(tmp_path):
+def test_peak_memory_is_reported_read_and_said(tmp_path, as_cpu_rank):
+    """A CPU rank's peak is its RSS, on a machine with GPUs too (even where this process used CUDA); a GPU
+    rank's is CUDA's (tests/test_gpu.py)."""
     from nbddp.job.rank_memory import describe, read_peaks
     from nbddp.rank_side import memory
 
@@ -261,11 +263,11 @@ def test_the_sharding_section_says_each_figure_and_what_sharding_bought():
 def test_a_sharded_run_gives_ddps_weights_and_one_processs_and_the_kernel_evaluates(tmp_path, cli_run):
     write_notebook(tmp_path / "s.ipynb", training())
     write_notebook(tmp_path / "mp.ipynb", training(prepare=", mixed_precision=torch.bfloat16"))
-    ddp = cli_run(["run", "s.ipynb"], tmp_path)
+    ddp = cli_run(["run", "s.ipynb", "--cpu"], tmp_path)
     assert ddp.wait() == 0, ddp.output
-    sharded = cli_run(["run", "s.ipynb", "--shard"], tmp_path)
+    sharded = cli_run(["run", "s.ipynb", "--cpu", "--shard"], tmp_path)
     assert sharded.wait() == 0, sharded.output
-    mixed = cli_run(["run", "mp.ipynb", "--shard"], tmp_path)
+    mixed = cli_run(["run", "mp.ipynb", "--cpu", "--shard"], tmp_path)
     assert mixed.wait() == 0, mixed.output
     assert "[rank 0] kind DistributedDataParallel" in ddp.output
     assert "[rank 0] kind FSDPSequential" in sharded.output and "[rank 1] kind FSDPSequential" in sharded.output
@@ -288,7 +290,7 @@ def test_a_sharded_run_gives_ddps_weights_and_one_processs_and_the_kernel_evalua
 def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_world_size_one(tmp_path, cli_run):
     save = "nbddp.save_checkpoint(model=net, optimizer=opt, step=step)"
     write_notebook(tmp_path / "r.ipynb", training(save=save, fail="r == 1 and nbddp.restart_count() == 0"))
-    run = cli_run(["run", "r.ipynb", "--shard", "--max-restarts", "1"], tmp_path)
+    run = cli_run(["run", "r.ipynb", "--cpu", "--shard", "--max-restarts", "1"], tmp_path)
     assert run.wait() == 0, run.output
     assert "[rank 1] [nbddp] attempt 2: resumed from resume.dcp/save-" in run.output
     assert "[rank 0] kind FSDPSequential attempt 1" in run.output
@@ -345,7 +347,7 @@ def test_warm_ranks_switch_between_sharded_and_ddp_runs_with_fresh_run_weights(t
         state = "print(repr(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()))"
         seen = []
         for flags in ("", " --shard", "", " --shard"):
-            out = kernel.execute(f"%%ddp_train{flags}\n{body}", "train")
+            out = kernel.execute(f"%%ddp_train --cpu{flags}\n{body}", "train")
             assert ("kind FSDPSequential" in out) == bool(flags) and ("kind DistributedDataParallel" in out) != bool(flags), out
             if seen:
                 assert "on a warm rank" in out  # the same ranks served every run
@@ -381,7 +383,7 @@ def test_sharding_holds_at_most_six_tenths_of_ddps_state_per_rank(tmp_path, cli_
     write_notebook(tmp_path / "big.ipynb", [code(MEMORY_SETUP), code(MEMORY_TRAIN)])
     measured = {}
     for flag in ("", "--shard"):
-        run = cli_run(["run", "big.ipynb", *([flag] if flag else [])], tmp_path)
+        run = cli_run(["run", "big.ipynb", "--cpu", *([flag] if flag else [])], tmp_path)
         assert run.wait(timeout=300) == 0, run.output
         resident = {int(r): int(b) for r, b in re.findall(r"RESIDENT (\d) (\d+)", run.output)}
         assert len(resident) == 2 and not run.leftovers()

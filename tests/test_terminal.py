@@ -109,7 +109,7 @@ def test_on_a_real_terminal_the_bar_ends_once_and_the_ending_has_a_line_of_its_o
         code("#| ddp-train\nnbddp.prepare(model)\nfor epoch in range(1, 5):\n    time.sleep(0.4)\n"
              "    nbddp.log(epoch=epoch, epochs=4, loss=2.441)\nprint('trained')"),
     ])
-    text = in_a_pty([sys.executable, "-m", "nbddp", "run", "tiny.ipynb"], tmp_path).decode()
+    text = in_a_pty([sys.executable, "-m", "nbddp", "run", "tiny.ipynb", "--cpu"], tmp_path).decode()
     ending = text.index("nbddp: succeeded in")
     before, after = text[:ending], text[ending:]
     assert before.endswith("\r\n"), repr(before[-200:])  # the ending starts a line: never glued to the bar

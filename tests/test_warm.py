@@ -1,7 +1,8 @@
 """Warm ranks: a re-run of ``%%ddp_train`` reuses the kernel's ranks, means the same as a fresh run,
 and starts fresh ranks whenever what they were started with no longer holds.
 
-Real kernels (raw execute requests, as JupyterLab sends them), real torchrun, 2 gloo ranks.
+Real kernels (raw execute requests, as JupyterLab sends them), real torchrun, 2 gloo ranks (``--cpu``, on a
+machine with GPUs too; NCCL's warm ranks are tested in tests/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ torch.manual_seed(0)
 model = nn.Linear(4, 1)
 X = torch.randn(64, 4)
 y = X.sum(1, keepdim=True)"""
-TRAIN = """%%ddp_train{flags}
+TRAIN = """%%ddp_train --cpu{flags}
 ddp = nbddp.prepare(model)
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 for epoch in range(3):
@@ -101,7 +102,7 @@ def test_every_change_warm_ranks_were_not_started_with_starts_fresh_ones(kernel,
     assert "starting fresh warm ranks: environment variables changed" in changed_env
     assert not set(pids(changed_env).values()) & set(started.values())
 
-    one = train(kernel, "--nproc 1 --cpu")
+    one = train(kernel, "--nproc 1")
     assert "starting fresh warm ranks: the devices changed" in one and len(pids(one)) == 1
     assert out is not None
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from nbddp.atomic import write_json
+from nbddp.rank_side.env import RankEnv
 
 INTERVAL = 1.0
 #: Growth smaller than this is not worth a write.
@@ -31,9 +32,18 @@ def peak_bytes() -> tuple[int, str]:
     """``(bytes, kind)``: CUDA's peak allocated memory on a GPU rank, else the process's peak RSS."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _uses_cuda():
         return int(torch.cuda.max_memory_allocated(_cuda_device)), "cuda"
     return _peak_rss(), "rss"
+
+
+def _uses_cuda() -> bool:
+    """A GPU rank whose CUDA is in use. A CPU rank (``NBDDP_DEVICE=cpu``: ``--cpu`` on a machine with GPUs)
+    reports its RSS even if something in it touched CUDA, and never probes the driver (``is_initialized``
+    asks torch; ``is_available`` would start the CUDA driver in every CPU rank, every second)."""
+    import torch
+
+    return RankEnv.from_environ().device != "cpu" and torch.cuda.is_initialized()
 
 
 def _peak_rss() -> int:
@@ -52,7 +62,7 @@ def _peak_rss() -> int:
 def _reset_peak() -> None:
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _uses_cuda():
         torch.cuda.reset_peak_memory_stats(_cuda_device)
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
