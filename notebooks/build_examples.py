@@ -265,13 +265,83 @@ def transformers_notebook():
     ], metadata=KERNELSPEC)
 
 
+def tutorial_notebook():
+    """Written as PyTorch's DDP tutorial teaches: setup/cleanup, a function per process, mp.spawn; nbddp runs it
+    unchanged (only the two marks added)."""
+    return new_notebook(cells=[
+        new_markdown_cell(
+            "# Digits, as PyTorch's DDP tutorial writes it: `mp.spawn`\n\n"
+            "`setup`/`cleanup`, a `train(rank, world_size)` function run in every process and "
+            "`mp.spawn(train, args=(world_size,), nprocs=world_size)`, as in PyTorch's "
+            "*Getting Started with Distributed Data Parallel*. In a notebook `mp.spawn` fails (its children can't "
+            "find `train` in the kernel); under nbddp each rank runs `train(local_rank, world_size)` once, its "
+            "`init_process_group` joins nbddp's group, and the trained `model` comes back here.\n\n"
+            "Run it: `nbddp run notebooks/ddp_tutorial.ipynb` (all GPUs, or 2 CPU processes)."
+        ),
+        new_code_cell("epochs = 12\nlr = 0.05\nbatch_size = 32\nseed = 0", metadata={"tags": ["parameters"]}),
+        new_code_cell(
+            "#| ddp\n"
+            "import os\n"
+            "import torch\n"
+            "import torch.distributed as dist\n"
+            "import torch.multiprocessing as mp\n"
+            "import torch.nn as nn\n"
+            "import torch.optim as optim\n"
+            "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+            "from torch.utils.data import DataLoader, TensorDataset\n"
+            "from torch.utils.data.distributed import DistributedSampler\n"
+            "from sklearn.datasets import load_digits\n"
+            "from sklearn.model_selection import train_test_split\n\n\n"
+            "def setup(rank, world_size):\n"
+            "    os.environ['MASTER_ADDR'] = 'localhost'\n"
+            "    os.environ['MASTER_PORT'] = '12355'\n"
+            "    # initialize the process group: NCCL on GPUs, gloo on CPUs\n"
+            "    dist.init_process_group(\"nccl\" if torch.cuda.is_available() else \"gloo\", rank=rank, "
+            "world_size=world_size)\n\n\n"
+            "def cleanup():\n"
+            "    dist.destroy_process_group()\n\n\n"
+            "torch.manual_seed(seed)\n"
+            "digits = load_digits()  # 1,797 8x8 images that ship with scikit-learn: no download\n"
+            "X = torch.tensor(digits.data / 16.0, dtype=torch.float32)\n"
+            "y = torch.tensor(digits.target)\n"
+            "X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)\n"
+            "dataset = TensorDataset(X_train, y_train)\n"
+            "model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))\n\n\n"
+            "def train(rank, world_size):\n"
+            "    setup(rank, world_size)\n"
+            "    device = torch.device(\"cuda\", rank) if torch.cuda.is_available() else torch.device(\"cpu\")\n"
+            "    ddp_model = DDP(model.to(device), device_ids=[rank] if device.type == \"cuda\" else None)\n"
+            "    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)\n"
+            "    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler)\n"
+            "    optimizer = optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)\n"
+            "    for epoch in range(epochs):\n"
+            "        sampler.set_epoch(epoch)\n"
+            "        for xb, yb in loader:\n"
+            "            optimizer.zero_grad()\n"
+            "            loss = nn.functional.cross_entropy(ddp_model(xb.to(device)), yb.to(device))\n"
+            "            loss.backward()\n"
+            "            optimizer.step()\n"
+            "        if rank == 0:\n"
+            "            print(f\"epoch {epoch + 1} loss {loss.item():.4f}\")\n"
+            "    cleanup()"
+        ),
+        new_code_cell(
+            "#| ddp-train\n"
+            "world_size = torch.cuda.device_count() or 2  # every GPU, or 2 CPU processes\n"
+            "mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)"
+        ),
+        new_code_cell(EVALUATE),
+    ], metadata=KERNELSPEC)
+
+
 if __name__ == "__main__":
     import sys
 
     for name, nb in [("digits_torch.ipynb", torch_notebook()), ("digits_catalyst.ipynb", catalyst_notebook()),
                      ("digits_magic.ipynb", magic_notebook()), ("digits_accelerate.ipynb", accelerate_notebook()),
                      ("digits_lightning.ipynb", lightning_notebook()),
-                     ("tiny_gpt2_transformers.ipynb", transformers_notebook())]:
+                     ("tiny_gpt2_transformers.ipynb", transformers_notebook()),
+                     ("ddp_tutorial.ipynb", tutorial_notebook())]:
         if sys.argv[1:] and name not in sys.argv[1:]:  # (only the named ones)
             continue
         nbformat.validate(nb)

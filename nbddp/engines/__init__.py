@@ -99,8 +99,9 @@ ACCELERATE_LAUNCHERS = ("notebook_launcher", "debug_launcher")
 def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
     """Which of a notebook's cells launches a library's training, with no cell marked: the first whose
     running code (not a ``def`` body) calls Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``),
-    a Lightning ``Trainer``'s ``.fit(...)``, or a Hugging Face ``...Trainer``'s ``.train()``, the library
-    imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer`` was assigned a Trainer
+    a Lightning ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, or torch's
+    ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP tutorial's
+    ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer`` was assigned a Trainer
     (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)`` don't.
 
     ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns the index of that
@@ -109,16 +110,24 @@ def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
     imported = set().union(*(_imported_packages(c) for c in codes if c is not None))
     lightning = bool(imported & set(FRAMEWORKS["lightning"]))
     trainers: dict[str, str] = {}  # variable → the Trainer class it holds
+    spawners: set[str] = set()  # the notebook's functions that start ranks with mp.spawn (the tutorial's run_demo)
     for index, code in enumerate(codes):
         tree = _parse(code) if code is not None else None
         calls = [node for node in _running_nodes(tree) if isinstance(node, ast.Call)] if tree else []
         for node in _running_nodes(tree) if tree else ():
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 trainers.update({t.id: _name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
+        if "torch" in imported and tree is not None:
+            spawners |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and any(_spawns_ranks(sub) for sub in ast.walk(node))}
         for call in calls:
             name = _name_of(call.func)
             if "accelerate" in imported and name in ACCELERATE_LAUNCHERS:
                 return index, name
+            if "torch" in imported and _spawns_ranks(call):
+                return index, f"{ast.unparse(call.func)}"
+            if isinstance(call.func, ast.Name) and call.func.id in spawners:
+                return index, f"{call.func.id} → mp.spawn"
             if not isinstance(call.func, ast.Attribute) or name not in ("fit", "train"):
                 continue
             receiver = call.func.value
@@ -182,6 +191,11 @@ def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
                     if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
                         return value.value
     return None
+
+
+def _spawns_ranks(node: ast.AST) -> bool:
+    """``mp.spawn(...)`` / ``start_processes(...)`` of torch.multiprocessing: PyTorch's DDP tutorial starting its ranks."""
+    return (isinstance(node, ast.Call) and _name_of(node.func) in _SPAWN_COUNT[0] and _is_torch_spawn(node.func))
 
 
 def _is_torch_spawn(func: ast.expr) -> bool:

@@ -140,7 +140,8 @@ def check_rank(rank: int, world_size: int, real_rank: int, real_size: int, local
         return
     if rank in (-1, local) and world_size in (-1, per_node) and real_size != per_node:
         _say_once("node", f"init_process_group(rank={rank}, world_size={world_size}) describes this node; nbddp's "
-                  f"group spans every node: this process is rank {real_rank} of {real_size}")
+                  f"group spans every node: this process is rank {real_rank} of {real_size} (a sampler given the "
+                  "code's values shards the data per node: give it dist.get_rank() and dist.get_world_size())")
         return
     raise NbddpError(
         f"init_process_group(rank={rank}, world_size={world_size}): this process is rank {real_rank} of "
@@ -169,5 +170,5 @@ def _say_once(key: str, text: str) -> None:
     if key in _state["said"]:
         return
     _state["said"].add(key)
-    if dist.get_rank() == 0:
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0:
         print(f"[nbddp] {text}", flush=True)
