@@ -119,6 +119,13 @@ def last_wall_time(tmp_path) -> float:
     return json.loads((run_dirs(tmp_path)[-1] / "result.json").read_text())["wall_time_s"]
 
 
+def warm_time(tmp_path) -> bool:
+    """The last run took a warm run's time: well under the first run's, which started the ranks (an absolute
+    bound would measure the machine's load: a shared 2-core machine can take seconds for a warm run)."""
+    first = json.loads((run_dirs(tmp_path)[0] / "result.json").read_text())["wall_time_s"]
+    return last_wall_time(tmp_path) < min(first / 2, 5.0)
+
+
 def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_is_a_fresh_runs(kernel, tmp_path):
     """No cold start after a failure: the ranks leave the failed job (the one in a collective is woken
     when its peer frees its group), rebuild their process group, and the next run gives a fresh run's
@@ -220,7 +227,7 @@ def test_an_interrupt_that_comes_before_a_rank_took_the_job_keeps_the_ranks(kern
     assert took < 15, took
     after = train(kernel)
     assert "the last run was interrupted: on the same warm ranks, in a new process group" in after, after
-    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+    assert pids(after) == started and weight(kernel) == reference and warm_time(tmp_path)
     assert all(alive(pid) for pid in started.values())
 
 
@@ -237,7 +244,7 @@ def test_ranks_that_take_seconds_to_leave_are_waited_for_and_kept(kernel, tmp_pa
     assert 4.5 < took < 15, took  # it waited for the ranks that kept working on their way out
     after = train(kernel)
     assert "the last run was interrupted: on the same warm ranks, in a new process group" in after, after
-    assert pids(after) == started and weight(kernel) == reference and last_wall_time(tmp_path) < 1.0
+    assert pids(after) == started and weight(kernel) == reference and warm_time(tmp_path)
     assert all(alive(pid) for pid in started.values())
 
 
