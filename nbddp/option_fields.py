@@ -1,7 +1,7 @@
 """An option declared once, as a field of the frozen options it sets; every door's form of it is derived.
 
-A launch option is one ``dataclasses`` field declared with :func:`option` (or an :class:`Option`'s
-:meth:`~Option.field`): its name and type are the field's, its default is the field's default, and
+A launch option is one ``dataclasses`` field declared with an :class:`Option`'s :meth:`~Option.field`
+(``nbddp.options.option``): its name and type are the field's, its default is the field's default, and
 the :class:`Option` in its metadata says the rest: its flags, help, group and metavar, how a value
 given in Python becomes the field's (``coerce``), the check that refuses a bad value naming the
 flag, and which doors take it. As torchrun's ``env`` argparse action declares a flag, its variable
@@ -72,7 +72,7 @@ class Option:
     accepts: str | None = None
     """The type a Python keyword takes, where it is wider than the field's (``int | str | None`` for ``gpus``)."""
     example: tuple[str, ...] = ()
-    """Words after the flag that give a value other than the default (for the tests and the README)."""
+    """Words after the flag that give a value other than the default (the tests give it to every door)."""
     of: type | None = None
     """A dataclass whose own option fields make this option's value (``--slurm`` and its ``--partition``…)."""
     sets: str | None = None
@@ -92,11 +92,6 @@ class Option:
         if self.default_factory is not None:
             return dataclasses.field(default_factory=self.default_factory, metadata={OPTION: self})
         return dataclasses.field(default=MISSING if self.default is REQUIRED else self.default, metadata={OPTION: self})
-
-
-def option(*flags: str, **declaration: Any) -> Any:
-    """A dataclass field declared as the option ``flags`` (see :class:`Option` for ``declaration``)."""
-    return Option(flags, **declaration).field()
 
 
 @dataclass(frozen=True)
@@ -262,7 +257,8 @@ def _refuse_unclaimed(cls: type, given: dict[str, Any]) -> None:
     for dest, parents in owners.items():
         if dest in given and not any(parent.dest in given for parent in parents):
             unclaimed.setdefault(tuple(parent.option.name for parent in parents), []).append(names[dest])
-    for gates, flags in unclaimed.items():
+    if unclaimed:
+        gates, flags = next(iter(unclaimed.items()))
         raise UsageError(f"{', '.join(flags)}: only with {' or '.join(gates)}.")
 
 
@@ -279,7 +275,7 @@ def to_argv(obj: Any) -> list[str]:
 def _render(option: Option, value: Any) -> list[str]:
     if option.of is not None:
         own = list(option.flags)
-        if option.sets and getattr(value, option.sets) != _default(option.of, option.sets):
+        if option.sets and getattr(value, option.sets) != _default(option.of, option.sets):  # (--ray ADDRESS)
             own.append(str(getattr(value, option.sets)))
         return own + to_argv(value)
     if option.render is not None:
@@ -293,7 +289,7 @@ def _render(option: Option, value: Any) -> list[str]:
 
 def _default(cls: type, name: str) -> Any:
     (found,) = [f for f in dataclasses.fields(cls) if f.name == name]
-    return found.default_factory() if found.default_factory is not MISSING else found.default
+    return Declared(found).default
 
 
 # ---------------------------------------------------------------- Python keywords

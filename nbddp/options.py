@@ -1,8 +1,8 @@
 """Every launch option, declared once; the one frozen :class:`LaunchOptions` every front door builds.
 
-Each option is one field below, declared with :func:`~nbddp.option_fields.option`: its name, type and
-default are the field's; its flags, help, group, metavar, check and the doors that take it are in the
-declaration. ``nbddp run``, ``nbddp batch``, ``nbddp export``, ``%%ddp_train`` and ``NBDDP_OPTIONS``
+Each option is one field below, declared with :func:`option` (an :class:`~nbddp.option_fields.Option`):
+its name, type and default are the field's; its flags, help, group, metavar, check and the doors that
+take it are in the declaration. ``nbddp run``, ``nbddp batch``, ``nbddp export``, ``%%ddp_train`` and ``NBDDP_OPTIONS``
 parse what :func:`add_launch_arguments` derives from it; ``nbddp.run()``'s and ``nbddp.batch()``'s
 keywords, :meth:`LaunchOptions.to_argv` (a batch's runs) and the README's table
 (:func:`options_table`) are derived from it too. So every option has the same name, default and
@@ -65,11 +65,12 @@ GROUPS = (_SCRIPT, _DEVICES, _LIMITS, _NODES, _CLUSTER, _RAY, _SLURM) = (
 
 
 def option(*flags: str, doors: frozenset[str] = _EVERY, **declaration: Any) -> Any:
-    """A launch option (every door takes it unless ``doors`` says otherwise)."""
+    """A dataclass field declared as the launch option ``flags`` (every door takes it unless ``doors`` says
+    otherwise; :class:`~nbddp.option_fields.Option` says what else a declaration may say)."""
     return Option(flags, doors=doors, **declaration).field()
 
 
-# ---------------------------------------------------------------- what several options check
+# ---------------------------------------------------------------- what several options share
 
 
 def _at_least(least: int, says: str):  # noqa: ANN202
@@ -104,7 +105,7 @@ def _path(value: Any) -> Path | None:
     return None if value is None else Path(value)
 
 
-def _gpus(value: str) -> None:
+def _gpus(value: str, flag: str) -> None:
     requested_gpus(value)  # (it names --gpus itself: devices.py reads the count)
 
 
@@ -146,7 +147,7 @@ def _several_nodes(given: dict[str, Any]) -> Nodes | None:
     if given == {"count": 1}:
         return None
     if len(given) < 3:
-        together = [usage(d) for d in declared(LaunchOptions) if d.parent is not None and d.parent.name == "nodes"]
+        together = [usage(d) for d in declared(LaunchOptions) if d.parent is not None and d.parent.option.of is Nodes]
         raise UsageError(f"several nodes need {', '.join(together[:-1])} and {together[-1]} together.")
     return Nodes(**given)
 
@@ -315,7 +316,7 @@ class LaunchOptions:
                               "(torch engine)")
     gpus: str | None = option("--gpus", group=_DEVICES, default=None, metavar="N|all", example=("2",),
                               help="GPUs to use (default: all visible)", coerce=_text, accepts="int | str | None",
-                              check=lambda value, flag: _gpus(value))
+                              check=_gpus)
     """``N`` or ``all``; ``None``: every visible GPU, else the CPU."""
     cpu: bool = option("--cpu", group=_DEVICES, default=False, action="store_true",
                        help="run CPU processes with gloo, even with GPUs")
