@@ -14,8 +14,10 @@ __version__ = "0.1.0"
 #: The API of training cells (:mod:`nbddp.rank_side.torch_engine`).
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",
             "save_checkpoint", "restore", "restart_count")
-#: Running notebooks from Python (:mod:`nbddp.api`).
-_API = ("run", "batch", "BatchResult")
+#: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take and return.
+_API = {"run": "nbddp.api", "batch": "nbddp.api", "BatchResult": "nbddp.api", "RunResult": "nbddp.job.orchestrator",
+        "LaunchOptions": "nbddp.options", "Nodes": "nbddp.options", "SlurmRequest": "nbddp.options",
+        "RayRequest": "nbddp.options"}
 __all__ = ["__version__", "load_ipython_extension", *_API, *_RUNTIME]
 
 
@@ -25,10 +27,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(torch_engine, name)
     if name in _API:
-        from nbddp import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -235,6 +235,19 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
         device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=5), print)
 
 
+@pytest.mark.parametrize("cluster", ["slurm", "ray"])
+def test_gpus_per_run_is_refused_where_a_cluster_places_the_runs(cluster):
+    """--gpus-per-run counts this machine's GPUs, as --gpus does: refused with --slurm/--ray in the same words."""
+    from nbddp.doors.batch.schedule import BatchOptions
+    from nbddp.errors import UsageError
+    from nbddp.options import LaunchOptions, RayRequest, SlurmRequest
+
+    launch = LaunchOptions(**{cluster: SlurmRequest() if cluster == "slurm" else RayRequest()})
+    with pytest.raises(UsageError, match=f"--gpus-per-run counts this machine's GPUs; with --{cluster} say "
+                                         "--gpus-per-node G"):
+        BatchOptions("nb.ipynb", {}, launch, gpus_per_run=2)
+
+
 @pytest.mark.slow
 def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
     """--max-restarts (resuming from the checkpoint) and the timeouts mean in a batch what they mean in `nbddp run`."""

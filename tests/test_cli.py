@@ -99,6 +99,12 @@ def test_import_nbddp_does_not_import_torch():
     assert "torch" not in modules and "IPython" not in modules and "ipywidgets" not in modules
 
 
+def test_what_nbddp_run_takes_and_returns_imports_from_nbddp_without_torch():
+    modules = _modules_after("from nbddp import LaunchOptions, Nodes, SlurmRequest, RayRequest, RunResult, BatchResult")
+    assert "torch" not in modules and "nbddp.job.orchestrator" in modules
+    assert "nbddp.options" not in _modules_after("import nbddp")  # (on first use only)
+
+
 def test_help_does_not_import_torch():
     modules = _modules_after(
         "import contextlib, io\nfrom nbddp.doors.cli import main\n"

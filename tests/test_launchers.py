@@ -18,13 +18,14 @@ from nbddp.notebook.script import Script
 from nbddp.notebook.sourcemap import SourceMap
 from nbddp.launchers.slurm import Slurm, sbatch_script
 from nbddp.launchers.slurm_watch import filesystem_type
-from nbddp.options import Nodes, SlurmRequest
+from nbddp.options import LaunchOptions, Nodes, SlurmRequest
 from nbddp.job.rundir import RunDir
 
 def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0):
     """The seam's choice for a job of ``engine`` (a spec with an empty script)."""
     script = Script("", SourceMap("nb.ipynb", "train.py", ()), engine, ())
-    spec = JobSpec(script, Devices("cpu", 2), Path("/r"), Path("/"), nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout)
+    launch = LaunchOptions(nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout)
+    spec = JobSpec(script, Devices("cpu", 2), Path("/r"), Path("/"), launch=launch)
     return launcher_for_spec(spec)
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import re
+from dataclasses import fields
 
 import pytest
 
@@ -130,3 +131,115 @@ def test_bad_ray_options_are_refused_naming_the_option(argv, words):
 def test_bad_node_and_slurm_options_are_refused_naming_the_option(argv, words):
     with pytest.raises(UsageError, match=re.escape(words)):
         parse(argv)
+
+
+# ---------------------------------------------------------------- one declaration, every rendering
+
+
+def _door_parsers():
+    """Each door's own parser, as the door builds it, and the argv words that come before its options."""
+    import papermill  # noqa: F401 - first: papermill loads its engines, nbddp's among them, as it starts
+
+    from nbddp.doors.cli import build_parser
+    from nbddp.doors.jupyter.magics import _PARSER
+    from nbddp.doors.papermill import options_parser
+    from nbddp.options import BATCH, EXPORT, MAGIC, PAPERMILL, RUN
+
+    cli = build_parser()
+    return {RUN: (cli, ["run", "nb.ipynb"]), BATCH: (cli, ["batch", "nb.ipynb", "--grid", "g.yaml"]),
+            EXPORT: (cli, ["export", "nb.ipynb"]), MAGIC: (_PARSER, []), PAPERMILL: (options_parser(), [])}
+
+
+def _flags(parser, prefix):
+    if prefix:  # a command of the CLI: its own parser's flags
+        import argparse
+
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[prefix[0]]
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def _example(declaration):
+    """Arguments that give ``declaration`` its example value: with the option it belongs to, or the others that
+    make it (``--nnodes`` needs ``--node-rank`` and ``--rdzv-endpoint``)."""
+    from nbddp.option_fields import declared
+    from nbddp.options import LaunchOptions
+
+    def words(d):
+        return [d.option.flags[0], *d.option.example]
+
+    parent = declaration.parent
+    if parent is None:
+        return words(declaration)
+    if parent.option.flags:
+        return [parent.option.flags[0], *words(declaration)]
+    return [word for d in declared(LaunchOptions) if d.parent == parent for word in words(d)]
+
+
+def test_every_option_appears_in_every_rendering():
+    """One declaration per option: each door's parser, ``nbddp.run()``'s and ``nbddp.batch()``'s keywords,
+    ``to_argv`` and the README's table all have it (exactly where its declaration says), so a new option is
+    one new field of ``LaunchOptions``."""
+    import inspect
+
+    import nbddp
+    from nbddp.option_fields import declared, fields_of, takes
+    from nbddp.options import BATCH, DOORS, RUN, LaunchOptions, options_table
+
+    parsers = _door_parsers()
+    table = options_table()
+    assert set(parsers) == set(DOORS)
+    everything = list(declared(LaunchOptions))
+    assert {d.name for d in everything if d.parent is None} == {f.name for f in fields(LaunchOptions)}
+    for declaration in everything:
+        option = declaration.option
+        for door, (parser, prefix) in parsers.items():
+            if option.flags:
+                assert (option.flags[0] in _flags(parser, prefix)) == takes(declaration, door), (declaration.name, door)
+            if not takes(declaration, door) or not option.flags:
+                continue
+            argv = _example(declaration)
+            parsed = launch_options(parser.parse_args([*prefix, *argv]))
+            assert parsed != LaunchOptions(), (argv, door)  # the example is a value of its own
+            assert parse(parsed.to_argv()) == parsed, argv  # to_argv says it, and it parses back
+            assert option.flags[-1 if option.render is None else 0] in parsed.to_argv() or option.of, argv
+        if option.flags:
+            assert f"`{declaration.keyword()}`" in table and f"| `{option.flags[0]}" in table, declaration.name
+    for function, door in ((nbddp.run, RUN), (nbddp.batch, BATCH)):
+        keywords = inspect.signature(function).parameters
+        for top in fields_of(LaunchOptions):
+            assert (top.name in keywords) == takes(top, door), (top.name, door)
+            assert (f"    {top.name}: " in function.__doc__) == takes(top, door)
+
+
+def test_the_readme_table_is_the_declarations():
+    from pathlib import Path
+
+    from nbddp.options import options_table
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("\n", readme.index("<!-- launch options:")) + 1
+    written = readme[start:readme.index("<!-- end of launch options -->")].strip()
+    assert written == options_table(), ("README.md's table of launch options is out of date: paste the output of "
+                                        "python -c 'from nbddp.options import options_table; print(options_table())'")
+
+
+def test_python_values_become_what_the_command_line_gives():
+    """``nbddp.run(gpus=2, returns="a,b", run_dir="x")`` builds the options ``--gpus 2 --return a,b --run-dir x`` do."""
+    from pathlib import Path
+
+    given = LaunchOptions(gpus=2, returns="a,b", run_dir="x", parameters=None, collective_timeout=0)
+    assert given == parse(["--gpus", "2", "--return", "a,b", "--run-dir", "x", "--collective-timeout", "0"])
+    assert given.gpus == "2" and given.run_dir == Path("x") and given.parameters == {} and given.collective_timeout is None
+    with pytest.raises(UsageError, match="--engine jax: choose one of torch, catalyst"):
+        LaunchOptions(engine="jax")  # (argparse's choices on the command line: the same declaration)
+
+
+def test_an_unknown_keyword_of_nbddp_run_is_pythons_type_error_naming_the_nearest():
+    import nbddp
+
+    with pytest.raises(TypeError, match=r"run\(\) got an unexpected keyword argument 'gpu' \(did you mean 'gpus'\?\)"):
+        nbddp.run("nb.ipynb", gpu=1)
+    with pytest.raises(TypeError, match="missing a required argument: 'grid'"):
+        nbddp.batch("nb.ipynb")
+    with pytest.raises(UsageError, match="--nproc 0: need at least 1 process"):
+        nbddp.run("nb.ipynb", nproc=0)  # refused before anything reads the notebook

@@ -17,8 +17,7 @@ from nbddp import __version__
 from nbddp.doors.signals import signals_interrupt
 from nbddp.errors import NbddpError, SignalReceived, UsageError
 from nbddp.job.status import BatchState, Status
-from nbddp.options import (add_detach_argument, add_device_arguments, add_launch_arguments, add_script_arguments,
-                           add_topology_arguments, launch_options, script_arguments)
+from nbddp.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,17 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("notebook", type=Path, help="the .ipynb file")
     export.add_argument("-o", "--output", default=None,
                         help="script path (default: NOTEBOOK with .py); '-' prints it")
-    add_script_arguments(export)
     export.add_argument("--keep-markdown", action="store_true", help="keep markdown cells as comments")
-    add_device_arguments(export)
-    add_topology_arguments(export)
+    add_launch_arguments(export, EXPORT)
     export.set_defaults(handler=_export)
 
     run = commands.add_parser("run", help="run a notebook with its training cells as a DDP job")
     run.add_argument("notebook", type=Path, help="the .ipynb file")
     run.add_argument("-o", "--output", type=Path, default=None,
                      help="executed notebook (default: RUN_DIR/output.ipynb)")
-    add_launch_arguments(run)
+    add_launch_arguments(run, RUN)
     add_detach_argument(run)
     run.set_defaults(handler=_run)
 
@@ -54,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
     batch.add_argument("--grid", required=True, type=Path,
                        help="YAML/JSON: name -> list of values (all combinations), or a list of mappings")
-    add_launch_arguments(batch, run_dir=False)
+    add_launch_arguments(batch, BATCH)
     sweep = batch.add_argument_group("batch")
     sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
                        help="GPUs per run (default 1; --gpus K says the same)")
@@ -87,12 +84,12 @@ def _export(args: argparse.Namespace) -> int:
 
     to_stdout = args.output == "-"
     target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
-    if args.nnodes is not None and args.node_rank is None:
+    if "nnodes" in args and "node_rank" not in args:
         args.node_rank = 0  # the header gives the command of every node
-    wanted = script_arguments(args)
+    wanted = launch_options(args)
     script_name = SCRIPT_NAME if target is None else target.name
     notebook = read_notebook(args.notebook)
-    plan = export_launch(args, notebook, wanted.engine, script_name)
+    plan = export_launch(wanted, notebook, script_name)
     if plan.sbatch is not None and to_stdout:
         raise UsageError("--slurm writes train.sbatch beside the script: give -o PATH instead of -o -.")
     options = wanted.export_options(engine=plan.engine, keep_markdown=args.keep_markdown, script_name=script_name,

@@ -1,17 +1,16 @@
 """How an exported script is launched by hand: the header's command, and the sbatch script for Slurm.
 
-``nbddp export`` takes the same device, node, Slurm and Ray flags as ``nbddp run``; instead of
-launching, it writes what a person types (the per-node torchrun command, or the Ray driver's, in
-the script's header) or submits (``train.sbatch`` beside ``train.py``, made by the same generator
+``nbddp export`` takes the same device, node, Slurm and Ray flags as ``nbddp run``, checked as a
+run's are (by :class:`~nbddp.options.LaunchOptions`); instead of launching, it writes what a person
+types (the per-node torchrun command, or the Ray driver's, in the script's header) or submits (``train.sbatch`` beside ``train.py``, made by the same generator
 ``nbddp run --slurm`` submits). Nothing here probes this machine's devices: the script runs elsewhere.
 """
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nbddp.notebook.cells import select_cells
 from nbddp.devices import CPU_PROCESSES, Devices
@@ -21,7 +20,7 @@ from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
 from nbddp.launchers.torchrun import by_hand, torchrun_options
 from nbddp.rank_side.env import RankEnv
-from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest, topology
+from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes
 
 
 @dataclass(frozen=True)
@@ -33,57 +32,48 @@ class ExportPlan:
     """The batch script's text, for ``--slurm``."""
 
 
-def export_launch(args: argparse.Namespace, notebook: Notebook, engine: str | None, script_name: str) -> ExportPlan:
-    """The launch plan of an export, from ``nbddp export``'s device, node and Slurm flags."""
-    nodes, slurm, ray = topology(args)
-    engine = engine or detect_engine(select_cells(notebook))
-    if ray is not None:
-        return ExportPlan(engine, ray_hint(engine, ray, args, nodes, script_name))
-    devices = _devices(args, slurm)
+def export_launch(launch: LaunchOptions, notebook: Notebook, script_name: str) -> ExportPlan:
+    """The launch plan of an export, from ``nbddp export``'s launch options (checked as a run's are)."""
+    engine = launch.engine or detect_engine(select_cells(notebook))
+    if launch.ray is not None:
+        return ExportPlan(engine, ray_hint(replace(launch, engine=engine), script_name))
+    devices = _devices(launch)
+    slurm, nodes = launch.slurm, launch.nodes
     if slurm is not None:
         from nbddp.launchers.slurm import sbatch_script
 
-        if nodes is not None:
-            raise UsageError("--slurm chooses the nodes itself: drop --nnodes/--node-rank/--rdzv-endpoint.")
         if slurm.requeue or slurm.max_requeues != DEFAULT_MAX_REQUEUES:
             raise UsageError("--requeue, --max-requeues: only for jobs nbddp submits and watches (nbddp run, batch, "
                              "%%ddp_train --slurm); a batch script exported to submit by hand runs --no-requeue.")
         # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
         sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name, python=sys.executable,
-                               rdzv_timeout=args.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
+                               rdzv_timeout=launch.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
         return ExportPlan(engine, f"sbatch {script_name.rsplit('.', 1)[0]}.sbatch  (Slurm; see that file)", sbatch)
     if nodes is None:
         return ExportPlan(engine, None if devices is None else local_hint(engine, devices, script_name))
-    return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", CPU_PROCESSES), script_name, args.rdzv_timeout))
+    return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", CPU_PROCESSES), script_name,
+                                       launch.rdzv_timeout))
 
 
-def _devices(args: argparse.Namespace, slurm: SlurmRequest | None) -> Devices | None:
+def _devices(launch: LaunchOptions) -> Devices | None:
     """The devices the header and batch script name; ``None``: the engine's one-machine default."""
     from nbddp.devices import requested_gpus
 
-    if slurm is not None and args.gpus is not None:
-        raise UsageError("--gpus counts this machine's GPUs; with --slurm say --gpus-per-node G.")
-    gpus = slurm.gpus_per_node if slurm is not None else (requested_gpus(args.gpus) if args.gpus is not None else None)
-    if gpus is not None and (args.cpu or args.nproc is not None):
-        raise UsageError("GPUs and --cpu/--nproc contradict each other: choose one.")
-    if slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
-        return slurm_devices(slurm, args.cpu, args.nproc, require_commands=False)
-    if gpus is not None:
-        return Devices("cuda", gpus)
-    if args.cpu or args.nproc is not None:
-        return Devices("cpu", args.nproc or CPU_PROCESSES)
+    if launch.slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
+        return slurm_devices(launch.slurm, launch.cpu, launch.nproc, require_commands=False)
+    if launch.gpus is not None:
+        return Devices("cuda", requested_gpus(launch.gpus))
+    if launch.cpu or launch.nproc is not None:
+        return Devices("cpu", launch.nproc or CPU_PROCESSES)
     return None
 
 
-def ray_hint(engine: str, ray: RayRequest, args: argparse.Namespace, nodes: Nodes | None, script: str) -> str:
+def ray_hint(launch: LaunchOptions, script: str) -> str:
     """The Ray driver's command (what ``nbddp run --ray`` starts), with a folder for the ranks' logs."""
     from nbddp.launchers.ray import driver_command, ray_devices
-    from nbddp.options import LaunchOptions
 
-    # The same checks as a run's (the engine, the nodes, the devices); the driver runs elsewhere: no Ray needed.
-    LaunchOptions(gpus=args.gpus, cpu=args.cpu, nproc=args.nproc, engine=engine, nodes=nodes, ray=ray)
-    devices = ray_devices(ray, args.cpu, args.nproc, require=False)
-    argv = driver_command(ray, devices, "ray-run", script, python="python", start_timeout=args.rdzv_timeout)
+    devices = ray_devices(launch.ray, launch.cpu, launch.nproc, require=False)  # (the driver runs elsewhere)
+    argv = driver_command(launch.ray, devices, "ray-run", script, python="python", start_timeout=launch.rdzv_timeout)
     return (" ".join(shlex.quote(a) for a in argv) + "   (Ray; every rank's output: ray-run/logs/rank-N.log; the "
             "nodes must share this folder)")
 

@@ -62,7 +62,7 @@ from nbddp.notebook.parameters import closest_parameter, declared_parameters, ef
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
 from nbddp.notebook.freevars import check_defined
-from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
+from nbddp.options import PAPERMILL, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 
@@ -240,6 +240,13 @@ class PapermillKernel(NotebookKernel):
         self.nb_man.save()
 
 
+def options_parser() -> ArgumentParser:
+    """What ``NBDDP_OPTIONS`` may say: the launch options this door takes."""
+    parser = ArgumentParser(prog=OPTIONS_VARIABLE)
+    add_launch_arguments(parser, PAPERMILL)
+    return parser
+
+
 def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
     """The DDP run of papermill's parameterized notebook, checked: its options, names and script.
 
@@ -250,10 +257,8 @@ def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
     name = path.name
     text = os.environ.get(OPTIONS_VARIABLE, "")
     try:
-        parser = ArgumentParser(prog=OPTIONS_VARIABLE)
-        add_launch_arguments(parser)
         try:
-            launch = launch_options(parser.parse_args(shlex.split(text)))
+            launch = launch_options(options_parser().parse_args(shlex.split(text)))
         except UsageError as exc:
             raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
                              "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None

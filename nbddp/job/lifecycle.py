@@ -24,7 +24,7 @@ from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import NbddpError, UsageError
 from nbddp.launchers import Launch, Launcher, launcher_for
-from nbddp.options import DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_RDZV_TIMEOUT, Nodes, RayRequest, SlurmRequest
+from nbddp.options import LaunchOptions
 from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
@@ -77,24 +77,18 @@ class JobSpec:
     run_dir: Path
     cwd: Path
     python: str = sys.executable
-    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT
+    launch: LaunchOptions = LaunchOptions()
+    """The options the job runs with (its collective timeout, restarts, nodes, Slurm or Ray request…)."""
     owner: str = "cli"
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
-    max_restarts: int = 0
-    nodes: Nodes | None = None
-    """This node's part in a multi-node run."""
-    slurm: SlurmRequest | None = None
-    """The Slurm job the ranks run as (``None``: here)."""
-    ray: RayRequest | None = None
-    """The Ray cluster whose workers run the ranks (``None``: here)."""
-    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
     pool: Any = None
     """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to hand the job to, instead of starting ranks."""
 
     @property
     def node_count(self) -> int:
-        cluster = self.slurm or self.ray
-        return self.nodes.count if self.nodes else cluster.nodes if cluster else 1
+        launch = self.launch
+        cluster = launch.slurm or launch.ray
+        return launch.nodes.count if launch.nodes else cluster.nodes if cluster else 1
 
     @property
     def world_size(self) -> int:
@@ -113,7 +107,7 @@ class Job:
         self.paths = RunDir(spec.run_dir)
         self.checkpoint = self.paths.weights
         self.script_path = self.paths.script
-        self.collective_timeout = spec.collective_timeout
+        self.collective_timeout = spec.launch.collective_timeout
         self.early_exit: int | None = None
         self.deadline_name = "--timeout"
         self.idle_for: float | None = None
@@ -128,14 +122,14 @@ class Job:
         or nothing left running."""
         launcher = launcher_for(spec)
         leftovers = TorchLeftovers()
-        if spec.max_restarts and not launcher.supports_restarts:
+        if spec.launch.max_restarts and not launcher.supports_restarts:
             raise UsageError(f"--max-restarts needs torchrun to restart the ranks; this run's launcher "
                              f"({launcher.name}) can't.")
         paths = RunDir(spec.run_dir)
         script_path, _ = write_script(spec.script, paths.script)
         paths.logs.mkdir(exist_ok=True)
         rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
-                           spec.collective_timeout).variables()
+                           spec.launch.collective_timeout).variables()
         launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
@@ -241,11 +235,11 @@ class Job:
         node could wait up to twice the timeout; this keeps the promise. The roster (``nodes.json``)
         is written once every node has joined; torchrun starts a node's ranks once its agents have met.
         """
-        if self.spec.nodes is None or spawns_its_own_ranks(self.script.engine) or self.paths.nodes.exists():
+        if self.spec.launch.nodes is None or spawns_its_own_ranks(self.script.engine) or self.paths.nodes.exists():
             return False  # (Catalyst's ranks meet inside runner.train; their own init timeout bounds it)
         if self.paths.ranks.is_dir() and any(self.paths.ranks.glob("rank-*.json")):
             return False  # torchrun starts ranks only once the nodes have met
-        return time.time() - self.started_at > self.spec.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
+        return time.time() - self.started_at > self.spec.launch.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.launch.stop(sig)
@@ -265,6 +259,7 @@ class Job:
         latest = self.restarts()  # errors of attempts torchrun recovered from don't count
         errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
         log = self.launcher.report(self.paths)
+        nodes = self.spec.launch.nodes
         evidence = Evidence(
             run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
             rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
@@ -276,7 +271,7 @@ class Job:
             deadline_name=self.deadline_name,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
-            checkpoint_expected=bool(self.script.returns) and (self.spec.nodes is None or self.spec.nodes.rank == 0),
+            checkpoint_expected=bool(self.script.returns) and (nodes is None or nodes.rank == 0),
             final_metrics=last_metrics(self.run_dir),
             rendezvous_failure=self.launcher.rendezvous_failure(log, expired=self.rendezvous_expired),
             scheduler_end=self.launcher.ended_by_scheduler(self.paths),
@@ -284,16 +279,17 @@ class Job:
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
             evidence = replace(evidence, early_exit=self.early_exit)
-            if self.early_exit is None and self.spec.nodes is not None:
-                evidence = replace(evidence, node_gone=node_gone(self.nodes(), self.spec.nodes.rank, errors[0].message))
+            if self.early_exit is None and nodes is not None:
+                evidence = replace(evidence, node_gone=node_gone(self.nodes(), nodes.rank, errors[0].message))
         return evidence
 
     def _first_rank(self) -> int:
-        return self.spec.nodes.rank * self.devices.nproc if self.spec.nodes else 0
+        nodes = self.spec.launch.nodes
+        return nodes.rank * self.devices.nproc if nodes else 0
 
     def _local_ranks(self) -> int:
         """How many ranks this job's launcher runs (one node's, unless Slurm runs every node's)."""
-        return self.spec.world_size if self.spec.slurm or self.spec.ray else self.devices.nproc
+        return self.spec.world_size if self.spec.launch.slurm or self.spec.launch.ray else self.devices.nproc
 
     def local_ranks(self) -> range:
         """The global ranks whose output this job streams."""

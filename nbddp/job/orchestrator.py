@@ -231,9 +231,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         say(note)
     pool = _warm_pool(request, devices, say)
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
-                   collective_timeout=launch.collective_timeout, owner=request.owner,
-                   max_restarts=launch.max_restarts, nodes=launch.nodes, slurm=launch.slurm,
-                   ray=launch.ray, rdzv_timeout=launch.rdzv_timeout, pool=pool)
+                   launch=launch, owner=request.owner, pool=pool)
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir)
@@ -328,13 +326,13 @@ def topology_notes(launch: LaunchOptions) -> list[str]:
 
 def describe(job: Job) -> str:
     """``torch engine, 2 CPU processes (gloo); run dir …``: what is starting, in one line."""
-    spec = job.spec
-    if spec.slurm is not None:
-        where = f"a Slurm job of {spec.slurm.nodes} node{'s' * (spec.slurm.nodes != 1)} × {spec.devices.describe()}"
-    elif spec.ray is not None:
-        where = f"{spec.ray.nodes} node{'s' * (spec.ray.nodes != 1)} × {spec.devices.describe()} of {spec.ray.where()}"
-    elif spec.nodes is not None:
-        where = f"{spec.devices.describe()} on each of {spec.nodes.count} nodes (world size {spec.world_size})"
+    spec, launch = job.spec, job.spec.launch
+    if launch.slurm is not None:
+        where = f"a Slurm job of {launch.slurm.nodes} node{'s' * (launch.slurm.nodes != 1)} × {spec.devices.describe()}"
+    elif launch.ray is not None:
+        where = f"{launch.ray.nodes} node{'s' * (launch.ray.nodes != 1)} × {spec.devices.describe()} of {launch.ray.where()}"
+    elif launch.nodes is not None:
+        where = f"{spec.devices.describe()} on each of {launch.nodes.count} nodes (world size {spec.world_size})"
     else:
         where = spec.devices.describe()
     return f"{spec.script.engine} engine, {where}; run dir {spec.run_dir}"

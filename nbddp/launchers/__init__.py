@@ -107,7 +107,7 @@ class Launcher:
         from nbddp.launchers.local_process import LaunchSpec, LocalProcess
 
         paths = RunDir(spec.run_dir)
-        argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.max_restarts)
+        argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.launch.max_restarts)
         env = {**os.environ, **rank_env, **self.environment()}
         return LocalProcess(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, self.stop_grace))
 
@@ -169,9 +169,9 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
 
 def launcher_name(spec: "JobSpec") -> str:
     """Which launcher runs ``spec``'s job: the one rule."""
-    if spec.slurm is not None:
+    if spec.launch.slurm is not None:
         return "slurm"
-    if spec.ray is not None:
+    if spec.launch.ray is not None:
         return "ray"
     if spec.pool is not None:
         return "warm"

@@ -33,7 +33,7 @@ class CatalystSpawn(Launcher):
 
     @classmethod
     def for_job(cls, spec) -> "CatalystSpawn":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
-        return cls(spec.nodes, spec.rdzv_timeout)
+        return cls(spec.launch.nodes, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:

@@ -58,7 +58,7 @@ class Ray(Launcher):
 
     @classmethod
     def for_job(cls, spec) -> "Ray":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
-        return cls(spec.script.engine, spec.ray, spec.rdzv_timeout)
+        return cls(spec.script.engine, spec.launch.ray, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:

@@ -81,7 +81,7 @@ class Slurm(Launcher):
 
     @classmethod
     def for_job(cls, spec) -> "Slurm":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
-        return cls(spec.script.engine, spec.slurm, spec.rdzv_timeout, spec.script.saves_checkpoints)
+        return cls(spec.script.engine, spec.launch.slurm, spec.launch.rdzv_timeout, spec.script.saves_checkpoints)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:

@@ -89,7 +89,7 @@ class Torchrun(Launcher):
 
     @classmethod
     def for_job(cls, spec) -> "Torchrun":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
-        return cls(spec.nodes, spec.rdzv_timeout)
+        return cls(spec.launch.nodes, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:

@@ -29,7 +29,7 @@ from nbddp.launchers import devices_for
 from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.options import LaunchOptions
+from nbddp.options import LaunchOptions, machine_gpus_refusal
 from nbddp.job.status import BatchState, Status
 from nbddp.notebook.parameters import check_overrides, declared_parameters
 from nbddp.notebook.literals import check_name, is_plain_data
@@ -83,6 +83,8 @@ class BatchOptions:
                              "Use --slurm, or `nbddp run --nnodes` on each node for one run.")
         if self.launch.gpus is not None and self.gpus_per_run is not None and str(self.launch.gpus) != str(self.gpus_per_run):
             raise UsageError("--gpus and --gpus-per-run both say how many GPUs a run uses: give one.")
+        if self.gpus_per_run is not None and self.launch.cluster_flag is not None:
+            raise UsageError(machine_gpus_refusal("--gpus-per-run", self.launch))  # (the cluster places each run)
         if self.gpus_per_run is not None and self.gpus_per_run < 1:
             raise UsageError(f"--gpus-per-run {self.gpus_per_run}: need at least 1.")
         if self.parallel is not None and self.parallel < 1:
@@ -332,12 +334,9 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
         DeviceError: a run needs more GPUs than are visible.
     """
     if options.launch.slurm is not None:  # Slurm places each run's job; its devices are the job's
-        if options.gpus_per_run is not None:
-            raise UsageError("--gpus-per-run counts this machine's GPUs; with --slurm say --gpus-per-node G.")
         return [() for _ in range(options.parallel or SLURM_PARALLEL)], options.launch.nproc or 0, "slurm"
-    if options.launch.ray is not None:  # Ray places each run's ranks; one at a time unless --parallel (a run
-        if options.gpus_per_run is not None:  # the cluster can't place in --rdzv-timeout fails)
-            raise UsageError("--gpus-per-run counts this machine's GPUs; with --ray say --gpus-per-node G.")
+    # Ray places each run's ranks; one at a time unless --parallel (a run the cluster can't place in --rdzv-timeout fails)
+    if options.launch.ray is not None:
         return [() for _ in range(options.parallel or 1)], options.launch.nproc or 0, "ray"
     gpus = 0 if options.launch.cpu else visible_gpu_count()
     if gpus == 0:

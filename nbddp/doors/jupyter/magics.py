@@ -21,14 +21,14 @@ from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
 from nbddp.launchers.warm_pool import kernel_pool
-from nbddp.options import (DEFAULT_WARM_IDLE, ArgumentParser, add_detach_argument, add_launch_arguments,
+from nbddp.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
                            launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
 
 def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="%%ddp_train", description="Train the cell with DDP; the weights come back here.")
-    add_launch_arguments(parser)
+    add_launch_arguments(parser, MAGIC)
     parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
     parser.add_argument("--fresh", action="store_true",
                         help="start fresh ranks for this run instead of the kernel's warm ones (%%ddp_ranks shows them)")
