@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from nbddp._version import __version__
 
 #: The API of training cells (:mod:`nbddp.rank_side.torch_engine`).
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",

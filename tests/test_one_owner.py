@@ -73,7 +73,7 @@ def test_the_run_dirs_script_name_has_one_owner():
 def test_torchruns_command_line_is_written_once():
     written = _where(lambda t: any(word in (_string(t) or "")
                                    for word in ("--nproc-per-node", "--rdzv-backend", "--standalone")))
-    assert written == {"launchers/torchrun.py"}
+    assert written == {"engines/torch.py"}
 
 
 def test_files_other_processes_read_are_written_whole_in_one_place():

@@ -49,7 +49,7 @@ RAY_CLIENT_PORT = 10001
 class RankActor:
     """One rank's process on its node. ``stop`` runs beside ``run`` (``max_concurrency=2``, in no set
     order: a ``stop`` first means ``run`` starts nothing). The rank is started through
-    :mod:`~nbddp.launchers.parent_death`, armed before the script runs, so it dies with its actor
+    :mod:`~nbddp.rank_side.parent_death`, armed before the script runs, so it dies with its actor
     even before it imports torch."""
 
     def __init__(self) -> None:
@@ -84,7 +84,7 @@ class RankActor:
                 if self.stopped:
                     return -signal.SIGTERM
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "nbddp.launchers.parent_death", str(os.getpid()), "--", sys.executable,
+                    [sys.executable, "-m", "nbddp.rank_side.parent_death", str(os.getpid()), "--", sys.executable,
                      *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
         finally:
             os.close(fd)

@@ -21,13 +21,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from nbddp import __version__
+from nbddp._version import __version__
 from nbddp.atomic import read_json
 from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
-from nbddp.launchers import Launcher, read_report
-from nbddp.launchers.torchrun import MODULE, torchrun_options
+from nbddp.launchers.base import Launcher, read_report
+from nbddp.engines.torch import MODULE, torchrun_options
 from nbddp.options import SlurmRequest
 from nbddp.job.rundir import RunDir
 from nbddp.rank_side.env import RankEnv

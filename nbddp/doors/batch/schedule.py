@@ -4,7 +4,7 @@ Each run is a separate ``nbddp run`` process (its own kernel, job, run dir and
 executed notebook), so a failure or a crash stays inside its run. One loop in
 the main thread starts runs as devices free up and watches them: no worker
 threads, so every child is tied to a thread that lives as long as the batch
-(see :mod:`nbddp.launchers.parent_death`). Runs are identified by their parameters, which is
+(see :mod:`nbddp.rank_side.parent_death`). Runs are identified by their parameters, which is
 what ``--resume`` matches on.
 """
 
