@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from nbddp.job.metrics import format_metrics, measures
 from nbddp.job.rank_memory import describe as describe_memory
+from nbddp.job.status import Status
 
 if TYPE_CHECKING:
     from nbddp.job.orchestrator import KernelResult, RunResult
 
-_VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
-          "timeout": "timed out after", "detached": "stopped following after"}
+_VERBS = {Status.SUCCEEDED: "succeeded in", Status.FAILED: "failed after", Status.INTERRUPTED: "interrupted after",
+          Status.TIMEOUT: "timed out after", "detached": "stopped following after"}
 NO_WEIGHTS = "no weights came back"
 
 
@@ -46,7 +47,7 @@ class Ending:
 
     @property
     def succeeded(self) -> bool:
-        return self.status == "succeeded"
+        return self.status == Status.SUCCEEDED
 
     def line(self) -> str:
         parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"]

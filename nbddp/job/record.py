@@ -178,7 +178,7 @@ def error_line(status: str, error: str | None, failure: dict[str, Any] | None) -
     what (``rank 1, cell 3, line 5: ValueError: diverged``; a kernel cell: ``cell 6, line 4: AssertionError:
     (True, 39.61)``), else the first line of its ``error`` (a timeout, an interruption, a rank killed)."""
     failure = failure or {}
-    if status == "failed" and failure.get("exc_type"):
+    if status == Status.FAILED and failure.get("exc_type"):
         where = [f"{name} {failure[name]}" for name in ("rank", "cell", "line") if failure.get(name) is not None]
         message = " ".join(line.strip() for line in str(failure.get("exc_message") or "").splitlines() if line.strip())
         return f"{', '.join(where) or 'kernel'}: {failure['exc_type']}" + (f": {message}" if message else "")

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from nbddp.atomic import write_json
 from nbddp.job.rundir import RunDir
+from nbddp.job.status import signal_exit_code
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.options import RAY_AUTO, RayRequest
 from nbddp.rank_side.env import threads_per_rank
@@ -183,7 +184,7 @@ class Driver:
     def stopped(self) -> int:
         if self.record.get("state") != "WORKER_LOST":  # (what the cluster did stays the record's ending)
             self.write(state="STOPPED")
-        return 128 + self.stopping[0]
+        return signal_exit_code(self.stopping[0])
 
     def main(self) -> int:
         self.run_dir.ray_job.parent.mkdir(parents=True, exist_ok=True)

@@ -146,7 +146,7 @@ class Slurm(Launcher):
             said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
             return said + (" " + self._why_not_requeued(run_dir) if state == "TIMEOUT" else "")
-        written = [run_dir.slurm_batch_log, *run_dir.logs.glob("node-*.log"), *run_dir.logs.glob("rank-*.log")]
+        written = [run_dir.slurm_batch_log, *run_dir.written_logs()]
         if state in FINAL_STATES and not any(path.exists() for path in written):
             return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
                     f"dir {run_dir}: the run dir must be on a filesystem the nodes share (give --run-dir on one). "
