@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from nbddp._version import __version__
 
 #: The API of training cells (:mod:`nbddp.rank_side.torch_engine`).
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",
             "save_checkpoint", "restore", "restart_count")
-#: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take and return.
-_API = {"run": "nbddp.api", "batch": "nbddp.api", "BatchResult": "nbddp.api", "RunResult": "nbddp.job.orchestrator",
-        "LaunchOptions": "nbddp.options", "Nodes": "nbddp.options", "SlurmRequest": "nbddp.options",
-        "RayRequest": "nbddp.options"}
-__all__ = ["__version__", "load_ipython_extension", *_API, *_RUNTIME]
+#: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take (:mod:`nbddp.options`) and
+#: what they return.
+_API = ("run", "batch", "BatchResult")
+_OPTIONS = ("LaunchOptions", "Nodes", "SlurmRequest", "RayRequest")
+__all__ = ["__version__", "load_ipython_extension", *_API, "RunResult", *_OPTIONS, *_RUNTIME]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,9 +27,17 @@ def __getattr__(name: str) -> Any:
 
         return getattr(torch_engine, name)
     if name in _API:
-        import importlib
+        from nbddp import api
 
-        return getattr(importlib.import_module(_API[name]), name)
+        return getattr(api, name)
+    if name in _OPTIONS:
+        from nbddp import options
+
+        return getattr(options, name)
+    if name == "RunResult":
+        from nbddp.job.orchestrator import RunResult
+
+        return RunResult
     raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
 
 

@@ -27,16 +27,13 @@ from nbddp.engines import DEFAULT_RETURNS, ENGINES, shard_refusal, spawns_its_ow
 from nbddp.errors import UsageError
 from nbddp.job.status import Status
 from nbddp.option_fields import Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage, values_from
+from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owned there: the ranks fall back on them)
 
 if TYPE_CHECKING:
     from nbddp.notebook.script import ExportOptions
 
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
-#: ``--rdzv-timeout``: how long the nodes of a multi-node run wait for each other before failing.
-DEFAULT_RDZV_TIMEOUT = 300.0
-#: Warm ranks with no job for this long (seconds) leave the group and exit (``%ddp_ranks --idle``).
-DEFAULT_WARM_IDLE = 600.0
 _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
 #: Options nbddp writes itself: given with --slurm-arg they would contradict the run's own.
 _SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per-node", "chdir", "wait", "array",

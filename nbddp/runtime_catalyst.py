@@ -1,7 +1,8 @@
 """The import path of every exported Catalyst-engine script (``import nbddp.runtime_catalyst as _nbddp``).
 
-Scripts exported by earlier nbddp versions name this module, so it stays: it *is*
-:mod:`nbddp.rank_side.catalyst_engine`, under its old name.
+An exported script names this module, never the package's internal one, so it keeps working across
+nbddp's internal moves (scripts exported by earlier versions name it too): it *is*
+:mod:`nbddp.rank_side.catalyst_engine`, under its stable name.
 """
 
 import sys

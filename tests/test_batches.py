@@ -287,7 +287,7 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     from dataclasses import asdict
 
     from nbddp.devices import resolve
-    from nbddp.launchers.pool_dir import PoolDir
+    from nbddp.rank_side.pool_dir import PoolDir
     from nbddp.launchers.warm_pool import POOL_ENV, adopt_batch_pool, pool_key, why_not_warm
     from nbddp.options import LaunchOptions
 
@@ -320,7 +320,7 @@ def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
     """The batch hands out no job itself (its runs do): a run killed mid-job leaves its ranks busy, and
     the batch must see it (``sound()`` false: the slot's next run gets fresh ranks) from the folder."""
     from nbddp.devices import resolve
-    from nbddp.launchers.pool_dir import PoolDir
+    from nbddp.rank_side.pool_dir import PoolDir
     from nbddp.launchers.warm_pool import WarmPool
 
     pool = WarmPool.__new__(WarmPool)  # the batch's own view of its pool: it started it, handed out nothing

@@ -66,6 +66,18 @@ def test_torchrun_report_and_root_cause():
     assert torchrun.root_cause(TORCHRUN) == 0 and torchrun.root_cause("nothing here") is None
 
 
+def test_a_launcher_hands_up_what_it_observed_as_data(tmp_path):
+    """The job reads a LaunchReport, never the launcher's text: each launcher's reading of its report, at once."""
+    run_dir = RunDir(tmp_path)
+    run_dir.logs.mkdir()
+    run_dir.launcher_log.write_text("\n".join(f"noise {n}" for n in range(30)) + TORCHRUN)
+    seen = launcher_for("torch", Nodes(2, 0, "h:1"), rdzv_timeout=9).observe(run_dir, expired=True)
+    assert seen.rank_exit_codes == {1: -9, 0: 1} and seen.root_cause == 0 and seen.scheduler_end is None
+    assert "only 1 of 2 nodes joined the rendezvous at h:1 within --rdzv-timeout 9s" in seen.rendezvous_failure
+    assert seen.tail.splitlines() == TORCHRUN.splitlines()[-15:] and "noise" not in seen.tail
+    assert launcher_for("torch").observe(RunDir(tmp_path / "none")) == type(seen)()  # no report: nothing seen
+
+
 def test_catalyst_spawn_runs_the_script_and_reads_mp_spawn_reports():
     spawn = launcher_for("catalyst")
     assert spawn.command(Path("/r/train.py"), Devices("cpu", 2), RunDir(Path("/r")), python="py") == ["py", "/r/train.py"]

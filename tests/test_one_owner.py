@@ -63,17 +63,23 @@ def test_every_nbddp_variable_is_spelled_in_one_module():
 
 
 def test_exit_codes_have_one_owner():
-    assert _where(lambda t: t.type == tokenize.NUMBER and t.string in ("124", "130")) == {"job/status.py"}
+    assert _where(lambda t: t.type == tokenize.NUMBER and t.string in ("124", "128", "130")) == {"job/status.py"}
 
 
 def test_the_run_dirs_script_name_has_one_owner():
     assert _where(lambda t: _string(t) == "train.py") == {"job/rundir.py"}
 
 
+def test_the_run_dirs_file_patterns_have_one_owner():
+    """Which files a run dir holds of each kind (every rank's report, mark, error, log): found through ``RunDir``."""
+    patterns = ("rank-*.json", "rank-*.done", "memory-*.json", "node-*.log", "rank-*.log", "*/result.json")
+    assert _where(lambda t: any(p in (_string(t) or "") for p in patterns)) == {"job/rundir.py"}
+
+
 def test_torchruns_command_line_is_written_once():
     written = _where(lambda t: any(word in (_string(t) or "")
                                    for word in ("--nproc-per-node", "--rdzv-backend", "--standalone")))
-    assert written == {"launchers/torchrun.py"}
+    assert written == {"engines/torch.py"}
 
 
 def test_files_other_processes_read_are_written_whole_in_one_place():

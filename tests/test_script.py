@@ -84,7 +84,7 @@ def test_command_line_parameters_follow_papermill_cells_and_win(notebook):
     text = script.text
     assert text.index("lr = 0.2") < text.index("# %% parameters from the command line") < text.index("seen = lr")
     namespace = {"__name__": "not_main"}
-    exec(compile(text.replace("import nbddp.rank_side.torch_engine as _nbddp\n_nbddp.start()", "pass"), "train.py", "exec"), namespace)
+    exec(compile(text.replace("import nbddp.runtime as _nbddp\n_nbddp.start()", "pass"), "train.py", "exec"), namespace)
     assert namespace["seen"] == 0.5 and namespace["tag"] == "a'b\n"
 
 
@@ -127,7 +127,7 @@ def test_catalyst_script_keeps_the_users_train_call(notebook):
     assert "    runner.train(model=model, loaders=loaders, num_epochs=1)\n" in text
     assert "_nbddp.use_ddp(returns=['model'])" in text
     assert text.index("use_ddp") < text.index("runner.train(")
-    assert "import nbddp.rank_side.catalyst_engine as _nbddp\n_nbddp.start()" in text
+    assert "import nbddp.runtime_catalyst as _nbddp\n_nbddp.start()" in text
 
 
 def test_engine_can_be_forced(notebook):

@@ -304,7 +304,7 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
         time.sleep(0.2)
     assert not any(alive(p) for p in running.values()), "warm ranks outlived their kernel"
     # The killed kernel couldn't remove its pool's folder: the pool's torchrun did, once its ranks were gone.
-    from nbddp.launchers.pool_dir import FOLDER_PREFIX
+    from nbddp.rank_side.pool_dir import FOLDER_PREFIX
 
     deadline = time.monotonic() + 10
     while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \

@@ -17,13 +17,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbddp.job.metrics import format_metrics, measures
 from nbddp.job.rank_memory import describe as describe_memory
+from nbddp.job.status import Status
 
-_VERBS = {"succeeded": "succeeded in", "failed": "failed after", "interrupted": "interrupted after",
-          "timeout": "timed out after", "detached": "stopped following after"}
+if TYPE_CHECKING:
+    from nbddp.job.orchestrator import KernelResult, RunResult
+
+_VERBS = {Status.SUCCEEDED: "succeeded in", Status.FAILED: "failed after", Status.INTERRUPTED: "interrupted after",
+          Status.TIMEOUT: "timed out after", "detached": "stopped following after"}
 NO_WEIGHTS = "no weights came back"
 
 
@@ -43,7 +47,7 @@ class Ending:
 
     @property
     def succeeded(self) -> bool:
-        return self.status == "succeeded"
+        return self.status == Status.SUCCEEDED
 
     def line(self) -> str:
         parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"]
@@ -63,6 +67,21 @@ class Ending:
         if self.memory:
             parts.append(describe_memory(self.memory))
         return " · ".join(parts)
+
+
+def ending_of(result: "RunResult", reason: str = "") -> Ending:
+    """The one line ``result``'s run ends with (``reason``: why it didn't succeed, in a few words)."""
+    metrics = result.record.final_metrics if result.record else {}
+    memory = {int(rank): peak for rank, peak in result.record.peak_memory.items()} if result.record else {}
+    return Ending(result.status, result.seconds, result.run_dir, weights_went(result.kernel), reason, metrics, memory)
+
+
+def weights_went(kernel: "KernelResult") -> str:
+    """Where the weights went, for the ending line: the names the kernel loaded them into, else what it noted
+    (the checkpoint Catalyst kept; ``node 0 holds the weights``), else :data:`NO_WEIGHTS`."""
+    if kernel.loaded:
+        return f"{', '.join(kernel.loaded)} loaded on the CPU" + (f" ({kernel.note})" if kernel.note else "")
+    return kernel.note or NO_WEIGHTS
 
 
 def final_metrics(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -127,7 +127,7 @@ def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
 
     from nbddp.doors import detached
     from nbddp.doors.notebook_run import check_notebook
-    from nbddp.job.lifecycle import create_run_dir
+    from nbddp.job.rundir import create_run_dir
 
     check_notebook(options)
     run_dir = create_run_dir(options.notebook, options.launch.run_dir)

@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _supervise(paths: RunDir) -> int:
+    from nbddp.display.ending import ending_of
     from nbddp.display.terminal import TerminalSink
     from nbddp.doors.notebook_run import RunOptions, run_notebook
     from nbddp.job import orchestrator
@@ -118,7 +119,7 @@ def _supervise(paths: RunDir) -> int:
     else:
         result = orchestrator.run(what, _NoKernelHere(), [TerminalSink()], lambda t: say(f"nbddp: {t}"),
                                   on_start=started)
-        say(f"nbddp: {result.ending().line()}")
+        say(f"nbddp: {ending_of(result).line()}")
     error = result.error()
     if error is not None:  # the judged error (rank, cell, line), for an attached kernel to raise as its own run would
         try:

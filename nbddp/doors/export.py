@@ -18,7 +18,7 @@ from nbddp.engines import detect_engine, spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
-from nbddp.launchers.torchrun import by_hand, torchrun_options
+from nbddp.engines.torch import by_hand, torchrun_options
 from nbddp.rank_side.env import RankEnv
 from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.display.ending import NO_WEIGHTS, shown_path
+from nbddp.display.ending import NO_WEIGHTS, ending_of, shown_path
+from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
@@ -117,7 +118,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
     def on_start(job) -> None:  # noqa: ANN001
         collector.run_dir = job.run_dir
         where["output"] = Path(output or RunDir(job.run_dir).output)
-        say(f"nbddp: {orchestrator.describe(job)}")
+        say(f"nbddp: {describe(job.spec)}")
         if started is not None:
             started(job)
 
@@ -145,13 +146,13 @@ def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callab
     nodes = request.launch.nodes
 
     def on_start(job) -> None:  # noqa: ANN001
-        say(f"nbddp: node {nodes.rank} of {nodes.count}: {orchestrator.describe(job)}")
+        say(f"nbddp: node {nodes.rank} of {nodes.count}: {describe(job.spec)}")
         if started is not None:
             started(job)
 
     result = orchestrator.run(request, orchestrator.NoKernel("node 0 holds the weights"), sinks, _prefixed(say),
                               on_start=on_start)
-    line = f"nbddp: node {nodes.rank}: {result.ending().line()}"
+    line = f"nbddp: node {nodes.rank}: {ending_of(result).line()}"
     _end_bar(terminal)
     say(f"nbddp: error: {result.message}\n{line}" if result.message else line)
     return result
@@ -169,8 +170,8 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
 def summary(result: orchestrator.RunResult, output: Path) -> str:
     """The run's ending: its error (if any), then one line, then the final metrics."""
     weights = RunDir(result.run_dir).weights
-    ending = replace(result.ending(), weights=f"weights {shown_path(weights)}" if weights.exists()
-                     else result.ending().weights if result.status == Status.SUCCEEDED else NO_WEIGHTS)
+    ending = replace(ending_of(result), weights=f"weights {shown_path(weights)}" if weights.exists()
+                     else ending_of(result).weights if result.status == Status.SUCCEEDED else NO_WEIGHTS)
     lines = [f"nbddp: error: {result.message}"] if result.message else []
     lines.append(f"nbddp: {ending.line()} · notebook {shown_path(output)}")
     if ending.metrics_line():

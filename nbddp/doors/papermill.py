@@ -51,6 +51,8 @@ from papermill.clientwrap import PapermillNotebookClient
 from papermill.engines import Engine, NBClientEngine
 from papermill.exceptions import PapermillException
 
+from nbddp.display.ending import ending_of
+from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells
 from nbddp.errors import CellSyntaxError, NbddpError, UsageError
@@ -177,10 +179,10 @@ class NbddpEngine(Engine):
 
         def on_start(job) -> None:  # noqa: ANN001
             collector.run_dir = job.run_dir
-            _say(orchestrator.describe(job))
+            _say(describe(job.spec))
 
         result = orchestrator.run(plan.request, kernel, [collector], _say, on_start=on_start)
-        _say(result.ending().line())
+        _say(ending_of(result).line())
         if result.interrupted_by is not None:
             raise KeyboardInterrupt  # as papermill's engine: Ctrl-C ends papermill, not only this cell
         if kernel.timeout_error is not None:

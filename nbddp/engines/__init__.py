@@ -15,8 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from nbddp.notebook.cells import TRAIN, ExportedCell
-from nbddp.errors import NbddpError
+from nbddp.notebook.roles import TRAIN, ExportedCell
 
 #: Libraries whose notebooks run unchanged under torchrun, each with the packages that mark a notebook as its.
 FRAMEWORKS: dict[str, tuple[str, ...]] = {
@@ -232,33 +231,6 @@ def saves_checkpoints(cells: Sequence[ExportedCell]) -> bool:
         return any(saves(child) for child in ast.iter_child_nodes(node))
 
     return any(saves(tree) for tree in trees)
-
-
-def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
-                packages: Sequence[str] = ()) -> EngineCode:
-    """``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch engine only).
-    ``packages``: for a library's engine, the packages of it the cells import (:func:`framework_packages`).
-
-    Raises:
-        UsageError: ``shard`` with another engine.
-    """
-    if shard and engine != "torch":
-        from nbddp.errors import UsageError
-
-        raise UsageError(shard_refusal(engine))
-    if engine == "torch":
-        from nbddp.engines.torch import code
-
-        return code(tuple(returns), script_name, shard)
-    if engine == "catalyst":
-        from nbddp.engines.catalyst import code
-
-        return code(tuple(returns), script_name)
-    if engine in FRAMEWORKS:
-        from nbddp.engines.frameworks import code
-
-        return code(engine, tuple(packages) or FRAMEWORKS[engine][:1], tuple(returns), script_name)
-    raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
 
 
 @functools.lru_cache(maxsize=1024)

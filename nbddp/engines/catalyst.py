@@ -24,7 +24,7 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         )
     return EngineCode(
         imports=(
-            "import nbddp.rank_side.catalyst_engine as _nbddp",
+            "import nbddp.runtime_catalyst as _nbddp",
             "_nbddp.start()  # Catalyst's compatibility shims; the ranks are spawned by runner.train",
         ),
         train_prologue=(

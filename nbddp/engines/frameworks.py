@@ -13,7 +13,7 @@ in the rank, the fork strategy becomes the matching torchrun one, and the librar
 from __future__ import annotations
 
 from nbddp.engines import EngineCode
-from nbddp.launchers.torchrun import default_hint
+from nbddp.engines.torch import default_hint
 
 #: What each library's adaptation does, for the script's header: the code the user would otherwise write.
 ADAPTATIONS = {
@@ -40,7 +40,7 @@ def code(engine: str, packages: tuple[str, ...], returns: tuple[str, ...], scrip
     """The torch engine's script with the library ``engine`` (its ``packages``) adapted at import time."""
     return EngineCode(
         imports=(
-            "import nbddp.rank_side.torch_engine as _nbddp",
+            "import nbddp.runtime as _nbddp",
             f"_nbddp.start(framework={engine!r}, packages={packages!r})  # joins torchrun's group; "
             f"adapts {engine} to it (see above)",
         ),

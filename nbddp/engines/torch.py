@@ -1,16 +1,32 @@
-"""The torch engine: plain DDP under ``torch.distributed.run`` (torchrun).
+"""The torch engine: plain DDP under ``torch.distributed.run`` (torchrun), and torchrun's command line.
 
 The script joins the process group through the nbddp runtime at import time,
 so ``ddp`` cells may already call ``nbddp.prepare(model)``; run without a
 launcher it is an ordinary single process, so the same script also debugs with
 plain ``python train.py``.
+
+:func:`torchrun_options` is the one place torchrun's command line is written. The torchrun launcher's
+argv (:mod:`nbddp.launchers.torchrun`), the line a Slurm job's tasks run (:mod:`nbddp.launchers.slurm`),
+a warm pool's ranks and the command an exported script's header tells a person to type (here, and
+:mod:`nbddp.doors.export`) are renderings of it, so they can't disagree about nodes, rendezvous or
+timeouts (a test parses them with torchrun's own argument parser). It lives with the engine, below
+the launchers, because the script's header needs it before any launcher is chosen.
 """
 
 from __future__ import annotations
 
-from nbddp.engines import EngineCode
-from nbddp.launchers.torchrun import default_hint
+import math
+import re
+import shlex
+from typing import Sequence
 
+from nbddp.devices import CPU_PROCESSES
+from nbddp.engines import EngineCode
+from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT
+
+#: What runs torchrun: ``python -m torch.distributed.run`` (not the ``torchrun`` script, which may
+#: belong to another interpreter than the one that has nbddp).
+MODULE = ("-m", "torch.distributed.run")
 
 #: What ``--shard`` makes of ``nbddp.prepare(model)``, shown in the script's header as the code it runs.
 SHARDED_PREPARE = (
@@ -30,9 +46,57 @@ def code(returns: tuple[str, ...], script_name: str, shard: bool = False) -> Eng
     start = ("_nbddp.start(shard=True)  # joins the process group under torchrun; prepare(model) shards (FSDP2)"
              if shard else "_nbddp.start()  # joins the process group (nccl on GPUs, gloo on CPU) under torchrun")
     return EngineCode(
-        imports=("import nbddp.rank_side.torch_engine as _nbddp", start),
+        imports=("import nbddp.runtime as _nbddp", start),
         train_prologue=(),
         train_epilogue=(f"_nbddp.finish(globals(), returns={list(returns)!r})  # rank 0 saves the returned state",),
         launch_hint=default_hint(script_name),
         notes=SHARDED_PREPARE if shard else (),
     )
+
+
+def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int | str | None = None,
+                     endpoint: str | None = None, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
+                     max_restarts: int | None = None, monitor: bool = False, log_dir: str | None = None) -> list[str]:
+    """torchrun's options for one node: everything between ``python -m torch.distributed.run`` and the script.
+
+    One machine (``nnodes == 1``): ``--standalone``, a fresh c10d store on an OS-chosen free port, so two
+    runs at once never collide. Several nodes: torchrun's *static* rendezvous at ``endpoint`` (node 0),
+    with ``node_rank`` (a number, or a placeholder such as ``"$SLURM_NODEID"`` or ``R``). Static, not c10d's
+    dynamic rendezvous: node 0 runs the kernel and must hold global rank 0 (the weights are saved there);
+    the dynamic one ranks nodes by sorting their descriptors, the static one honours ``--node-rank``.
+
+    ``monitor``: check the ranks every 0.1 s (torchrun's default is 5 s: a failure would be seen late);
+    ``log_dir``: keep torchrun's folder there (without it, every run leaves a ``torchelastic_*`` folder
+    in the system temp folder); ``max_restarts``: ``None`` leaves torchrun's default.
+    """
+    if nnodes == 1:
+        options = ["--standalone"]
+    else:
+        options = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
+                   f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=timeout={math.ceil(rdzv_timeout)}"]
+    options.append(f"--nproc-per-node={nproc}")
+    if max_restarts is not None:
+        options.append(f"--max-restarts={max_restarts}")
+    if monitor:
+        options.append("--monitor-interval=0.1")
+    if log_dir is not None:
+        options.append(f"--log-dir={log_dir}")
+    return options
+
+
+def by_hand(options: Sequence[str], script: str, python: str = "python") -> str:
+    """What a person types to run ``script`` under torchrun with ``options`` (placeholders left as they are)."""
+    return " ".join([python, *MODULE, *(_shell_word(o) for o in options), shlex.quote(script)])
+
+
+def default_hint(script: str) -> str:
+    """The header's command when the export named no devices: ``CPU_PROCESSES`` processes, which on a
+    GPU machine are one per GPU, so the header says how to start one per GPU there (a rank beyond the GPUs
+    is refused: :func:`nbddp.devices.rank_gpu`)."""
+    return (by_hand(torchrun_options(CPU_PROCESSES), script)
+            + f"   (with G GPUs: {torchrun_options('G')[-1]}, one process per GPU)")
+
+
+def _shell_word(option: str) -> str:
+    """``--x=VALUE`` quoted for a shell unless it only holds characters a shell leaves alone."""
+    return option if re.fullmatch(r"[\w./:=,@%+$-]+", option) else shlex.quote(option)

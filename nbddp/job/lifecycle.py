@@ -1,40 +1,38 @@
-"""One DDP job: a plain spec; ``start()`` that fully starts it or leaves nothing behind; following it
-while it runs; and gathering the evidence that :func:`nbddp.job.outcome.judge` turns into the outcome.
+"""One DDP job: ``start()`` that fully starts it or leaves nothing behind; following it while it runs;
+and gathering the evidence that :func:`nbddp.job.outcome.judge` turns into the outcome.
 
-Every front door's job is one of these, started and followed by :mod:`nbddp.job.orchestrator`. How
-the processes are started is the launcher's business (:mod:`nbddp.launchers`), and the
-:class:`~nbddp.launchers.Launch` it returns owns them.
+Every front door's job is one of these, started and followed by :mod:`nbddp.job.orchestrator`. What it
+runs is its :class:`~nbddp.job.spec.JobSpec`; how the processes are started is the launcher's business
+(:mod:`nbddp.launchers`), and the :class:`~nbddp.launchers.base.Launch` it returns owns them; what the
+launcher saw comes back as data (:meth:`~nbddp.launchers.base.Launcher.observe`). The run dir is named
+by :mod:`nbddp.job.rundir`, ``result.json`` written by :mod:`nbddp.job.record`.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 import socket
-import sys
 import time
-from dataclasses import dataclass, replace
-from datetime import datetime
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
+from nbddp.atomic import read_json
 from nbddp.job import registry
-from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.errors import NbddpError, UsageError
-from nbddp.launchers import Launch, Launcher, launcher_for
-from nbddp.options import LaunchOptions
+from nbddp.errors import UsageError
+from nbddp.launchers import launcher_for
+from nbddp.launchers.base import Launch, Launcher
 from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
 from nbddp.rank_side.env import RankEnv
 from nbddp.job.metrics import last_metrics
-from nbddp.job.rank_memory import read_peaks
-from nbddp.job.record import RunRecord, rank_errors
+from nbddp.job.record import RunRecord, rank_errors, record_job
 from nbddp.job.rundir import RunDir, rank_of
+from nbddp.job.spec import JobSpec
 from nbddp.job.torch_leftovers import TorchLeftovers
-from nbddp.notebook.script import Script, write_script
+from nbddp.notebook.script import write_script
 from nbddp.job.follow import RunFollower, Sink
 
 POLL_SECONDS = 0.05
@@ -45,54 +43,6 @@ RANK_CHECK_SECONDS = 0.5
 _HOST = socket.gethostname()
 #: Beyond ``--rdzv-timeout``: time for torch to report the failure itself, with its own words.
 RENDEZVOUS_GRACE_SECONDS = 5.0
-
-
-def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
-    """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private."""
-    if run_dir is not None:
-        run_dir = Path(run_dir)
-        if RunDir(run_dir).holds_a_run():
-            raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return run_dir.resolve()
-    parent = notebook.resolve().parent / "runs"
-    parent.mkdir(exist_ok=True)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    for n in range(1, 10_000):
-        candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))
-        try:
-            candidate.mkdir(mode=0o700)  # atomic: two runs in the same second get different dirs
-            return candidate
-        except FileExistsError:
-            continue
-    raise NbddpError(f"could not create a run dir in {parent}.")
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What to run, where, on what: everything a job needs before it starts."""
-
-    script: Script
-    devices: Devices
-    run_dir: Path
-    cwd: Path
-    python: str = sys.executable
-    launch: LaunchOptions = LaunchOptions()
-    """The options the job runs with (its collective timeout, restarts, nodes, Slurm or Ray request…)."""
-    owner: str = "cli"
-    """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
-    pool: Any = None
-    """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to hand the job to, instead of starting ranks."""
-
-    @property
-    def node_count(self) -> int:
-        launch = self.launch
-        cluster = launch.slurm or launch.ray
-        return launch.nodes.count if launch.nodes else cluster.nodes if cluster else 1
-
-    @property
-    def world_size(self) -> int:
-        return self.devices.nproc * self.node_count
 
 
 class Job:
@@ -201,17 +151,16 @@ class Job:
         ``live``: called while the job runs, so a launcher exiting meanwhile defers to its report.
         """
         paths = self.paths
-        if not despite_errors and any(paths.errors.glob("rank-*.json")):
+        if not despite_errors and paths.error_reports():
             return None  # (after a restart too: stale reports make this check conservative)
-        for info in paths.ranks.glob("rank-*.json") if paths.ranks.is_dir() else ():
+        for info in paths.started_ranks():
             rank = rank_of(info)
             if paths.rank_done(rank).exists() or paths.rank_error(rank).exists():
                 continue
-            try:
-                started = json.loads(info.read_text())
-                pid = started["pid"]
-            except (OSError, ValueError, KeyError):
+            started = read_json(info)
+            if not isinstance(started, dict) or "pid" not in started:
                 continue
+            pid = started["pid"]
             if started.get("host", _HOST) != _HOST:
                 continue  # a rank of another node (a shared run dir under Slurm): its node reports it
             attempt = int(started.get("attempt", 0))
@@ -237,55 +186,40 @@ class Job:
         """
         if self.spec.launch.nodes is None or spawns_its_own_ranks(self.script.engine) or self.paths.nodes.exists():
             return False  # (Catalyst's ranks meet inside runner.train; their own init timeout bounds it)
-        if self.paths.ranks.is_dir() and any(self.paths.ranks.glob("rank-*.json")):
+        if self.paths.started_ranks():
             return False  # torchrun starts ranks only once the nodes have met
         return time.time() - self.started_at > self.spec.launch.rdzv_timeout + RENDEZVOUS_GRACE_SECONDS
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         self.launch.stop(sig)
 
-    def restarts(self) -> int:
-        """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
-        attempts = [0]
-        for info in self.paths.ranks.glob("rank-*.json"):
-            try:
-                attempts.append(int(json.loads(info.read_text()).get("attempt", 0)))
-            except (OSError, ValueError):
-                continue
-        return max(attempts)
-
     def evidence(self, timed_out: bool = False, interrupted_by: int | None = None) -> Evidence:
         """What the job's processes left behind, for :func:`nbddp.job.outcome.judge`."""
-        latest = self.restarts()  # errors of attempts torchrun recovered from don't count
+        latest = self.paths.restarts()  # errors of attempts torchrun recovered from don't count
         errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
-        log = self.launcher.report(self.paths)
-        nodes = self.spec.launch.nodes
+        seen = self.launcher.observe(self.paths, expired=self.rendezvous_expired)
         evidence = Evidence(
             run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
-            rank_exit_codes=self.launcher.rank_exit_codes(log), errors=errors,
-            done_ranks=frozenset(rank_of(p) for p in self.paths.ranks.glob("rank-*.done")),
-            checkpoint_exists=self.checkpoint.exists(), root_cause=self.launcher.root_cause(log),
-            launcher_tail="\n".join(log.splitlines()[-15:]),
+            rank_exit_codes=seen.rank_exit_codes, errors=errors, done_ranks=self.paths.done_ranks(),
+            checkpoint_exists=self.checkpoint.exists(), root_cause=seen.root_cause, launcher_tail=seen.tail,
             stop_requested=self.paths.stop_mark.exists(),
             timed_out=timed_out, idle_for=self.idle_for if timed_out else None, interrupted_by=interrupted_by,
             deadline_name=self.deadline_name,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
-            checkpoint_expected=bool(self.script.returns) and (nodes is None or nodes.rank == 0),
-            final_metrics=last_metrics(self.run_dir),
-            rendezvous_failure=self.launcher.rendezvous_failure(log, expired=self.rendezvous_expired),
-            scheduler_end=self.launcher.ended_by_scheduler(self.paths),
+            checkpoint_expected=bool(self.script.returns) and (self.spec.launch.nodes is None or self.spec.launch.nodes.rank == 0),
+            final_metrics=last_metrics(self.run_dir), rendezvous_failure=seen.rendezvous_failure,
+            scheduler_end=seen.scheduler_end,
         )
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
             evidence = replace(evidence, early_exit=self.early_exit)
-            if self.early_exit is None and nodes is not None:
-                evidence = replace(evidence, node_gone=node_gone(self.nodes(), nodes.rank, errors[0].message))
+            if self.early_exit is None and self.spec.launch.nodes is not None:
+                evidence = replace(evidence, node_gone=node_gone(self.paths.roster(), self.spec.launch.nodes.rank, errors[0].message))
         return evidence
 
     def _first_rank(self) -> int:
-        nodes = self.spec.launch.nodes
-        return nodes.rank * self.devices.nproc if nodes else 0
+        return self.spec.launch.nodes.rank * self.devices.nproc if self.spec.launch.nodes else 0
 
     def _local_ranks(self) -> int:
         """How many ranks this job's launcher runs (one node's, unless Slurm runs every node's)."""
@@ -295,41 +229,16 @@ class Job:
         """The global ranks whose output this job streams."""
         return range(self._first_rank(), self._first_rank() + self._local_ranks())
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """The nodes that joined a multi-node run (``nodes.json``), empty on one machine."""
-        try:
-            return list(json.loads(self.paths.nodes.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            return []
-
     def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
         return judge(self.evidence(timed_out, interrupted_by))
 
     def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
                command: str = "", failure: dict[str, Any] | None = None) -> RunRecord:
-        """``result.json`` for this job, written into the run dir and returned.
-
-        ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
-        ``failure``: what was judged of the exception that ended it (:meth:`nbddp.errors.RunError.judged`).
-        """
-        ended = time.time()
-        record = RunRecord(
-            status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=self.script.engine,
-            devices={"kind": self.devices.kind, "nproc": self.devices.nproc}, world_size=self.spec.world_size,
-            parameters=dict(parameters), started_at=self.started_at, ended_at=ended,
-            wall_time_s=round(ended - self.started_at, 3),
-            rank_exit_codes={str(k): v for k, v in (outcome.rank_exit_codes if outcome else {}).items()},
-            final_metrics=outcome.final_metrics if outcome else last_metrics(self.run_dir),
-            restarts=self.restarts(),
-            checkpoint=str(self.checkpoint) if self.checkpoint.exists() else None,
-            error=message or None, failure=failure, script=str(self.script_path), overrides=dict(overrides or {}), command=command,
-            nodes=self.nodes(),
-            **({self.launcher.job_record: self.launcher.job_info(self.paths)} if self.launcher.job_record else {}),
-            peak_memory={str(rank): peak for rank, peak in read_peaks(self.run_dir).items()},
-        )
-        record.write(self.run_dir)
-        return record
+        """``result.json`` for this job (:func:`nbddp.job.record.record_job`), written into the run dir and returned."""
+        return record_job(self.spec, self.launcher, self.started_at, status, exit_code, message,
+                          outcome.rank_exit_codes if outcome else {}, outcome.final_metrics if outcome else None,
+                          parameters, notebook, overrides, command, failure)
 
     def __enter__(self) -> "Job":
         return self

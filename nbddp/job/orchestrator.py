@@ -16,6 +16,10 @@ so the job starts before the kernel does and the two overlap. :func:`run` never 
 that didn't succeed: it returns a :class:`RunResult` carrying the judged outcome, which the door
 shows, turns into an exit code, or raises (:meth:`RunResult.raise_for_status`). A Ctrl-C (or the
 CLI's SIGTERM/SIGHUP) anywhere stops every rank and is recorded as an interruption.
+
+It chains the stages and nothing else: how a run is shown as it starts and ends is :mod:`nbddp.display`'s
+(:func:`~nbddp.display.starting.describe`, :func:`~nbddp.display.ending.ending_of`), what the user must know
+of its topology the launchers' (:func:`nbddp.launchers.topology_notes`).
 """
 
 from __future__ import annotations
@@ -27,14 +31,15 @@ from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
 from nbddp.devices import Devices
-from nbddp.display.ending import NO_WEIGHTS, Ending
 from nbddp.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
 from nbddp.job.follow import Sink
-from nbddp.job.lifecycle import Job, JobSpec, create_run_dir
+from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.record import RunRecord
+from nbddp.job.rundir import create_run_dir
+from nbddp.job.spec import JobSpec
 from nbddp.job.status import Status
-from nbddp.launchers import devices_for
+from nbddp.launchers import devices_for, topology_notes
 from nbddp.notebook.script import Script
 from nbddp.options import LaunchOptions
 
@@ -90,12 +95,6 @@ class KernelResult:
     """Why a kernel cell failed (naming the notebook, the cell and the error)."""
     error: BaseException | None = None
     """What to raise for it (a :class:`~nbddp.errors.CheckpointError`, a :class:`~nbddp.errors.RunFailed`)."""
-
-    def weights(self) -> str:
-        """Where the weights went, for the ending line."""
-        if self.loaded:
-            return f"{', '.join(self.loaded)} loaded on the CPU" + (f" ({self.note})" if self.note else "")
-        return self.note or NO_WEIGHTS
 
     @classmethod
     def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None,
@@ -180,16 +179,6 @@ class RunResult:
     @property
     def loaded(self) -> list[str]:
         return self.kernel.loaded
-
-    def weights(self) -> str:
-        """Where the weights went, for the ending line."""
-        return self.kernel.weights()
-
-    def ending(self, reason: str = "") -> Ending:
-        """The one line this run ends with (:mod:`nbddp.display.ending`)."""
-        metrics = self.record.final_metrics if self.record else {}
-        memory = {int(rank): peak for rank, peak in self.record.peak_memory.items()} if self.record else {}
-        return Ending(self.status, self.seconds, self.run_dir, self.weights(), reason, metrics, memory)
 
     def error(self) -> BaseException | None:
         """The exception that says why the run didn't succeed (``None`` when it did)."""
@@ -312,27 +301,3 @@ def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
 def _warm_ended(request: RunRequest, pool: Any, status: Status) -> None:
     if pool is not None and request.warm is not None:
         request.warm.ended(pool, status)
-
-
-def topology_notes(launch: LaunchOptions) -> list[str]:
-    """What a user must know before a multi-node run starts (said once, on every node)."""
-    cluster = launch.slurm or launch.ray
-    if launch.nodes is None and (cluster is None or cluster.nodes == 1):
-        return []
-    where = f"port {launch.nodes.host_port()[1]} of node 0" if launch.nodes else "a port of the job's first node"
-    return [f"note: the rendezvous store listens on {where} on every network interface (torch's TCPStore): "
-            "anyone who can reach it can join or disrupt the run. Run multi-node jobs on a trusted network."]
-
-
-def describe(job: Job) -> str:
-    """``torch engine, 2 CPU processes (gloo); run dir …``: what is starting, in one line."""
-    spec, launch = job.spec, job.spec.launch
-    if launch.slurm is not None:
-        where = f"a Slurm job of {launch.slurm.nodes} node{'s' * (launch.slurm.nodes != 1)} × {spec.devices.describe()}"
-    elif launch.ray is not None:
-        where = f"{launch.ray.nodes} node{'s' * (launch.ray.nodes != 1)} × {spec.devices.describe()} of {launch.ray.where()}"
-    elif launch.nodes is not None:
-        where = f"{spec.devices.describe()} on each of {launch.nodes.count} nodes (world size {spec.world_size})"
-    else:
-        where = spec.devices.describe()
-    return f"{spec.script.engine} engine, {where}; run dir {spec.run_dir}"

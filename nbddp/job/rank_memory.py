@@ -3,20 +3,19 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from nbddp.atomic import read_json
 from nbddp.job.rundir import RunDir, rank_of
 
 
 def read_peaks(run_dir: Path) -> dict[int, int]:
     """``{rank: peak bytes}`` of every rank that reported; unreadable reports skipped."""
-    ranks = RunDir(run_dir).ranks
     peaks: dict[int, int] = {}
-    for path in ranks.glob("memory-*.json") if ranks.is_dir() else ():
+    for path in RunDir(run_dir).memory_reports():
         try:
-            peaks[rank_of(path)] = int(json.loads(path.read_text(encoding="utf-8"))["peak_bytes"])
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            peaks[rank_of(path)] = int(read_json(path)["peak_bytes"])
+        except (ValueError, KeyError, TypeError, IndexError):
             continue
     return dict(sorted(peaks.items()))
 

@@ -9,16 +9,23 @@ the launcher's own failure report (torchrun's, or ``mp.spawn``'s).
 
 from __future__ import annotations
 
-import json
 import signal
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nbddp._version import __version__
 from nbddp.atomic import read_json, write_json
-from nbddp.notebook.sourcemap import SourceMap
+from nbddp.job.metrics import last_metrics
+from nbddp.job.rank_memory import read_peaks
 from nbddp.job.rundir import RunDir
+from nbddp.job.status import Status
+from nbddp.notebook.sourcemap import SourceMap
 
+if TYPE_CHECKING:
+    from nbddp.job.spec import JobSpec
+    from nbddp.launchers.base import Launcher
 
 
 @dataclass(frozen=True)
@@ -47,10 +54,9 @@ class RankError:
 def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
     """Every rank's recorded exception, earliest first."""
     errors = []
-    for path in sorted(RunDir(run_dir).errors.glob("rank-*.json")):
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+    for path in RunDir(run_dir).error_reports():
+        data = read_json(path)
+        if not isinstance(data, dict):
             continue
         cell = line = location = None
         source_line = ""
@@ -138,12 +144,41 @@ class RunRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status: Status | str, exit_code: int,
+               message: str, rank_exit_codes: dict[int, int], final_metrics: dict[str, Any] | None,
+               parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,
+               command: str = "", failure: dict[str, Any] | None = None) -> RunRecord:
+    """``result.json`` of ``spec``'s job, written into its run dir and returned: what ran (engine, devices,
+    parameters, command), how it ended (status, exit code, ``message``, the judged ``failure``, each rank's
+    exit code, the last metrics: the run dir's when the job was never judged, ``final_metrics`` ``None``) and
+    what it left (the weights, torchrun's restarts, the nodes, peak memory, ``launcher``'s scheduler job).
+
+    ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
+    ``failure``: what was judged of the exception that ended it (:meth:`nbddp.errors.RunError.judged`).
+    """
+    paths, ended = RunDir(spec.run_dir), time.time()
+    record = RunRecord(
+        status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=spec.script.engine,
+        devices={"kind": spec.devices.kind, "nproc": spec.devices.nproc}, world_size=spec.world_size,
+        parameters=dict(parameters), started_at=started_at, ended_at=ended, wall_time_s=round(ended - started_at, 3),
+        rank_exit_codes={str(k): v for k, v in rank_exit_codes.items()},
+        final_metrics=last_metrics(spec.run_dir) if final_metrics is None else final_metrics,
+        restarts=paths.restarts(), checkpoint=str(paths.weights) if paths.weights.exists() else None,
+        error=message or None, failure=failure, script=str(paths.script), overrides=dict(overrides or {}),
+        command=command, nodes=paths.roster(),
+        **({launcher.job_record: launcher.job_info(paths)} if launcher.job_record else {}),
+        peak_memory={str(rank): peak for rank, peak in read_peaks(spec.run_dir).items()},
+    )
+    record.write(spec.run_dir)
+    return record
+
+
 def error_line(status: str, error: str | None, failure: dict[str, Any] | None) -> str:
     """A run's error in one line, for a batch's summary and terminal: where the notebook's code raised and
     what (``rank 1, cell 3, line 5: ValueError: diverged``; a kernel cell: ``cell 6, line 4: AssertionError:
     (True, 39.61)``), else the first line of its ``error`` (a timeout, an interruption, a rank killed)."""
     failure = failure or {}
-    if status == "failed" and failure.get("exc_type"):
+    if status == Status.FAILED and failure.get("exc_type"):
         where = [f"{name} {failure[name]}" for name in ("rank", "cell", "line") if failure.get(name) is not None]
         message = " ".join(line.strip() for line in str(failure.get("exc_message") or "").splitlines() if line.strip())
         return f"{', '.join(where) or 'kernel'}: {failure['exc_type']}" + (f": {message}" if message else "")
@@ -154,8 +189,6 @@ def versions() -> dict[str, str]:
     """nbddp, torch and Python versions, read from package metadata (no torch import)."""
     import platform
     from importlib import metadata
-
-    from nbddp import __version__
 
     try:
         torch_version = metadata.version("torch")

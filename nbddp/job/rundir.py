@@ -39,11 +39,17 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from nbddp.atomic import read_json
+from nbddp.errors import NbddpError, UsageError
 
 
 #: The generated script's name in a run dir (and ``nbddp export``'s default name).
 SCRIPT_NAME = "train.py"
+_RESULT = "result.json"
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ class RunDir:
 
     @property
     def result(self) -> Path:
-        return self.path / "result.json"
+        return self.path / _RESULT
 
     @property
     def output(self) -> Path:
@@ -193,6 +199,65 @@ class RunDir:
 
     def holds_a_run(self) -> bool:
         return any(p.exists() for p in (self.result, self.script, self.logs))
+
+    # ------------------------------------------------------------ what the ranks left: each kind of file, found here
+
+    def started_ranks(self) -> list[Path]:
+        """``ranks/rank-N.json`` of every rank that started (:meth:`rank_info`)."""
+        return sorted(self.ranks.glob("rank-*.json")) if self.ranks.is_dir() else []
+
+    def done_ranks(self) -> frozenset[int]:
+        """The ranks that finished their training normally (:meth:`rank_done`)."""
+        return frozenset(rank_of(path) for path in self.ranks.glob("rank-*.done"))
+
+    def error_reports(self) -> list[Path]:
+        """``errors/rank-N.json`` of every rank that raised (:meth:`rank_error`)."""
+        return sorted(self.errors.glob("rank-*.json"))
+
+    def memory_reports(self) -> list[Path]:
+        """``ranks/memory-N.json`` of every rank that reported its peak memory (:meth:`rank_memory`)."""
+        return sorted(self.ranks.glob("memory-*.json")) if self.ranks.is_dir() else []
+
+    def written_logs(self) -> list[Path]:
+        """The ranks' and the nodes' logs there are (:meth:`rank_log`, :meth:`node_log`)."""
+        return [*self.logs.glob("node-*.log"), *self.logs.glob("rank-*.log")]
+
+    def restarts(self) -> int:
+        """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
+        reports = [read_json(info) for info in self.started_ranks()]
+        return max([0, *(int(report.get("attempt", 0)) for report in reports if isinstance(report, dict))])
+
+    def roster(self) -> list[dict[str, Any]]:
+        """The nodes that joined a multi-node run (:attr:`nodes`), empty on one machine."""
+        found = read_json(self.nodes)
+        return list(found) if isinstance(found, list) else []
+
+    @classmethod
+    def ended_under(cls, folder: Path) -> list["RunDir"]:
+        """The run dirs directly under ``folder`` (a batch's ``--out``) that hold a ``result.json``."""
+        return [cls(path.parent) for path in sorted(Path(folder).glob(f"*/{_RESULT}"))]
+
+
+def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
+    """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private; or
+    ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten)."""
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        if RunDir(run_dir).holds_a_run():
+            raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return run_dir.resolve()
+    parent = notebook.resolve().parent / "runs"
+    parent.mkdir(exist_ok=True)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 10_000):
+        candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            candidate.mkdir(mode=0o700)  # atomic: two runs in the same second get different dirs
+            return candidate
+        except FileExistsError:
+            continue
+    raise NbddpError(f"could not create a run dir in {parent}.")
 
 
 def rank_of(path: Path) -> int:

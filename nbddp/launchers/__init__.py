@@ -1,7 +1,8 @@
-"""The launcher seam: how a job's processes are started, and how to read what the launcher reports.
+"""The launcher seam: which launcher starts a job's processes, on which devices.
 
-A :class:`Launcher` starts every rank of a job (:meth:`Launcher.start`, returning a :class:`Launch`
-the job polls and stops) and reads the launcher's own report back into per-rank exit codes.
+A :class:`~nbddp.launchers.base.Launcher` starts every rank of a job (``start``, returning a
+:class:`~nbddp.launchers.base.Launch` the job polls and stops) and hands back what it observed of them as
+data (``observe``: a :class:`~nbddp.launchers.base.LaunchReport`, per-rank exit codes and the rest).
 Everything else is shared: :class:`nbddp.job.lifecycle.Job` follows and judges whatever was started.
 
 The launchers, chosen in one place (:func:`launcher_for`) by name:
@@ -24,18 +25,15 @@ use this to watch every front door's runs go through the seam.
 
 from __future__ import annotations
 
-import os
-import signal
 from importlib import import_module
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from nbddp.devices import Devices, notebook_devices, resolve
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.job.rundir import RunDir
+from nbddp.launchers.base import Launcher
 
 if TYPE_CHECKING:
-    from nbddp.job.lifecycle import JobSpec
+    from nbddp.job.spec import JobSpec
     from nbddp.options import LaunchOptions
 
 ENTRY_POINTS = "nbddp.launchers"
@@ -46,103 +44,6 @@ BUILTIN = {
     "warm": "nbddp.launchers.warm:WarmRanks",
     "ray": "nbddp.launchers.ray:Ray",
 }
-
-
-class Launch(Protocol):
-    """A started job's processes, whatever started them: what :class:`~nbddp.job.lifecycle.Job` needs.
-
-    Implemented by :class:`~nbddp.launchers.local_process.LocalProcess` (a launcher process in a
-    group of its own), :class:`~nbddp.launchers.local_process.AdoptedGroup` (a group another process
-    started) and :class:`~nbddp.launchers.warm_pool.WarmRun` (one job on warm ranks).
-    """
-
-    pid: int
-    pgid: int
-    stopped_by: int | None
-    """The signal nbddp stopped it with (``None``: it ended on its own)."""
-
-    def poll(self) -> int | None:
-        """The exit code once it ended, else ``None``."""
-
-    def alive(self) -> bool:
-        """True while any of its processes runs."""
-
-    def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
-        """``sig``, then SIGKILL after ``grace`` seconds; ``reap``: only clear what an ended launcher left."""
-
-
-class Launcher:
-    """What every launcher answers; the defaults are those of a launcher process on this machine."""
-
-    name = "launcher"
-    supports_restarts = False
-    """Whether ``--max-restarts`` can be honoured (torchrun restarts ranks; a spawn can't)."""
-    streams_launcher_log = False
-    """Whether the launcher's own output belongs in the live stream (a spawn's children print there)."""
-    stop_grace = 5.0
-    """Seconds between SIGTERM and SIGKILL when nbddp stops the launcher (Slurm needs time to cancel)."""
-    exit_settle = 1.0
-    """Seconds a rank seen gone is given for the launcher to exit with a better report (a crash torchrun
-    saw; a job Slurm itself cancelled) before nbddp blames the rank for leaving early."""
-
-    @classmethod
-    def for_job(cls, spec: "JobSpec") -> "Launcher":
-        """The launcher of ``spec``'s job (:func:`launcher_for` calls this on the chosen class)."""
-        return cls()
-
-    def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
-                max_restarts: int = 0) -> list[str]:
-        """The argv that starts every rank of the job."""
-        raise NotImplementedError
-
-    def environment(self) -> dict[str, str]:
-        """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones."""
-        return {}
-
-    def start(self, script: Path, spec: "JobSpec", rank_env: dict[str, str]) -> Launch:
-        """Start every rank of the job: its launcher process in a group of its own, output to the run dir.
-
-        ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.rank_side.env.RankEnv`).
-        """
-        from nbddp.launchers.local_process import LaunchSpec, LocalProcess
-
-        paths = RunDir(spec.run_dir)
-        argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.launch.max_restarts)
-        env = {**os.environ, **rank_env, **self.environment()}
-        return LocalProcess(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, self.stop_grace))
-
-    def report(self, run_dir: RunDir) -> str:
-        """The launcher's own output, where its failure reports are."""
-        return read_report(run_dir.launcher_log)
-
-    def rank_exit_codes(self, report: str) -> dict[int, int]:
-        """Per-rank exit codes from the launcher's failure report (signals as ``-N``)."""
-        return {}
-
-    def root_cause(self, report: str) -> int | None:
-        """The rank the launcher names as the first failure, if it names one."""
-        return None
-
-    def rendezvous_failure(self, report: str, expired: bool = False) -> str | None:
-        """Why the nodes of a multi-node run never all met, when that is what happened
-        (``expired``: nbddp stopped waiting for them after ``--rdzv-timeout``)."""
-        return None
-
-    def ended_by_scheduler(self, run_dir: RunDir) -> str | None:
-        """A scheduler's reason for ending the job (Slurm's time limit, an outside scancel…)."""
-        return None
-
-    job_record: str | None = None
-    """The ``result.json`` field :meth:`job_info` goes into (``None``: no scheduler's job to record)."""
-
-    def job_info(self, run_dir: RunDir) -> dict | None:
-        """What ``result.json`` records about a scheduler's job (its id, state, nodes)."""
-        return None
-
-    def between_attempts(self, run_dir: RunDir, attempt: int) -> bool:
-        """The ranks of ``attempt`` are gone because the job is being run again (a Slurm requeue), not
-        because one of them left early."""
-        return False
 
 
 def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
@@ -165,6 +66,16 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
     if asked is None or launch.nproc is not None or launch.gpus is not None:
         return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
     return notebook_devices(asked, launch.cpu, visible)
+
+
+def topology_notes(launch: "LaunchOptions") -> list[str]:
+    """What a user must know before a multi-node run starts (said once, on every node)."""
+    cluster = launch.slurm or launch.ray
+    if launch.nodes is None and (cluster is None or cluster.nodes == 1):
+        return []
+    where = f"port {launch.nodes.host_port()[1]} of node 0" if launch.nodes else "a port of the job's first node"
+    return [f"note: the rendezvous store listens on {where} on every network interface (torch's TCPStore): "
+            "anyone who can reach it can join or disrupt the run. Run multi-node jobs on a trusted network."]
 
 
 def launcher_name(spec: "JobSpec") -> str:
@@ -196,11 +107,3 @@ def launcher_class(name: str) -> type[Launcher]:
     target = _registered.get(name) or BUILTIN[name]
     module, _, attribute = target.partition(":")
     return getattr(import_module(module), attribute)
-
-
-def read_report(path: Path) -> str:
-    """A launcher's log (``""`` when it wrote none)."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from nbddp.devices import Devices
-from nbddp.launchers import Launcher
+from nbddp.launchers.base import Launcher
 from nbddp.launchers.torchrun import rendezvous_failure
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.job.rundir import RunDir

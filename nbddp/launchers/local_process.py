@@ -6,7 +6,7 @@ Ctrl-C in the terminal reaches only nbddp, which then stops the whole group
 SIGTERM → deadline → SIGKILL. Nothing here installs a signal handler (this
 also runs inside a Jupyter kernel). Output goes to a file, never a pipe that
 could fill up and block the launcher. The launcher is started through
-:mod:`nbddp.launchers.parent_death`, so it (and through it every rank) dies with this process
+:mod:`nbddp.rank_side.parent_death`, so it (and through it every rank) dies with this process
 even when this process is killed without a chance to clean up.
 """
 
@@ -40,7 +40,7 @@ class LocalProcess:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        guarded = [sys.executable, "-m", "nbddp.launchers.parent_death", str(os.getpid()), "--", *spec.argv]
+        guarded = [sys.executable, "-m", "nbddp.rank_side.parent_death", str(os.getpid()), "--", *spec.argv]
         with open(spec.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 guarded, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,

@@ -24,7 +24,7 @@ from nbddp.atomic import read_json
 from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
-from nbddp.launchers import Launcher
+from nbddp.launchers.base import Launcher
 from nbddp.job.rundir import RunDir
 from nbddp.options import RayRequest, ray_refusal
 

@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 from nbddp.atomic import write_json
 from nbddp.job.rundir import RunDir
+from nbddp.job.status import signal_exit_code
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.options import RAY_AUTO, RayRequest
 from nbddp.rank_side.env import threads_per_rank
@@ -49,7 +50,7 @@ RAY_CLIENT_PORT = 10001
 class RankActor:
     """One rank's process on its node. ``stop`` runs beside ``run`` (``max_concurrency=2``, in no set
     order: a ``stop`` first means ``run`` starts nothing). The rank is started through
-    :mod:`~nbddp.launchers.parent_death`, armed before the script runs, so it dies with its actor
+    :mod:`~nbddp.rank_side.parent_death`, armed before the script runs, so it dies with its actor
     even before it imports torch."""
 
     def __init__(self) -> None:
@@ -84,7 +85,7 @@ class RankActor:
                 if self.stopped:
                     return -signal.SIGTERM
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "nbddp.launchers.parent_death", str(os.getpid()), "--", sys.executable,
+                    [sys.executable, "-m", "nbddp.rank_side.parent_death", str(os.getpid()), "--", sys.executable,
                      *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
         finally:
             os.close(fd)
@@ -183,7 +184,7 @@ class Driver:
     def stopped(self) -> int:
         if self.record.get("state") != "WORKER_LOST":  # (what the cluster did stays the record's ending)
             self.write(state="STOPPED")
-        return 128 + self.stopping[0]
+        return signal_exit_code(self.stopping[0])
 
     def main(self) -> int:
         self.run_dir.ray_job.parent.mkdir(parents=True, exist_ok=True)

@@ -21,13 +21,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from nbddp import __version__
+from nbddp._version import __version__
 from nbddp.atomic import read_json
 from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
-from nbddp.launchers import Launcher, read_report
-from nbddp.launchers.torchrun import MODULE, torchrun_options
+from nbddp.launchers.base import Launcher, read_report
+from nbddp.engines.torch import MODULE, torchrun_options
 from nbddp.options import SlurmRequest
 from nbddp.job.rundir import RunDir
 from nbddp.rank_side.env import RankEnv
@@ -146,7 +146,7 @@ class Slurm(Launcher):
             said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
             return said + (" " + self._why_not_requeued(run_dir) if state == "TIMEOUT" else "")
-        written = [run_dir.slurm_batch_log, *run_dir.logs.glob("node-*.log"), *run_dir.logs.glob("rank-*.log")]
+        written = [run_dir.slurm_batch_log, *run_dir.written_logs()]
         if state in FINAL_STATES and not any(path.exists() for path in written):
             return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
                     f"dir {run_dir}: the run dir must be on a filesystem the nodes share (give --run-dir on one). "

@@ -25,6 +25,7 @@ from pathlib import Path
 from nbddp.atomic import write_json
 from nbddp.launchers.slurm import FINAL_STATES, stopped_to_requeue
 from nbddp.job.rundir import RunDir
+from nbddp.job.status import signal_exit_code
 
 POLL_SECONDS = 1.0
 #: A job neither ``scontrol`` nor ``squeue`` knows for this long has ended without us seeing how.
@@ -129,7 +130,7 @@ class Watcher:
     def finish(self, info: dict[str, str]) -> int:
         state = info["JobState"]
         code, sig = (int(x) if x.isdigit() else 0 for x in (info.get("ExitCode", "0:0").split(":") + ["0"])[:2])
-        exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (128 + sig if sig else 1))
+        exit_code = 0 if state == "COMPLETED" and code == 0 else (code or (signal_exit_code(sig) if sig else 1))
         self.end_attempt(state)
         stopped = state != "COMPLETED" and stopped_to_requeue(self.run_dir, self.restarts) is not None
         bound = self.max_requeues if stopped and self.restarts >= self.max_requeues else None
@@ -144,7 +145,7 @@ class Watcher:
         ``requeue_bound``: cancelled for having been requeued more often than that, not by a signal."""
         signum = self.stop_signal or signal.SIGTERM
         if self.job_id is None:
-            return 128 + signum
+            return signal_exit_code(signum)
         say(f"slurm job {self.job_id}: cancelling (scancel), waiting for it to leave the queue")
         while True:  # scancel again each round: a slurmctld too busy to answer must not leave the job behind
             _slurm(["scancel", self.job_id])
@@ -152,7 +153,7 @@ class Watcher:
             if info.get("JobState") in FINAL_STATES and not in_queue(self.job_id):
                 break
             time.sleep(0.5)
-        exit_code = 1 if requeue_bound is not None else 128 + signum
+        exit_code = 1 if requeue_bound is not None else signal_exit_code(signum)
         self.end_attempt("cancelled by nbddp")
         self.record(state=info["JobState"], reason=info.get("Reason"), exit_code=exit_code,
                     nodes=info.get("NodeList"), cancelled_by_nbddp=True, requeue_bound=requeue_bound)

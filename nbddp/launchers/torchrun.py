@@ -1,28 +1,22 @@
 """``torch.distributed.run`` (torchrun): the torch engine's launcher, on one machine or one node of several.
 
-:func:`torchrun_options` is the one place torchrun's command line is written. The launcher's argv,
-the line a Slurm job's tasks run (:mod:`nbddp.launchers.slurm`) and the command an exported
-script's header tells a person to type (:mod:`nbddp.doors.export`) are renderings of it, so the
-three can't disagree about nodes, rendezvous or timeouts (a test parses all three with torchrun's
-own argument parser).
+torchrun's command line is the torch engine's (:func:`nbddp.engines.torch.torchrun_options`): this
+launcher's argv, a Slurm job's task line and an exported script's header are renderings of it. Here:
+starting it, and reading its failure report back (per-rank exit codes, the root cause, a rendezvous
+that never completed).
 """
 
 from __future__ import annotations
 
-import math
 import re
-import shlex
 from pathlib import Path
-from typing import Sequence
 
-from nbddp.devices import CPU_PROCESSES, Devices
-from nbddp.launchers import Launcher
+from nbddp.devices import Devices
+from nbddp.engines.torch import torchrun_options
+from nbddp.launchers.base import Launcher
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.job.rundir import RunDir
 
-#: What runs torchrun: ``python -m torch.distributed.run`` (not the ``torchrun`` script, which may
-#: belong to another interpreter than the one that has nbddp).
-MODULE = ("-m", "torch.distributed.run")
 #: What nbddp's launcher runs: torchrun's own ``main``, minus the collection at its exit
 #: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.
 LAUNCHER_MODULE = ("-m", "nbddp.launchers.torchrun_main")
@@ -30,54 +24,6 @@ _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\
 _NODES_MISSING = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
 _NO_HOST = re.compile(r"timed out after \d+ms while trying to connect to \(([^,]+), (\d+)\)")
 _PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
-
-
-def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int | str | None = None,
-                     endpoint: str | None = None, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
-                     max_restarts: int | None = None, monitor: bool = False, log_dir: str | None = None) -> list[str]:
-    """torchrun's options for one node: everything between ``python -m torch.distributed.run`` and the script.
-
-    One machine (``nnodes == 1``): ``--standalone``, a fresh c10d store on an OS-chosen free port, so two
-    runs at once never collide. Several nodes: torchrun's *static* rendezvous at ``endpoint`` (node 0),
-    with ``node_rank`` (a number, or a placeholder such as ``"$SLURM_NODEID"`` or ``R``). Static, not c10d's
-    dynamic rendezvous: node 0 runs the kernel and must hold global rank 0 (the weights are saved there);
-    the dynamic one ranks nodes by sorting their descriptors, the static one honours ``--node-rank``.
-
-    ``monitor``: check the ranks every 0.1 s (torchrun's default is 5 s: a failure would be seen late);
-    ``log_dir``: keep torchrun's folder there (without it, every run leaves a ``torchelastic_*`` folder
-    in the system temp folder); ``max_restarts``: ``None`` leaves torchrun's default.
-    """
-    if nnodes == 1:
-        options = ["--standalone"]
-    else:
-        options = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                   f"--rdzv-endpoint={endpoint}", f"--rdzv-conf=timeout={math.ceil(rdzv_timeout)}"]
-    options.append(f"--nproc-per-node={nproc}")
-    if max_restarts is not None:
-        options.append(f"--max-restarts={max_restarts}")
-    if monitor:
-        options.append("--monitor-interval=0.1")
-    if log_dir is not None:
-        options.append(f"--log-dir={log_dir}")
-    return options
-
-
-def by_hand(options: Sequence[str], script: str, python: str = "python") -> str:
-    """What a person types to run ``script`` under torchrun with ``options`` (placeholders left as they are)."""
-    return " ".join([python, *MODULE, *(_shell_word(o) for o in options), shlex.quote(script)])
-
-
-def default_hint(script: str) -> str:
-    """The header's command when the export named no devices: ``CPU_PROCESSES`` processes, which on a
-    GPU machine are one per GPU, so the header says how to start one per GPU there (a rank beyond the GPUs
-    is refused: :func:`nbddp.devices.rank_gpu`)."""
-    return (by_hand(torchrun_options(CPU_PROCESSES), script)
-            + f"   (with G GPUs: {torchrun_options('G')[-1]}, one process per GPU)")
-
-
-def _shell_word(option: str) -> str:
-    """``--x=VALUE`` quoted for a shell unless it only holds characters a shell leaves alone."""
-    return option if re.fullmatch(r"[\w./:=,@%+$-]+", option) else shlex.quote(option)
 
 
 class Torchrun(Launcher):

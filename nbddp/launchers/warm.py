@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nbddp.launchers import Launch, read_report
+from nbddp.launchers.base import Launch, read_report
 from nbddp.launchers.torchrun import Torchrun
 from nbddp.launchers.warm_pool import WarmPool
 from nbddp.job.rundir import RunDir

@@ -5,7 +5,7 @@ torchrun itself runs here (its ``main``, as ``python -m torch.distributed.run`` 
 ends, the folder goes if its ranks all left on their own (idle), if the pool's owner asked for
 the pool to stop for good, or if the owner is gone: a kernel killed outright (a restart, SIGKILL)
 can't remove its pool's folder, and this process outlives it by the moment torchrun takes to stop
-the ranks (parent-death signal, see :mod:`nbddp.launchers.parent_death`). After a rank failed while
+the ranks (parent-death signal, see :mod:`nbddp.rank_side.parent_death`). After a rank failed while
 its owner lives, the folder stays: the owner reads torchrun's report there to name the dead rank,
 then removes it.
 """
@@ -17,7 +17,7 @@ import shutil
 import signal
 import sys
 
-from nbddp.launchers.pool_dir import PoolDir
+from nbddp.rank_side.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
 
 

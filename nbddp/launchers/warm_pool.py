@@ -14,7 +14,7 @@ a pool whose last run failed is kept unless :meth:`WarmPool.why_not_kept` says w
 slot, which its runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
 The kernel's death takes the ranks with it (torchrun runs under
-:mod:`nbddp.launchers.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
+:mod:`nbddp.rank_side.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
 idle ranks exit after ``idle`` seconds. Nothing here imports torch.
 """
 
@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Mapping
 from nbddp.atomic import write_json
 from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.launchers import Launch
+from nbddp.launchers.base import Launch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
-from nbddp.launchers.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.rank_side.pool_dir import FOLDER_PREFIX, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.torchrun import torchrun_options
 from nbddp.launchers.warm_departure import Departure
@@ -106,7 +106,7 @@ class WarmPool:
 
     def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_WARM_IDLE,
                  environ: Mapping[str, str] | None = None) -> None:
-        """Start the ranks: torchrun under :mod:`nbddp.launchers.parent_death`, so they die with this process.
+        """Start the ranks: torchrun under :mod:`nbddp.rank_side.parent_death`, so they die with this process.
 
         ``environ``: what the ranks inherit (this process's environment by default; a batch passes
         each device slot's own ``CUDA_VISIBLE_DEVICES``).

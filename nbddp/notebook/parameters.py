@@ -13,7 +13,7 @@ import ast
 import difflib
 from typing import Any
 
-from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
+from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
 from nbddp.errors import ParameterError
 from nbddp.notebook.reader import Notebook
 

@@ -25,8 +25,8 @@ from typing import Sequence
 
 from nbddp.engines import training_launch
 from nbddp.errors import CellError, CellSyntaxError, NotebookError
-from nbddp.notebook.cells import (INJECTED, PARAMETERS, SETUP, TRAIN, ExportedCell, Selection, cell_role,
-                                  export_cell, no_training_cell)
+from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, ExportedCell, Selection, cell_role,
+                                 export_cell, no_training_cell)
 from nbddp.notebook.freevars import KERNEL_ONLY, CellNames, cell_names
 from nbddp.notebook.reader import Cell, Notebook
 

@@ -27,9 +27,8 @@ from catalyst.core.callback import Callback, CallbackOrder
 
 from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
-from nbddp.options import DEFAULT_RDZV_TIMEOUT
 from nbddp.job.status import Status
-from nbddp.rank_side.env import RankEnv
+from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, RankEnv
 
 _state = {"trained": False, "patched": False}
 

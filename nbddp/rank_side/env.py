@@ -16,6 +16,13 @@ from typing import Any, Mapping
 
 from nbddp.job.rundir import RunDir
 
+#: ``--rdzv-timeout``'s default: how long the nodes of a multi-node run wait for each other before failing
+#: (a rank started without ``NBDDP_RDZV_TIMEOUT``, Catalyst's by hand across nodes, waits as long).
+DEFAULT_RDZV_TIMEOUT = 300.0
+#: ``%ddp_ranks --idle``'s default: warm ranks with no job for this long (seconds) leave the group and exit
+#: (a warm rank started without ``NBDDP_WARM_IDLE`` waits as long).
+DEFAULT_WARM_IDLE = 600.0
+
 #: Field → variable. The only place these names are spelled.
 VARIABLES = {
     "run_dir": "NBDDP_RUN_DIR",

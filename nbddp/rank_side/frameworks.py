@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from nbddp.errors import NbddpError
 from nbddp.job.metrics import COUNTERS
-from nbddp.rank_side import torch_engine
+from nbddp.rank_side import ranks
 
 _MARK = "__nbddp_adapted__"
 
@@ -36,7 +36,7 @@ def adapt(framework: str, packages: Sequence[str]) -> None:
 
 def say(text: str) -> None:
     """One line from rank 0 about what nbddp changed."""
-    if torch_engine.is_main():
+    if ranks.is_main():
         print(f"[nbddp] {text}", flush=True)
 
 
@@ -51,7 +51,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
 
 
 def _on_cpu() -> bool:
-    return torch_engine.device().type == "cpu"
+    return ranks.device().type == "cpu"
 
 
 def _use_accelerate_on_cpu() -> None:
@@ -117,7 +117,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
         say(f"notebook_launcher(num_processes={num_processes}): running on {local} process(es) per node, as the "
             "run chose (one per visible GPU, or --gpus/--nproc)")
     say(f"notebook_launcher: {getattr(function, '__name__', 'function')}() runs in each of the "
-        f"{torch_engine.world_size()} ranks torchrun started")
+        f"{ranks.world_size()} ranks torchrun started")
     with patch_environment(accelerate_mixed_precision=str(precision)):
         function(*args)
 
@@ -177,7 +177,7 @@ def _adapt_lightning(package: str) -> None:
 
 def _lightning_kwargs(kwargs: dict[str, Any]) -> None:
     """A ``Trainer``'s device arguments made those of this torchrun job, and what changed said on rank 0."""
-    world, local = torch_engine.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    world, local = ranks.world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
     asked = {k: kwargs.get(k, "auto" if k != "num_nodes" else 1) for k in ("strategy", "devices", "num_nodes")}
     strategy = lightning_strategy(kwargs.get("strategy"), world)
@@ -217,7 +217,7 @@ def _log_lightning(trainer: Any, epoch: int) -> None:
     values = {k: float(v) for k, v in trainer.callback_metrics.items()
               if getattr(v, "numel", lambda: 1)() == 1 and k not in COUNTERS}
     epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
-    torch_engine.log(epoch=epoch, **({"epochs": epochs} if epochs else {}), step=trainer.global_step, **values)
+    ranks.log(epoch=epoch, **({"epochs": epochs} if epochs else {}), step=trainer.global_step, **values)
 
 
 # ---------------------------------------------------------------- Hugging Face Trainer
@@ -240,7 +240,7 @@ def _adapt_transformers() -> None:
                 return
             values = {k: v for k, v in logs.items()
                       if isinstance(v, (int, float)) and k not in COUNTERS and k not in _TRAINER_SUMMARY}
-            torch_engine.log(epoch=logs.get("epoch", state.epoch), epochs=args.num_train_epochs,
+            ranks.log(epoch=logs.get("epoch", state.epoch), epochs=args.num_train_epochs,
                              step=state.global_step, steps=state.max_steps, **values)
 
     def make(original: Callable) -> Callable:

@@ -154,7 +154,7 @@ def _die_with_parent() -> None:
     SIGTERM to save a checkpoint at their next step (Lightning does), and once the launcher is gone a
     rank that waits for that would outlive its run.
     """
-    from nbddp.launchers.parent_death import arm
+    from nbddp.rank_side.parent_death import arm
 
     arm(signal.SIGKILL)
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nbddp import checkpoint
-from nbddp.atomic import write_json
+from nbddp.atomic import read_json, write_json
 from nbddp.errors import CheckpointError
 from nbddp.job.rundir import RunDir
 from nbddp.rank_side import sharding
@@ -106,13 +106,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _pointed(run_dir: RunDir) -> Path | None:
-    import json
-
-    try:
-        pointer = json.loads(run_dir.latest_shards.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return run_dir.resume_shards / pointer["save"]
+    pointer = read_json(run_dir.latest_shards)
+    return None if pointer is None else run_dir.resume_shards / pointer["save"]
 
 
 def latest(source: Path) -> Path | None:

@@ -10,9 +10,7 @@ torch is imported here, never by ``import nbddp``.
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -23,47 +21,8 @@ from nbddp import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
                                      mark_done, refuse, restart_count, run_dir, skip_final_collection,
                                      use_notebook_folder)
-from nbddp.rank_side.env import RankEnv
+from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
 from nbddp.job.rundir import RunDir
-
-
-
-# ---------------------------------------------------------------- who am I
-
-
-def rank() -> int:
-    """Global rank of this process (0 in a single process)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    """Number of processes in the job (1 in a single process)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def local_rank() -> int:
-    """Rank on this machine: which GPU this process drives."""
-    return int(os.environ.get("LOCAL_RANK", 0))
-
-
-def is_main() -> bool:
-    """True on rank 0: the one process that logs metrics and saves weights."""
-    return rank() == 0
-
-
-def device() -> torch.device:
-    """``cuda:<local_rank>`` on a GPU run, else ``cpu``."""
-    if _use_cuda():
-        return torch.device("cuda", local_rank())
-    return torch.device("cpu")
-
-
-def _use_cuda() -> bool:
-    return RankEnv.from_environ().device != "cpu" and torch.cuda.is_available()
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -89,7 +48,7 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
     use_notebook_folder()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         become_rank(rank(), world_size())
-        if _use_cuda():
+        if use_cuda():
             torch.cuda.set_device(own_gpu())
         join_group(_attempt_store())
         nnodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))
@@ -124,7 +83,7 @@ def join_group(store: Any, rank_: int | None = None, size: int | None = None) ->
     """Join the default process group through ``store`` (NCCL on GPUs, gloo on CPUs); a warm rank
     joins a new one, under a prefix of its own, after a job that didn't end well on every rank."""
     dist.init_process_group(
-        **group_backend(_use_cuda(), local_rank()), timeout=collective_timeout(), store=store,
+        **group_backend(use_cuda(), local_rank()), timeout=collective_timeout(), store=store,
         rank=rank() if rank_ is None else rank_, world_size=world_size() if size is None else size,
     )
 
@@ -284,23 +243,6 @@ def _distributed_loader(loader: torch.utils.data.DataLoader) -> torch.utils.data
     )
     new._nbddp_epoch = 0
     return new
-
-
-def log(**metrics: Any) -> None:
-    """Record metrics (epoch, step, loss, …) from rank 0: ``metrics.jsonl`` and the live view.
-
-    Other ranks' calls are ignored, so the training loop needs no ``if``.
-    """
-    if not is_main():
-        return
-    record = {k: (v.item() if hasattr(v, "item") else v) for k, v in metrics.items()}
-    directory = run_dir()
-    if directory is None:
-        print("[nbddp.log] " + " ".join(f"{k}={v}" for k, v in record.items()), flush=True)
-        return
-    record["time"] = time.time()
-    with open(directory.metrics, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, default=str) + "\n")
 
 
 def resume_path() -> Path:

@@ -9,7 +9,7 @@ job imported from the notebook's folder are forgotten after it, so the next job 
 and the CUDA caching allocator is emptied between jobs.
 
 The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
-(:class:`~nbddp.launchers.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
+(:class:`~nbddp.rank_side.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
 kernel dies (parent-death signal, through torchrun).
 
@@ -45,10 +45,9 @@ from types import TracebackType
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
-from nbddp.launchers.pool_dir import PoolDir
-from nbddp.options import DEFAULT_WARM_IDLE
+from nbddp.rank_side.pool_dir import PoolDir
 from nbddp.rank_side import memory
-from nbddp.rank_side.env import RankEnv
+from nbddp.rank_side.env import DEFAULT_WARM_IDLE, RankEnv
 
 POLL_SECONDS = 0.005
 

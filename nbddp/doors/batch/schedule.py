@@ -4,7 +4,7 @@ Each run is a separate ``nbddp run`` process (its own kernel, job, run dir and
 executed notebook), so a failure or a crash stays inside its run. One loop in
 the main thread starts runs as devices free up and watches them: no worker
 threads, so every child is tied to a thread that lives as long as the batch
-(see :mod:`nbddp.launchers.parent_death`). Runs are identified by their parameters, which is
+(see :mod:`nbddp.rank_side.parent_death`). Runs are identified by their parameters, which is
 what ``--resume`` matches on.
 """
 
@@ -23,6 +23,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from nbddp.atomic import read_json
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.launchers import devices_for
@@ -221,14 +222,13 @@ class Batch:
         """``--resume``: a run whose parameters already succeeded in this folder is skipped."""
         if not self.options.resume:
             return False
-        for result in self.out.glob("*/result.json"):
-            try:
-                data = json.loads(result.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+        for ended in RunDir.ended_under(self.out):
+            data = read_json(ended.result)
+            if not isinstance(data, dict):
                 continue
             overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
             if data.get("status") == Status.SUCCEEDED and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
-                state.run_dir, state.status = result.parent, BatchState.SKIPPED
+                state.run_dir, state.status = ended.path, BatchState.SKIPPED
                 return True
         return False
 
@@ -322,8 +322,8 @@ class Batch:
 def _status_of(run_dir: Path, code: int | None, default: BatchState = BatchState.FAILED) -> BatchState:
     """How a run ended, from its ``result.json`` (its exit code when it wrote none)."""
     try:
-        return BatchState(json.loads(RunDir(run_dir).result.read_text(encoding="utf-8"))["status"])
-    except (OSError, ValueError, KeyError):
+        return BatchState((read_json(RunDir(run_dir).result) or {})["status"])
+    except (ValueError, KeyError, TypeError):
         return BatchState.SUCCEEDED if code == 0 else default
 
 

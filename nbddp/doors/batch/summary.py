@@ -83,8 +83,8 @@ def _cell(value: Any) -> str:
 def _write_markdown(path: Path, rows, columns, metric: str | None) -> None:
     shown = [c for c in columns if c != "run_dir"]
     lines = [f"# Batch summary: {len(rows)} runs, "
-             f"{sum(r['status'] == 'succeeded' for r in rows)} succeeded, "
-             f"{sum(r['status'] != 'succeeded' for r in rows)} failed or stopped", ""]
+             f"{sum(r['status'] == BatchState.SUCCEEDED for r in rows)} succeeded, "
+             f"{sum(r['status'] != BatchState.SUCCEEDED for r in rows)} failed or stopped", ""]
     if metric:
         ok = [r for r in rows if isinstance(r.get(metric), (int, float))]
         if ok:

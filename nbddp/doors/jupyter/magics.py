@@ -12,7 +12,7 @@ from pathlib import Path
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
-from nbddp.display.ending import NO_WEIGHTS, Ending, first_line
+from nbddp.display.ending import NO_WEIGHTS, Ending, first_line, weights_went
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
 from nbddp.doors.jupyter.session import session_notebook
 from nbddp.errors import UsageError
@@ -146,7 +146,7 @@ class DdpMagics(Magics):
         from dataclasses import replace
 
         from nbddp.doors import detached
-        from nbddp.job.lifecycle import create_run_dir
+        from nbddp.job.rundir import create_run_dir
         from nbddp.launchers import devices_for
 
         devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor
@@ -182,7 +182,7 @@ class DdpMagics(Magics):
             if loaded.error is not None:
                 shown.close(detached.ending(record, run_dir, first_line(loaded.message)))
                 raise loaded.error
-            weights = loaded.weights()
+            weights = weights_went(loaded)
         shown.close(detached.ending(record, run_dir, weights), say=True)
         if record.status != Status.SUCCEEDED:
             detached.raise_judged(run_dir, record)
@@ -221,7 +221,7 @@ class DdpMagics(Magics):
         if not result.succeeded:
             end(result.status, first_line(result.message))
             result.raise_for_status()
-        end(Status.SUCCEEDED, weights=result.weights(), metrics=result.record.final_metrics)
+        end(Status.SUCCEEDED, weights=weights_went(result.kernel), metrics=result.record.final_metrics)
         return None
 
 

@@ -14,10 +14,12 @@ from typing import Sequence
 
 from nbddp.display.ending import Ending, shown_path
 from nbddp.display.metric_plot import svg_plot
+from nbddp.job.status import Status
 
 SNAPSHOT_LINES = 20
-_COLOURS = {"succeeded": "#2e7d32", "failed": "#c62828", "timeout": "#ef6c00", "interrupted": "#616161"}
-_MARKS = {"succeeded": "✔", "failed": "✘", "timeout": "⏱", "interrupted": "■"}
+_COLOURS = {Status.SUCCEEDED: "#2e7d32", Status.FAILED: "#c62828", Status.TIMEOUT: "#ef6c00",
+            Status.INTERRUPTED: "#616161"}
+_MARKS = {Status.SUCCEEDED: "✔", Status.FAILED: "✘", Status.TIMEOUT: "⏱", Status.INTERRUPTED: "■"}
 
 
 def snapshot_html(ending: Ending, panes: Sequence[tuple[str, Sequence[str]]], metrics: Sequence[dict]) -> str:

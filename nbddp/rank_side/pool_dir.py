@@ -2,7 +2,8 @@
 
 The kernel side (:mod:`nbddp.launchers.warm_pool`) and the ranks (:mod:`nbddp.rank_side.warm_loop`)
 both address a pool's files through :class:`PoolDir`, as run dirs are addressed through
-:class:`nbddp.job.rundir.RunDir`. Nothing here imports torch.
+:class:`nbddp.job.rundir.RunDir`. It sits on the rank side, the lowest of its readers (the kernel side,
+above it, may import it; the ranks may not import the launchers). Nothing here imports torch.
 
 ::
 

@@ -1,4 +1,4 @@
-"""``python -m nbddp.launchers.parent_death PARENT_PID -- COMMAND...``: die with the parent, then exec COMMAND.
+"""``python -m nbddp.rank_side.parent_death PARENT_PID -- COMMAND...``: die with the parent, then exec COMMAND.
 
 The launcher (torchrun, or the Catalyst script) is a child of the CLI or of
 the Jupyter kernel. If that parent dies without stopping it (kernel restart,
@@ -9,6 +9,9 @@ short-lived Python start and no ``preexec_fn`` in a threaded kernel.
 
 Caveat: Linux ties the signal to the parent *thread* that started the
 process, so launch from a thread that lives as long as the run.
+
+It sits on the rank side, the lowest of its users: each rank arms it for itself, and the launchers,
+which may import the rank side, run it as a module.
 """
 
 from __future__ import annotations

@@ -1,0 +1,24 @@
+"""What is starting, said once, as a run's ranks start: the engine, the devices and nodes, the run dir.
+
+``nbddp run`` (every node of a multi-node run) and papermill's engine say it before the ranks' first lines.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbddp.job.spec import JobSpec
+
+
+def describe(spec: "JobSpec") -> str:
+    """``torch engine, 2 CPU processes (gloo); run dir …``: what is starting, in one line."""
+    if spec.launch.slurm is not None:
+        where = f"a Slurm job of {spec.launch.slurm.nodes} node{'s' * (spec.launch.slurm.nodes != 1)} × {spec.devices.describe()}"
+    elif spec.launch.ray is not None:
+        where = f"{spec.launch.ray.nodes} node{'s' * (spec.launch.ray.nodes != 1)} × {spec.devices.describe()} of {spec.launch.ray.where()}"
+    elif spec.launch.nodes is not None:
+        where = f"{spec.devices.describe()} on each of {spec.launch.nodes.count} nodes (world size {spec.world_size})"
+    else:
+        where = spec.devices.describe()
+    return f"{spec.script.engine} engine, {where}; run dir {spec.run_dir}"

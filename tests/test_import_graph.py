@@ -1,0 +1,217 @@
+"""Imports flow one way: door → job → launchers → plan → rank side → leaves (docs/architecture.md).
+
+Every module of the package is parsed (not imported) and placed in a layer by :data:`LAYERS`; a module
+may import its own layer and the layers below it, never one above, and no two modules may import each
+other, however indirectly. Imports inside functions count (a lazy import is still an import: it only
+runs later), and so do those under ``if TYPE_CHECKING:`` (a type names what the module depends on).
+Importing ``a.b.c`` also runs ``a/__init__.py`` and ``a/b/__init__.py``: what those import at their top
+(``engines``' and ``launchers``' do) is imported too.
+
+Why this order: the job chains the stages and starts launchers; a launcher reads the plan (the
+launch options, the script, the engine's needs) and starts the ranks with their environment
+(``RankEnv``); the plan says what to run, never how a launcher runs it; a rank reads only its
+environment and the leaves, so an exported script needs nothing of the plan; the leaves (errors,
+atomic files, statuses, the run dir's names, devices, checkpoints, the source map) import nothing
+above them. ``display`` shows what the job produced, so it sits above the job, and the doors above all.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbddp
+
+PACKAGE = Path(nbddp.__file__).parent
+
+#: Lowest first. A module belongs to the first layer with a pattern that matches its name.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("leaves", ("nbddp._version", "nbddp.errors", "nbddp.atomic", "nbddp.devices", "nbddp.checkpoint",
+                "nbddp.job.status", "nbddp.job.rundir", "nbddp.job.metrics", "nbddp.notebook.sourcemap")),
+    ("rank side", ("nbddp.rank_side", "nbddp.rank_side.*", "nbddp.runtime", "nbddp.runtime_catalyst")),
+    ("plan", ("nbddp.notebook", "nbddp.notebook.*", "nbddp.engines", "nbddp.engines.*", "nbddp.options", "nbddp.option_fields",
+              "nbddp.job.spec")),
+    ("launchers", ("nbddp.launchers", "nbddp.launchers.*")),
+    ("job", ("nbddp.job", "nbddp.job.*")),
+    ("display", ("nbddp.display", "nbddp.display.*")),
+    ("doors", ("nbddp", "nbddp.__main__", "nbddp.api", "nbddp.doors", "nbddp.doors.*")),
+)
+
+#: Cycles left to another change, each with why; a cycle that is gone must leave this list.
+LEFT: dict[frozenset[str], str] = {
+    frozenset({"nbddp.launchers.warm_pool", "nbddp.launchers.warm_departure"}):
+        "Departure's type hint names WarmPool, which starts Departures (issue 36's warm-state work owns both)",
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    imported: str
+    line: int
+    kind: str
+    """``module`` (runs when the importer is imported), ``function`` (inside a function: runs when it is
+    called), ``type`` (under ``if TYPE_CHECKING:``) or ``package`` (what the ``__init__`` of a package runs
+    when the importer imports one of that package's modules)."""
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by its dotted name."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = modules()
+
+
+def _target(name: str) -> str | None:
+    """The package's module that ``import name`` loads (``name`` may be an attribute of one)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _explicit(module: str, path: Path) -> list[Import]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, kind: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = kind
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind == "module":
+                inner = "function"
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                inner = "type"
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [alias.name for alias in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    base = ".".join(parts + ([base] if base else []))
+                names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in child.names]
+            for name in names:
+                target = _target(name) if name.split(".")[0] == "nbddp" else None
+                if target is not None and target != module:
+                    found.append(Import(module, target, child.lineno, inner))
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "module")
+    return found
+
+
+def imports() -> list[Import]:
+    """Every import of one of the package's modules by another, with what the packages it goes through run."""
+    explicit = [found for module, path in MODULES.items() for found in _explicit(module, path)]
+    at_top: dict[str, set[str]] = defaultdict(set)
+    for found in explicit:
+        if found.kind == "module":
+            at_top[found.importer].add(found.imported)
+    implicit = []
+    for found in explicit:  # importing a.b.c runs a/__init__.py and a/b/__init__.py: what they import at their top
+        parent = found.imported.rpartition(".")[0]
+        while parent:
+            if found.importer != parent and not found.importer.startswith(parent + "."):
+                implicit += [Import(found.importer, runs, found.line, "package")
+                             for runs in sorted(at_top[parent]) if runs != found.importer]
+            parent = parent.rpartition(".")[0]
+    seen: dict[tuple[str, str, str], Import] = {}
+    for found in explicit + implicit:  # (one per importer, module and kind: the first line)
+        seen.setdefault((found.importer, found.imported, found.kind), found)
+    return list(seen.values())
+
+
+IMPORTS = imports()
+
+
+def layer(module: str) -> int:
+    for number, (_, patterns) in enumerate(LAYERS):
+        if any(fnmatch.fnmatchcase(module, pattern) for pattern in patterns):
+            return number
+    raise LookupError(f"{module} has no layer: give it one in LAYERS (and in docs/architecture.md)")
+
+
+def upward() -> list[Import]:
+    """The imports of a module above the importer's layer."""
+    return [found for found in IMPORTS if layer(found.imported) > layer(found.importer)]
+
+
+def cycles() -> list[list[str]]:
+    """The groups of modules that import each other, directly or not (Tarjan's strongly connected
+    components of the explicit imports, of every kind)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for found in IMPORTS:
+        if found.kind != "package":
+            graph[found.importer].add(found.imported)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                connect(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(MODULES):
+        if module not in index:
+            connect(module)
+    return groups
+
+
+def _shown(found: list[Import]) -> list[str]:
+    return [f"{f.importer} ({LAYERS[layer(f.importer)][0]}) imports {f.imported} ({LAYERS[layer(f.imported)][0]}), "
+            f"line {f.line} [{f.kind}]" for f in found]
+
+
+def test_every_module_has_a_layer():
+    assert [module for module in MODULES if not any(
+        fnmatch.fnmatchcase(module, p) for _, patterns in LAYERS for p in patterns)] == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert _shown(upward()) == []
+
+
+def test_no_modules_import_each_other():
+    found = {frozenset(group) for group in cycles()}
+    assert [sorted(group) for group in found - set(LEFT)] == []
+    assert [sorted(group) for group in set(LEFT) - found] == []  # (gone: take it off LEFT)
+
+
+def test_the_graph_is_read_whole():
+    """The parse sees what it must: lazy imports, type-only imports, relative ones, packages run."""
+    kinds = {(f.importer, f.imported): f.kind for f in IMPORTS}
+    assert kinds[("nbddp", "nbddp.api")] == "function"  # (nbddp.run() loads the door on first use)
+    assert kinds[("nbddp.runtime", "nbddp.rank_side.torch_engine")] == "module"
+    assert any(f.kind == "type" for f in IMPORTS) and any(f.kind == "package" for f in IMPORTS)
+    assert len(MODULES) > 80 and all(f.imported in MODULES for f in IMPORTS)
+
+
+def test_the_leaves_import_only_leaves():
+    leaves = [m for m in MODULES if layer(m) == 0]
+    assert {"nbddp.errors", "nbddp.atomic", "nbddp.job.status", "nbddp.job.rundir"} <= set(leaves)
+    assert [f"{f.importer} imports {f.imported}" for f in IMPORTS if f.importer in leaves and layer(f.imported)] == []
