@@ -111,13 +111,15 @@ class KeptObjects:
         self._kinds: dict[type, int] = {}
 
     # ------------------------------------------------------------------ recording
-    def walk(self, cell: int) -> set[int]:
+    def walk(self, cell: int, libraries: frozenset[str] = frozenset()) -> set[int]:
         """After setup cell ``cell`` ran: record each new object (made by it), note which recorded ones it changed,
         and let go of those no longer reachable (a later cell replaced them: a fresh run lets them go too).
-        Returns the ids of every object reached."""
+        ``libraries``: names bound to what the cells imported from a library (``from lib import REGISTRY``):
+        the library's state, not the setup's. Returns the ids of every object reached."""
         seen: set[int] = set()
         pending: list[tuple[Any, Record | None, str]] = [
-            (value, None, name) for name, value in reversed(list(self.namespace.items())) if not _dunder(name)]
+            (value, None, name) for name, value in reversed(list(self.namespace.items()))
+            if not _dunder(name) and name not in libraries]
         while pending:
             obj, parent, key = pending.pop()
             oid = id(obj)

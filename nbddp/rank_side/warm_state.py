@@ -57,6 +57,8 @@ class Unit:
     """The cell's name for the user (``cell 3``, ``In [5]``); empty for nbddp's own lines."""
     number: int | None = None
     reads: frozenset[str] = frozenset()
+    imports: tuple[tuple[str, str], ...] = ()
+    """The names its ``import`` statements bind, and the module each comes from."""
 
 
 @dataclass
@@ -113,7 +115,17 @@ def _unit(segment: Segment | None, statements: list[ast.stmt], lines: list[str],
     literal = segment.role in (PARAMETERS, INJECTED) and all(map(_literal, statements))
     name = segment.label or f"cell {segment.cell}"
     return Unit(LITERAL if literal else CELL, code, source, segment.script_start, segment.length, name, segment.cell,
-                frozenset(global_reads(source)) if not literal else frozenset())
+                frozenset(global_reads(source)) if not literal else frozenset(), _imports(statements))
+
+
+def _imports(statements: list[ast.stmt]) -> tuple[tuple[str, str], ...]:
+    found = []
+    for node in (n for statement in statements for n in ast.walk(statement)):
+        if isinstance(node, ast.Import):
+            found += [((a.asname or a.name).split(".")[0], a.name if a.asname else a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(a.asname or a.name, node.module) for a in node.names if a.name != "*"]
+    return tuple(found)
 
 
 def _compile(statements: list[ast.stmt], script: Path) -> types.CodeType:
@@ -192,6 +204,9 @@ class WarmState:
         """What the last run changed that couldn't be put back: the cell to run again from, and why."""
         self.note = ""
         """Why the last setup wasn't kept ("" when it was, or there was none)."""
+        self.libraries: dict[str, int] = {}
+        """Names bound to what a cell imported from a library (not the notebook's folder), and the object's id:
+        the library's state, never looked into nor put back."""
         self.starts: list[int] = []
         """Where this job's script has each setup cell (its first line): kept cells' tracebacks are moved there."""
 
@@ -362,7 +377,7 @@ class WarmState:
         if self.module is not None:
             self.module.__dict__.clear()
         self.module, self.objects, self.cells, self.bindings = None, None, [], {}
-        self.literal_objects, self.again = {}, None
+        self.literal_objects, self.again, self.libraries = {}, None, {}
         if collect:
             _collect()
 
@@ -398,13 +413,19 @@ class WarmState:
                         bound, deleted, self._local_modules(modules), _process_state(environ))
         self.cells.append(kept)
         self.bindings = dict(namespace)
+        for name, module in unit.imports:
+            source = getattr(sys.modules.get(module), "__file__", None)
+            if name in namespace and not (source and _inside(Path(source), self.folder)):
+                self.libraries[name] = id(namespace[name])
         if self.objects is None or self.note:
             return
+        libraries = frozenset(n for n, i in self.libraries.items() if id(namespace.get(n)) == i)
         try:
-            seen = self.objects.walk(index)
+            seen = self.objects.walk(index, libraries)
         except NotKept as exc:
             self.note = str(exc)
             return
+        seen |= set(self.libraries.values())
         for earlier in self.cells:  # an object a later cell replaced is let go, as a fresh run lets it go
             for name, value in earlier.bound.items():
                 if value is not GONE and id(value) not in seen and self.objects.kind(value) != ATOMIC:
