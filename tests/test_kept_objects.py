@@ -103,13 +103,13 @@ def test_a_big_tensor_is_checked_not_copied_and_a_change_is_reported_however_it_
     assert all(r.copy is None for r in objects.records.values())
 
     data.data[0] += 1  # through .data: the version counter doesn't move, the checksum does
-    assert [r.name() for r in objects.restore()] == ["data"]
+    assert [r.name() for r, _ in objects.restore()] == ["data"]
     data.data[0] -= 1
     array.view()[5] = -1  # a NumPy view
-    assert [r.name() for r in objects.restore()] == ["array"]
+    assert [r.name() for r, _ in objects.restore()] == ["array"]
     array[5] = 5
     data.mul_(1)  # in place, same values: the version counter says it changed
-    assert [r.name() for r in objects.restore()] == ["data"]
+    assert [r.name() for r, _ in objects.restore()] == ["data"]
 
 
 def test_each_object_knows_the_cell_that_made_it_and_the_last_that_changed_it(tmp_path):
@@ -140,7 +140,7 @@ def test_what_cant_be_kept_is_named_and_nothing_is_kept_that_wont_fit(tmp_path):
         objects = kept(namespace, tmp_path)
         whys = {r.name(): r.why for r in objects.records.values() if r.kind == UNKEEPABLE}
         assert whys == {"log": "an open file", "lines": "a generator"}
-        assert {r.name() for r in objects.restore()} == {"log", "lines"}
+        assert {r.name() for r, _ in objects.restore()} == {"log", "lines"}
         small = KeptObjects({"model": namespace["model"]}, tmp_path)
         small.walk(0)
         with pytest.raises(NotKept, match=r"copying what a run changes \(40.4 kB\) would not fit in memory \(1 kB free\)"):

@@ -194,8 +194,9 @@ class KeptObjects:
         self.sealed = False
 
     # ------------------------------------------------------------------ after a run
-    def restore(self) -> list[Record]:
-        """Put every kept object back as it was after setup; the ones that can't be (changed, never kept)."""
+    def restore(self) -> list[tuple[Record, str]]:
+        """Put every kept object back as it was after setup; the ones that can't be, and why (``the last run
+        changed X in place``, ``X (an open file) can't be kept``)."""
         problems = []
         for record in list(self.records.values()):
             try:
@@ -203,13 +204,22 @@ class KeptObjects:
             except Exception:  # noqa: BLE001 - an object that refuses: it is re-made instead
                 ok = False
             if not ok:
-                problems.append(record)
+                problems.append((record, self._problem(record)))
         return problems
+
+    def _problem(self, record: Record) -> str:
+        if record.kind == UNKEEPABLE:
+            return f"{record.name()} ({record.why}) can't be kept"
+        if record.kind == OBJECT and type(record.obj) is not record.state[2]:
+            return f"the last run turned {record.name()} into a {type(record.obj).__name__}"
+        return f"the last run changed {record.name()} in place"
 
     def _restore(self, record: Record) -> bool:
         kind, obj = record.kind, record.obj
         if kind == UNKEEPABLE:
             return False
+        if kind == OBJECT and type(obj) is not record.state[2] and not self._notebook_class(type(obj)):
+            return False  # a library made it one of its own (FSDP2's sharded modules): its state is the library's
         if kind == TENSOR:
             return self._restore_tensor(record)
         if kind == ARRAY:
@@ -311,6 +321,10 @@ class KeptObjects:
                 return ATOMIC
             return UNKEEPABLE
         return OBJECT
+
+    def _notebook_class(self, klass: type) -> bool:
+        module = sys.modules.get(klass.__module__)
+        return klass.__module__ == "__main__" or (module is not None and self._local(getattr(module, "__file__", None)))
 
     def _notebook_globals(self, namespace: dict) -> bool:
         return namespace is self.namespace or self._local(namespace.get("__file__"))

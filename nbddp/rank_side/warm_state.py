@@ -457,11 +457,9 @@ class WarmState:
         namespace.update(self.bindings)
         problems = self.objects.restore() if self.objects is not None else []
         if problems:
-            first = min(problems, key=lambda r: r.birth)
-            why = (f"{first.name()} ({first.why}) can't be kept" if first.kind == UNKEEPABLE
-                   else f"the last run changed {first.name()} in place")
-            self._cut(first.birth)
+            first, why = min(problems, key=lambda problem: problem[0].birth)
             self.again = (first.birth, why)
+            self._cut(first.birth)
         _collect()
 
     def report(self) -> dict[str, Any]:
