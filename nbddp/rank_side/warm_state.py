@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from nbddp.errors import NbddpError
 from nbddp.notebook.cells import INJECTED, PARAMETERS
 from nbddp.notebook.freevars import global_reads
 from nbddp.notebook.sourcemap import Segment, SourceMap, sourcemap_path
@@ -222,8 +223,20 @@ class WarmState:
             return
         literal_values = self._literal_values(units)
         keys = self._keys(units, literal_values)
-        plan = agree(self.plan(units, keys, literal_values))
-        namespace = self._prepare(units, plan.start, literal_values, script)
+        try:
+            plan = self.plan(units, keys, literal_values)
+        except Exception as exc:  # noqa: BLE001 - nbddp's bookkeeping: it never costs the run, only what was kept
+            self.forget()
+            plan = Plan(0, "", f"nbddp could not use what it kept ({type(exc).__name__}: {exc})", again=True)
+        plan = agree(plan)
+        try:
+            namespace = self._prepare(units, plan.start, literal_values, script)
+        except BaseException as exc:
+            self.forget()  # (the other ranks start where agreed: this rank can't start elsewhere on its own)
+            if not isinstance(exc, Exception):
+                raise
+            raise NbddpError(f"this warm rank could not put back the setup it kept ({type(exc).__name__}: {exc}); "
+                             "it dropped it: run the cell again") from exc
         cells = [u for u in units if u.kind == CELL]
         self.starts = [u.first_line for u in cells]
         try:
@@ -402,11 +415,24 @@ class WarmState:
                 self.objects.seal(cell - 1)
             except NotKept as exc:
                 self.note = str(exc)
+            except Exception as exc:  # noqa: BLE001
+                self.note = f"nbddp could not keep it ({type(exc).__name__}: {exc})"
         self.bindings = dict(namespace)
 
     def _run_cell(self, unit: Unit, index: int, key: tuple[str, dict[str, str]], namespace: dict) -> None:
         before, environ, modules = dict(namespace), dict(os.environ), set(sys.modules)
         exec(unit.code, namespace)  # noqa: S102 - the setup cell, the job's own code
+        try:
+            self._record_cell(unit, index, key, namespace, before, environ, modules)
+        except NotKept as exc:
+            self.note = str(exc)
+        except Exception as exc:  # noqa: BLE001 - nbddp's bookkeeping never costs the run: it keeps nothing
+            self.note = f"nbddp could not keep it ({type(exc).__name__}: {exc})"
+
+    def _record_cell(self, unit: Unit, index: int, key: tuple[str, dict[str, str]], namespace: dict,
+                     before: dict, environ: dict[str, str], modules: set[str]) -> None:
+        """Keep what setup cell ``index`` did: the names it bound, the local modules it imported, the process's
+        state after it, the objects it made or changed."""
         bound = {k: v for k, v in namespace.items() if before.get(k, GONE) is not v and not _dunder(k)}
         deleted = frozenset(k for k in before if k not in namespace and not _dunder(k))
         kept = KeptCell(key[0], unit.name, unit.number, unit.text, key[1], (unit.code.co_filename, unit.first_line),
@@ -420,12 +446,7 @@ class WarmState:
         if self.objects is None or self.note:
             return
         libraries = frozenset(n for n, i in self.libraries.items() if id(namespace.get(n)) == i)
-        try:
-            seen = self.objects.walk(index, libraries)
-        except NotKept as exc:
-            self.note = str(exc)
-            return
-        seen |= set(self.libraries.values())
+        seen = self.objects.walk(index, libraries) | set(self.libraries.values())
         for earlier in self.cells:  # an object a later cell replaced is let go, as a fresh run lets it go
             for name, value in earlier.bound.items():
                 if value is not GONE and id(value) not in seen and self.objects.kind(value) != ATOMIC:
