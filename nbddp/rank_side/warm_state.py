@@ -471,7 +471,7 @@ class WarmState:
         if self.module is None:
             return
         if self.note:  # the setup couldn't be kept: the next job runs it from the start
-            self.forget()
+            self.forget(collect=False)  # (the rank collects after every job)
             return
         namespace = self.module.__dict__
         namespace.clear()
@@ -481,7 +481,6 @@ class WarmState:
             first, why = min(problems, key=lambda problem: problem[0].birth)
             self.again = (first.birth, why)
             self._cut(first.birth)
-        _collect()
 
     def report(self) -> dict[str, Any]:
         """What ``%ddp_ranks`` shows of this rank's kept state."""
