@@ -28,9 +28,22 @@ both address a pool's files through :class:`PoolDir`, as run dirs are addressed 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from nbddp.job.rundir import RunDir
+
+class JobEnd(str, Enum):
+    """How a rank ended a job (``ended/N-R.json``'s ``status``): the rank's word, judged into a run's
+    :class:`~nbddp.job.status.Status` by the kernel side with the rest of the evidence."""
+
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: The pool folders' prefix in the system temp folder (the owner's pid follows).
 FOLDER_PREFIX = "nbddp-warm-"

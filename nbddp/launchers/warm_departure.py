@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from nbddp.launchers.pool_dir import JobEnd
 from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ class Departure:
         for rank in range(self.pool.devices.nproc):
             ending = _json(directory.ended(self.number, rank))
             if ending is not None:
-                done = ending.get("status") == "ok" or directory.released(self.number, rank).exists()
+                done = ending.get("status") == JobEnd.OK or directory.released(self.number, rank).exists()
                 found[rank] = "out" if done else "releasing"
             else:
                 found[rank] = "in" if directory.taken(self.number, rank).exists() else "pending"

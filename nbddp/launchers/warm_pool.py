@@ -40,7 +40,7 @@ from nbddp.engines import spawns_its_own_ranks
 from nbddp.job.status import Status
 from nbddp.launchers import Launch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
-from nbddp.launchers.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.launchers.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.torchrun import torchrun_options
 from nbddp.launchers.warm_departure import Departure
@@ -338,11 +338,11 @@ class WarmRun:
         endings = self.pool.endings(self.number)
         statuses = [ending and ending.get("status") for ending in endings]
         if None not in statuses:
-            self._code = 0 if all(s == "ok" for s in statuses) else 1
+            self._code = 0 if all(s == JobEnd.OK for s in statuses) else 1
             self.pool.last_used = time.monotonic()
         elif self.pool.launch.poll() is not None:
             self._code = self.pool.launch.poll() or 1
-        elif self._departure is not None or any(s not in (None, "ok") for s in statuses):
+        elif self._departure is not None or any(s not in (None, JobEnd.OK) for s in statuses):
             self._interrupt()  # a rank failed (or the job is being stopped): end the job in the others
             why = self._departure.check()
             if why == "":  # the ranks left haven't taken the job: they end it the moment they do

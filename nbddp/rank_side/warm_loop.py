@@ -48,7 +48,7 @@ from types import TracebackType
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
-from nbddp.launchers.pool_dir import PoolDir
+from nbddp.launchers.pool_dir import JobEnd, PoolDir
 from nbddp.options import DEFAULT_WARM_IDLE
 from nbddp.rank_side import memory
 from nbddp.rank_side.env import RankEnv
@@ -87,13 +87,13 @@ def main(folder: Path) -> int:
         try:
             status = _run(job, pool, rank, size, number, state)
         except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
-            status = "interrupted"
+            status = JobEnd.INTERRUPTED
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        write_json(pool.ended(number, rank), {"status": status})
-        if status != "ok":  # (said first: should freeing the group block, the kernel still ends the job)
+        write_json(pool.ended(number, rank), {"status": status.value})
+        if status != JobEnd.OK:  # (said first: should freeing the group block, the kernel still ends the job)
             rank_process.release_group()  # wakes the peers still in a collective with this rank
             pool.mark(pool.released(number, rank))
         _keep_setup(state, pool, rank, number)  # the setup's objects back as after setup, while the rank waits
@@ -176,7 +176,7 @@ def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
                     pass
         if None in statuses:
             time.sleep(POLL_SECONDS)
-    return all(status == "ok" for status in statuses)
+    return all(status == JobEnd.OK for status in statuses)
 
 
 def _next_job(pool: PoolDir, number: int, idle: float, state: WarmState, rank: int) -> dict | None:
@@ -210,7 +210,7 @@ def _forget_requests(pool: PoolDir) -> int:
         return 0
 
 
-def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: WarmState) -> str:
+def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: WarmState) -> JobEnd:
     """Run one job's script as a fresh rank would (its setup cells kept from the last job where they didn't
     change): ``ok``, ``failed`` or ``interrupted``. A job stopped before this rank took it ends
     ``interrupted`` without running."""
@@ -222,7 +222,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
     before, cwd, path, argv, main = set(sys.modules), os.getcwd(), list(sys.path), list(sys.argv), sys.modules["__main__"]
     settings = torch_settings()
     _fresh_random_state()
-    status = "ok"
+    status = JobEnd.OK
     _script = os.path.abspath(job["script"])
     try:
         try:
@@ -237,15 +237,15 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
             state.run(Path(job["script"]), _agree(pool, number, rank, size),
                       lambda line: print(f"[nbddp] {line}", flush=True) if rank == 0 else None)
         except SystemExit as exc:
-            status = "ok" if exc.code in (None, 0) else "failed"
+            status = JobEnd.OK if exc.code in (None, 0) else JobEnd.FAILED
         except KeyboardInterrupt:
-            status = "interrupted"  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
+            status = JobEnd.INTERRUPTED  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
             tb = from_script(exc.__traceback__, job["script"])
             report = _relocate(traceback.TracebackException(type(exc), exc, tb))
             rank_process.record_exception(rank, type(exc), exc, tb, report=report)
             print("".join(report.format()), end="", file=sys.stderr)
-            status = "failed"
+            status = JobEnd.FAILED
             del tb, report  # their frames hold the job's namespace, and through it the process group
         finally:
             _in_job = None
