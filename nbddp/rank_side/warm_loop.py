@@ -324,8 +324,9 @@ def _relocate(report: traceback.TracebackException) -> traceback.TracebackExcept
 
 
 def from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
-    """The traceback from the script's first frame on: this loop's and runpy's frames are how a warm rank
-    runs the script, not part of what it did (a fresh rank's traceback starts at the script too)."""
+    """The traceback from the script's first frame on: this loop's and :mod:`~nbddp.rank_side.warm_state`'s
+    frames are how a warm rank runs the script, not part of what it did (a fresh rank's traceback starts at
+    the script too)."""
     first = tb
     while first is not None and os.path.abspath(first.tb_frame.f_code.co_filename) != os.path.abspath(script):
         first = first.tb_next
