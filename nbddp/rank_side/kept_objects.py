@@ -26,22 +26,20 @@ not looked into: they are the library's, shared by every run in the process as b
 
 from __future__ import annotations
 
-import collections
-import ctypes
 import functools
-import hashlib
 import io
-import pickle
-import random
 import re
 import sys
 import types
-import weakref
-import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
 from nbddp.job.rank_memory import size
+from nbddp.rank_side.object_state import (
+    ARRAY, ATOMIC, CHILDREN, CLASS, DEQUE, DICT, EMPTY, FUNCTION, LIST, MODULE, OBJECT, OPAQUE, RNG, SET,
+    TENSOR, UNKEEPABLE, array_state, array_sum, available_memory, capture, changed_mapping, copy_of, dunder,
+    is_module, is_optimizer, kind_of_type, nbytes, never_kept, pickle_digest, put_back, same, set_rng, short,
+    tensor_state, tensor_sum)
 
 #: Tensors and arrays up to this size are copied and restored whatever they are (cheaper than a question).
 SMALL_BYTES = 1 << 20
@@ -49,24 +47,6 @@ SMALL_BYTES = 1 << 20
 COPY_SHARE = 0.5
 #: More objects than this in a setup's namespace: it is not kept (checking them would cost what it saves).
 MAX_OBJECTS = 1_000_000
-#: An opaque object whose pickle is bigger than this can't be checked (so it isn't kept).
-PICKLE_LIMIT = 256 << 20
-
-(ATOMIC, CHILDREN, LIST, DICT, SET, DEQUE, BYTES, OBJECT, CLASS, FUNCTION, MODULE, TENSOR, ARRAY, RNG, OPAQUE,
- UNKEEPABLE) = range(16)
-_ATOMIC_TYPES = {type(None), bool, int, float, complex, str, bytes, range, slice, type(Ellipsis), type(NotImplemented),
-                 types.CodeType, types.BuiltinFunctionType, types.WrapperDescriptorType, types.MethodWrapperType,
-                 types.MethodDescriptorType, types.GetSetDescriptorType, types.MemberDescriptorType,
-                 types.ClassMethodDescriptorType, weakref.ref, weakref.ProxyType, property, memoryview,
-                 type(sys.stdout.write) if hasattr(sys.stdout, "write") else type(None)}
-#: Modules whose objects are the library's own machinery: never looked into.
-_INTERNAL = ("torch._", "torch.jit", "torch.fx", "torch.cuda", "torch.backends", "torch.autograd", "torch.utils.hooks",
-             "pyarrow", "logging", "threading", "_thread", "multiprocessing.synchronize", "re", "typing", "abc",
-             "enum", "datetime", "decimal", "fractions", "uuid", "pathlib", "importlib", "tokenize")
-_NEVER_KEPT = {types.GeneratorType: "a generator", types.CoroutineType: "a coroutine",
-               types.AsyncGeneratorType: "a generator"}
-
-
 #: A module's parameters, buffers and submodules, named as torch names them (``model.0.weight``).
 _MODULE_PARTS = re.compile(r"\._(parameters|buffers|modules)\['([^']*)'\]")
 
@@ -119,7 +99,7 @@ class KeptObjects:
         seen: set[int] = set()
         pending: list[tuple[Any, Record | None, str]] = [
             (value, None, name) for name, value in reversed(list(self.namespace.items()))
-            if not _dunder(name) and name not in libraries]
+            if not dunder(name) and name not in libraries]
         while pending:
             obj, parent, key = pending.pop()
             oid = id(obj)
@@ -156,8 +136,8 @@ class KeptObjects:
             NotKept: the copies would take more than :data:`COPY_SHARE` of ``available`` memory.
         """
         copied = self._to_copy()
-        need = sum(_nbytes(r.obj) for r in copied if r.kind in (TENSOR, ARRAY))
-        available = _available_memory() if available is None else available
+        need = sum(nbytes(r.obj) for r in copied if r.kind in (TENSOR, ARRAY))
+        available = available_memory() if available is None else available
         if need > COPY_SHARE * available:
             raise NotKept(f"copying what a run changes ({size(need)}) would not fit in memory ({size(available)} free)")
         for record in self.records.values():
@@ -166,7 +146,7 @@ class KeptObjects:
                 if now != record.sum:
                     record.changed, record.sum = max(record.changed, last_cell), now
         for record in copied:
-            record.copy = _copy(record)
+            record.copy = copy_of(record.kind, record.obj)
         self.sealed = True
 
     def _to_copy(self) -> list[Record]:
@@ -175,14 +155,14 @@ class KeptObjects:
         trained: set[int] = set()
         for record in self.records.values():
             obj = record.obj
-            if record.kind == OBJECT and _is_module(obj):
+            if record.kind == OBJECT and is_module(obj):
                 for tensor in [*obj.__dict__.get("_parameters", {}).values(), *obj.__dict__.get("_buffers", {}).values()]:
                     trained.update((id(tensor), id(getattr(tensor, "grad", None))))
-            elif record.kind == OBJECT and _is_optimizer(obj):
+            elif record.kind == OBJECT and is_optimizer(obj):
                 for state in obj.__dict__.get("state", {}).values():
                     trained.update(map(id, state.values()) if isinstance(state, dict) else ())
         return [r for r in self.records.values()
-                if (r.kind == TENSOR and (id(r.obj) in trained or r.obj.requires_grad or _nbytes(r.obj) <= SMALL_BYTES))
+                if (r.kind == TENSOR and (id(r.obj) in trained or r.obj.requires_grad or nbytes(r.obj) <= SMALL_BYTES))
                 or (r.kind == ARRAY and r.obj.nbytes <= SMALL_BYTES) or r.kind == RNG]
 
     def drop_from(self, cell: int) -> None:
@@ -224,18 +204,18 @@ class KeptObjects:
             return self._restore_tensor(record)
         if kind == ARRAY:
             if record.copy is not None:
-                if obj.shape != record.copy.shape or _array_state(obj)[:3] != record.state[:3]:
+                if obj.shape != record.copy.shape or array_state(obj)[:3] != record.state[:3]:
                     return False
                 obj[...] = record.copy
                 return True
-            return _array_state(obj) == record.state and self._sum(record) == record.sum
+            return array_state(obj) == record.state and self._sum(record) == record.sum
         if kind == OPAQUE:
             return self._sum(record) == record.sum
         if kind == RNG:
-            _set_rng(obj, record.copy if record.copy is not None else record.state)
+            set_rng(obj, record.copy if record.copy is not None else record.state)
             return True
         if not self._same(record):
-            _put_back(record)
+            put_back(record.kind, record.obj, record.state)
         return True
 
     def _restore_tensor(self, record: Record) -> bool:
@@ -246,7 +226,7 @@ class KeptObjects:
         t = record.obj
         version, ptr, offset, shape, stride, dtype, device, requires_grad, grad, attributes = record.state
         if record.copy is None:  # checked, not copied: unchanged, or it can't be kept
-            if _tensor_state(t)[:7] != record.state[:7] or self._sum(record) != record.sum:
+            if tensor_state(t)[:7] != record.state[:7] or self._sum(record) != record.sum:
                 return False
         else:
             with torch.no_grad():
@@ -262,10 +242,10 @@ class KeptObjects:
                 t.requires_grad_(requires_grad)
             if (t.grad if t.is_leaf else None) is not grad:
                 t.grad = grad
-        if _changed_mapping(t.__dict__ or None, attributes):
+        if changed_mapping(t.__dict__ or None, attributes):
             t.__dict__.clear()
             t.__dict__.update(attributes or {})
-        record.state = _tensor_state(t)
+        record.state = tensor_state(t)
         return True
 
     def _shares_storage(self, record: Record) -> bool:
@@ -292,7 +272,7 @@ class KeptObjects:
                     storages.add(key)
                     sizes[t.device.type != "cpu"] += t.untyped_storage().nbytes()
                 if record.copy is not None:
-                    copies += _nbytes(t)
+                    copies += nbytes(t)
             elif record.kind == ARRAY:
                 sizes[0] += record.obj.nbytes
                 copies += record.obj.nbytes if record.copy is not None else 0
@@ -304,7 +284,7 @@ class KeptObjects:
         tp = type(obj)
         kind = self._kinds.get(tp)
         if kind is None:
-            kind = _kind_of_type(tp)
+            kind = kind_of_type(tp)
             self._kinds[tp] = kind
         if kind >= 0:
             return kind
@@ -350,13 +330,13 @@ class KeptObjects:
         elif kind == DICT:
             for key, value in record.state[0]:
                 yield key, record, ".keys()"
-                yield value, record, f"[{_short(key)}]"
+                yield value, record, f"[{short(key)}]"
         elif kind == SET:
             yield from ((item, record, "{…}") for item in record.state[0])
         elif kind in (OBJECT, MODULE, CLASS):
             attributes = record.state[0] if kind == OBJECT else record.state
             yield from ((value, record, f".{key}") for key, value in (attributes or {}).items()
-                        if not (kind != OBJECT and _dunder(key)))
+                        if not (kind != OBJECT and dunder(key)))
             if kind == OBJECT and record.state[1]:
                 yield from ((value, record, f".{key}") for key, value in record.state[1].items())
         elif kind == FUNCTION:
@@ -365,7 +345,7 @@ class KeptObjects:
             yield from ((value, record, f".__kwdefaults__[{key!r}]") for key, value in (kwdefaults or {}).items())
             yield from ((value, record, f".{key}") for key, value in attributes.items())
             names = obj.__code__.co_freevars
-            yield from ((value, record, f" (its {name})") for name, value in zip(names, cells) if value is not _EMPTY)
+            yield from ((value, record, f" (its {name})") for name, value in zip(names, cells) if value is not EMPTY)
         elif kind == TENSOR:
             if record.state[8] is not None:
                 yield record.state[8], record, ".grad"
@@ -375,16 +355,18 @@ class KeptObjects:
 
     # ------------------------------------------------------------------ states
     def _capture(self, record: Record) -> None:
+        """Read the object's shallow state into its record (an object that can't be read can't be kept)."""
         try:
-            record.state = _capture(record)
+            record.state = capture(record.kind, record.obj)
         except Exception as exc:  # noqa: BLE001 - an object nbddp can't read is one it can't keep
             record.kind, record.why = UNKEEPABLE, f"can't be read ({type(exc).__name__})"
         if record.kind == UNKEEPABLE and not record.why:
-            record.why = _never_kept(record.obj)
+            record.why = never_kept(record.obj)
 
     def _same(self, record: Record) -> bool:
+        """Whether the object is as its record says."""
         try:
-            return _same(record, _capture(record))
+            return same(record.kind, record.state, capture(record.kind, record.obj))
         except Exception:  # noqa: BLE001
             return False
 
@@ -392,366 +374,11 @@ class KeptObjects:
         """A checksum of a tensor's or array's bytes; a digest of an opaque object's pickle (``None``: can't)."""
         try:
             if record.kind == TENSOR:
-                return _tensor_sum(record.obj)
+                return tensor_sum(record.obj)
             if record.kind == ARRAY:
-                return zlib.crc32(memoryview(_contiguous(record.obj)).cast("B"))
+                return array_sum(record.obj)
             if record.kind == OPAQUE:
-                return _pickle_digest(record.obj)
+                return pickle_digest(record.obj)
         except Exception:  # noqa: BLE001
             record.kind, record.why = UNKEEPABLE, f"a {type(record.obj).__name__} that can't be checked"
         return None
-
-
-_EMPTY = object()
-
-
-def _dunder(name: str) -> bool:
-    return name.startswith("__") and name.endswith("__")
-
-
-def _short(key: Any) -> str:
-    text = repr(key) if isinstance(key, (str, int, float, bool, tuple)) else type(key).__name__
-    return text if len(text) <= 40 else text[:37] + "…"
-
-
-def _kind_of_type(tp: type) -> int:
-    """The kind of every object of type ``tp``, or ``-1`` when it depends on the object."""
-    if tp in _ATOMIC_TYPES:
-        return ATOMIC
-    if tp is types.FunctionType or issubclass(tp, (type, io.IOBase, types.ModuleType)):
-        return -1
-    if tp in _NEVER_KEPT:
-        return UNKEEPABLE
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        if issubclass(tp, torch.Tensor):
-            return UNKEEPABLE if tp.__module__.startswith("torch.distributed") else TENSOR
-        if issubclass(tp, torch.nn.Module):
-            return OBJECT
-        if issubclass(tp, torch.Generator):
-            return RNG
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        if issubclass(tp, numpy.ndarray):
-            return ARRAY
-        if issubclass(tp, (numpy.generic, numpy.dtype)):
-            return ATOMIC
-        if issubclass(tp, (numpy.random.Generator, numpy.random.RandomState, numpy.random.BitGenerator)):
-            return RNG
-    if issubclass(tp, random.Random):
-        return RNG
-    if issubclass(tp, (tuple, frozenset, types.MethodType, functools.partial)):
-        return CHILDREN
-    for base, kind in ((list, LIST), (dict, DICT), (set, SET), (collections.deque, DEQUE), (bytearray, BYTES)):
-        if issubclass(tp, base):
-            return kind
-    module = tp.__module__ or ""
-    if _never_kept_type(tp):
-        return UNKEEPABLE
-    if any(module == prefix or module.startswith(prefix if prefix.endswith("_") else prefix + ".")
-           for prefix in _INTERNAL):
-        return ATOMIC
-    if tp.__dictoffset__ or _slots(tp):
-        return OBJECT
-    return OPAQUE
-
-
-def _never_kept_type(tp: type) -> bool:
-    import socket
-    import subprocess
-    import threading
-
-    module = tp.__module__ or ""
-    return (issubclass(tp, (threading.Thread, socket.socket, subprocess.Popen))
-            or (module.startswith("torch.distributed") and ("ProcessGroup" in tp.__name__ or tp.__name__ in ("Reducer", "Work", "Store", "TCPStore")))
-            or (module.startswith("torch.cuda") and tp.__name__ == "CUDAGraph")
-            or module.startswith("multiprocessing"))
-
-
-def _never_kept(obj: Any) -> str:
-    tp = type(obj)
-    if isinstance(obj, io.IOBase):
-        return "an open file"
-    if tp in _NEVER_KEPT:
-        return _NEVER_KEPT[tp]
-    if "ProcessGroup" in tp.__name__ or tp.__name__ == "Reducer":
-        return "a process group"
-    if tp.__name__ == "CUDAGraph":
-        return "a CUDA graph"
-    if issubclass(tp, __import__("threading").Thread):
-        return "a thread"
-    return f"a {tp.__name__}"
-
-
-def _slots(tp: type) -> tuple[str, ...]:
-    names: list[str] = []
-    for klass in tp.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        names.extend([slots] if isinstance(slots, str) else slots)
-    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
-
-
-def _is_module(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.nn.Module)
-
-
-def _is_optimizer(obj: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.optim.Optimizer)
-
-
-def _capture(record: Record) -> Any:
-    """The object's shallow state: what :func:`_same` compares and :func:`_put_back` restores."""
-    kind, obj = record.kind, record.obj
-    if kind in (LIST, DEQUE):
-        return list(obj), _attributes(obj), getattr(obj, "maxlen", None)
-    if kind == DICT:
-        return list(obj.items()), _attributes(obj), getattr(obj, "default_factory", None)
-    if kind == SET:
-        return tuple(obj), _attributes(obj)
-    if kind == BYTES:
-        return bytes(obj), _attributes(obj)
-    if kind == OBJECT:
-        return _attributes(obj), {n: getattr(obj, n, _EMPTY) for n in _slots(type(obj))} or None, type(obj)
-    if kind in (MODULE, CLASS):
-        return dict(obj.__dict__)
-    if kind == FUNCTION:
-        cells = tuple(_cell(c) for c in (obj.__closure__ or ()))
-        return obj.__defaults__, dict(obj.__kwdefaults__ or {}), dict(obj.__dict__), cells, obj.__code__
-    if kind == TENSOR:
-        return _tensor_state(obj)
-    if kind == ARRAY:
-        if obj.dtype.hasobject:
-            raise TypeError("an array of Python objects")
-        return _array_state(obj)
-    if kind == RNG:
-        return _rng_state(obj)
-    return None
-
-
-def _attributes(obj: Any) -> dict | None:
-    attributes = getattr(obj, "__dict__", None)
-    return dict(attributes) if isinstance(attributes, dict) else None
-
-
-def _cell(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return _EMPTY
-
-
-def _changed_mapping(current: dict | None, saved: dict | None) -> bool:
-    if current is None or saved is None:
-        return current is not saved and bool(current or saved)
-    return len(current) != len(saved) or any(k not in saved or saved[k] is not v for k, v in current.items())
-
-
-def _changed_items(current: list, saved: list) -> bool:
-    return len(current) != len(saved) or any(a is not b for a, b in zip(current, saved))
-
-
-def _same(record: Record, now: Any) -> bool:
-    kind, then = record.kind, record.state
-    if kind in (LIST, DEQUE):
-        return not _changed_items(now[0], then[0]) and not _changed_mapping(now[1], then[1]) and now[2] == then[2]
-    if kind == DICT:
-        return (len(now[0]) == len(then[0]) and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(now[0], then[0]))
-                and not _changed_mapping(now[1], then[1]) and now[2] is then[2])
-    if kind == SET:
-        return {id(x) for x in now[0]} == {id(x) for x in then[0]} and not _changed_mapping(now[1], then[1])
-    if kind == BYTES:
-        return now[0] == then[0] and not _changed_mapping(now[1], then[1])
-    if kind == OBJECT:
-        return (not _changed_mapping(now[0], then[0]) and not _changed_mapping(now[1], then[1])) and now[2] is then[2]
-    if kind in (MODULE, CLASS):
-        return not _changed_mapping(now, then)
-    if kind == FUNCTION:
-        return (now[0] is then[0] or (now[0] is not None and then[0] is not None and not _changed_items(list(now[0]), list(then[0])))) \
-            and not _changed_mapping(now[1], then[1]) and not _changed_mapping(now[2], then[2]) \
-            and not _changed_items(list(now[3]), list(then[3])) and now[4] is then[4]
-    if kind == TENSOR:
-        return now[:8] == then[:8] and now[8] is then[8] and not _changed_mapping(now[9], then[9])
-    if kind == ARRAY:
-        return now == then
-    if kind == RNG:
-        return _rng_equal(now, then)
-    return True
-
-
-def _put_back(record: Record) -> None:
-    """Restore a container's, an object's, a class's or a function's shallow state, in place."""
-    kind, obj, state = record.kind, record.obj, record.state
-    if kind in (LIST, DEQUE, DICT, SET, BYTES) and state[1] is not None:
-        obj.__dict__.clear()
-        obj.__dict__.update(state[1])
-    if kind == LIST:
-        list.__setitem__(obj, slice(None), state[0])
-    elif kind == DEQUE:
-        obj.clear()
-        obj.extend(state[0])
-    elif kind == DICT:
-        obj.clear()
-        obj.update(state[0])
-        if state[2] is not None:
-            obj.default_factory = state[2]
-    elif kind == SET:
-        obj.clear()
-        obj.update(state[0])
-    elif kind == BYTES:
-        obj[:] = state[0]
-    elif kind == OBJECT:
-        attributes, slots, klass = state
-        if type(obj) is not klass:
-            obj.__class__ = klass
-        if attributes is not None:
-            obj.__dict__.clear()
-            obj.__dict__.update(attributes)
-        for name, value in (slots or {}).items():
-            if value is _EMPTY:
-                if hasattr(obj, name):
-                    object.__delattr__(obj, name)
-            else:
-                object.__setattr__(obj, name, value)
-    elif kind == MODULE:
-        obj.__dict__.clear()
-        obj.__dict__.update(state)
-    elif kind == CLASS:
-        for name in [n for n in obj.__dict__ if n not in state]:
-            delattr(obj, name)
-        for name, value in state.items():
-            if obj.__dict__.get(name, _EMPTY) is not value and name not in ("__dict__", "__weakref__"):
-                setattr(obj, name, value)
-    elif kind == FUNCTION:
-        defaults, kwdefaults, attributes, cells, code = state
-        obj.__code__, obj.__defaults__, obj.__kwdefaults__ = code, defaults, kwdefaults or None
-        obj.__dict__.clear()
-        obj.__dict__.update(attributes)
-        for cell, value in zip(obj.__closure__ or (), cells):
-            if value is _EMPTY:
-                if _cell(cell) is not _EMPTY:
-                    del cell.cell_contents
-            else:
-                cell.cell_contents = value
-
-
-def _tensor_state(t: Any) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor: no version counter (its checksum still tells)
-        version = None
-    grad = t.grad if t.is_leaf or t.retains_grad else None
-    return (version, t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
-            t.requires_grad, grad, dict(t.__dict__) if t.__dict__ else None)
-
-
-def _array_state(a: Any) -> tuple:
-    return (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str, a.flags.writeable)
-
-
-def _contiguous(a: Any) -> Any:
-    import numpy
-
-    return a if a.flags.c_contiguous else numpy.ascontiguousarray(a)
-
-
-def _nbytes(obj: Any) -> int:
-    """A tensor's or an array's size in bytes."""
-    return obj.numel() * obj.element_size() if hasattr(obj, "element_size") else int(obj.nbytes)
-
-
-_WEIGHTS: dict[str, Any] = {}
-
-
-def _tensor_sum(t: Any) -> int:
-    """A checksum of a tensor's bytes: CRC-32 on the CPU, a position-weighted sum on a GPU (any single changed
-    element changes it; so does a permutation)."""
-    import torch
-
-    t = t.detach()
-    if t.layout != torch.strided or t.is_meta:
-        raise TypeError("not a dense tensor")
-    if t.numel() == 0:
-        return 0
-    if t.device.type == "cpu":
-        t = t.contiguous()
-        return zlib.crc32((ctypes.c_char * _nbytes(t)).from_address(t.data_ptr()))
-    data = t.contiguous().reshape(-1).view(torch.uint8)
-    if data.numel() % 4:
-        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
-    words = data.view(torch.int32)
-    chunk = 1 << 22
-    weights = _WEIGHTS.get(str(t.device))
-    if weights is None:
-        generator = torch.Generator(device="cpu").manual_seed(20240607)
-        weights = (torch.randint(1, 1 << 31, (chunk,), generator=generator, dtype=torch.int64) | 1).to(t.device)
-        _WEIGHTS[str(t.device)] = weights
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), chunk):
-        part = words[start:start + chunk].to(torch.int64)
-        total += (part * weights[:part.numel()]).sum() + start
-    return int(total)
-
-
-class _Limited(io.RawIOBase):
-    def __init__(self) -> None:
-        self.digest, self.size = hashlib.sha1(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        self.size += len(data)
-        if self.size > PICKLE_LIMIT:
-            raise ValueError("too big to check")
-        self.digest.update(data)
-        return len(data)
-
-
-def _pickle_digest(obj: Any) -> bytes:
-    sink = _Limited()
-    pickle.Pickler(sink, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return sink.digest.digest()
-
-
-def _copy(record: Record) -> Any:
-    if record.kind == TENSOR:
-        return record.obj.detach().to("cpu", copy=True)
-    if record.kind == ARRAY:
-        return record.obj.copy()
-    return _rng_state(record.obj)
-
-
-def _rng_state(obj: Any) -> Any:
-    if isinstance(obj, random.Random):
-        return obj.getstate()
-    if hasattr(obj, "get_state") and not hasattr(obj, "bit_generator"):  # torch.Generator, numpy's RandomState
-        state = obj.get_state()
-        return state.clone() if hasattr(state, "clone") else state
-    generator = getattr(obj, "bit_generator", obj)
-    return generator.state
-
-
-def _set_rng(obj: Any, state: Any) -> None:
-    if isinstance(obj, random.Random):
-        obj.setstate(state)
-    elif hasattr(obj, "set_state") and not hasattr(obj, "bit_generator"):
-        obj.set_state(state)
-    else:
-        getattr(obj, "bit_generator", obj).state = state
-
-
-def _rng_equal(a: Any, b: Any) -> bool:
-    if hasattr(a, "equal"):
-        return bool(a.equal(b))
-    try:
-        return pickle.dumps(a) == pickle.dumps(b)
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _available_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)

@@ -1,15 +1,13 @@
 """A warm rank's setup, kept from one run to the next: only what changed runs again, and a run still
 starts from the state a fresh run's setup leaves.
 
-A job's script (:mod:`nbddp.notebook.script`) is setup at module level, one ``# %% cell N`` after the
-other, and the training under ``if __name__ == '__main__':``. A warm rank runs it **unit by unit**
-(:func:`units_of`): each setup cell, compiled alone with its own line numbers; nbddp's own lines (the
-engine's imports, ``_nbddp.start()``, the parameters it writes) and a parameters cell made of literals
-are *literal* units, which run on every job (they are cheap) and whose values feed the cells that read
-them. Each setup cell that ran is kept as a :class:`KeptCell`: a key (its source and the literal values
-it reads), the local modules it imported (and their files' digests), the names it bound, and the state
-of the process right after it (random generators, torch's settings, folder, ``sys.path``, environment).
-The objects are kept by :class:`~nbddp.rank_side.kept_objects.KeptObjects`.
+A warm rank runs a job's script unit by unit (:mod:`nbddp.rank_side.script_units`): each setup cell
+alone; nbddp's own lines and a parameters cell made of literals (*literal* units) on every job, their
+values feeding the keys of the cells that read them; the training last. Each setup cell that ran is
+kept as a :class:`KeptCell`: a key (its source and the literal values it reads), the local modules it
+imported (and their files' digests), the names it bound, and the state of the process right after it
+(random generators, torch's settings, folder, ``sys.path``, environment). The objects are kept by
+:class:`~nbddp.rank_side.kept_objects.KeptObjects`.
 
 The next job keeps the setup cells up to the first one that **changed** (:meth:`WarmState.plan`: its
 source, a value it reads, a module it imports from the notebook's folder), and every cell after that one
@@ -24,7 +22,6 @@ ran in one line: ``setup: cells 2–3 kept, cell 4 ran (edited)``.
 
 from __future__ import annotations
 
-import ast
 import gc
 import hashlib
 import os
@@ -35,31 +32,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.errors import NbddpError
-from nbddp.notebook.cells import INJECTED, PARAMETERS
-from nbddp.notebook.freevars import global_reads
-from nbddp.notebook.sourcemap import Segment, SourceMap, sourcemap_path
-from nbddp.rank_side.kept_objects import ATOMIC, UNKEEPABLE, KeptObjects, NotKept
-
-CELL, LITERAL, TRAIN = "cell", "literal", "train"
+from nbddp.rank_side.kept_objects import KeptObjects, NotKept
+from nbddp.rank_side.object_state import ATOMIC, UNKEEPABLE
+from nbddp.rank_side.script_units import CELL, LITERAL, Unit, digest, file_digest, units_of
 #: A name a kept cell bound whose object a later cell replaced: it was let go (the cell runs again if needed).
 GONE = object()
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Consecutive top-level statements of the script that run together."""
-
-    kind: str
-    code: types.CodeType
-    text: str
-    first_line: int
-    length: int
-    name: str = ""
-    """The cell's name for the user (``cell 3``, ``In [5]``); empty for nbddp's own lines."""
-    number: int | None = None
-    reads: frozenset[str] = frozenset()
-    imports: tuple[tuple[str, str], ...] = ()
-    """The names its ``import`` statements bind, and the module each comes from."""
 
 
 @dataclass
@@ -79,97 +56,6 @@ class KeptCell:
     """The local modules it imported: their files and the digests of their contents."""
     after: dict[str, Any] = field(default_factory=dict)
     """The process right after it: random generators, torch's settings, folder, ``sys.path``, environment changes."""
-
-
-def units_of(script: Path) -> list[Unit] | None:
-    """The script's units in order, the training last; ``None`` for a script not shaped as nbddp writes them."""
-    text = Path(script).read_text(encoding="utf-8")
-    try:
-        tree = ast.parse(text, str(script))
-        segments = SourceMap.load(sourcemap_path(script)).segments
-    except (OSError, ValueError, KeyError, TypeError, SyntaxError):
-        return None
-    body = tree.body
-    if not body or not _is_main_guard(body[-1]):
-        return None
-    lines = text.split("\n")
-    groups: list[tuple[Segment | None, list[ast.stmt]]] = []
-    for statement in body[:-1]:
-        segment = next((s for s in segments if s.cell is not None
-                        and s.script_start <= statement.lineno < s.script_start + s.length), None)
-        if groups and groups[-1][0] is segment:
-            groups[-1][1].append(statement)
-        else:
-            groups.append((segment, [statement]))
-    units = [_unit(segment, statements, lines, script) for segment, statements in groups]
-    train = body[-1]
-    units.append(Unit(TRAIN, _compile([train], script), "", train.lineno, train.end_lineno - train.lineno + 1))
-    return units
-
-
-def _unit(segment: Segment | None, statements: list[ast.stmt], lines: list[str], script: Path) -> Unit:
-    code = _compile(statements, script)
-    if segment is None:  # nbddp's own lines
-        first, last = statements[0].lineno, statements[-1].end_lineno
-        return Unit(LITERAL, code, "\n".join(lines[first - 1:last]), first, last - first + 1)
-    source = "\n".join(lines[segment.script_start - 1:segment.script_start - 1 + segment.length])
-    literal = segment.role in (PARAMETERS, INJECTED) and all(map(_literal, statements))
-    name = segment.label or f"cell {segment.cell}"
-    return Unit(LITERAL if literal else CELL, code, source, segment.script_start, segment.length, name, segment.cell,
-                frozenset(global_reads(source)) if not literal else frozenset(), _imports(statements))
-
-
-def _imports(statements: list[ast.stmt]) -> tuple[tuple[str, str], ...]:
-    found = []
-    for node in (n for statement in statements for n in ast.walk(statement)):
-        if isinstance(node, ast.Import):
-            found += [((a.asname or a.name).split(".")[0], a.name if a.asname else a.name.split(".")[0]) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(a.asname or a.name, node.module) for a in node.names if a.name != "*"]
-    return tuple(found)
-
-
-def _compile(statements: list[ast.stmt], script: Path) -> types.CodeType:
-    return compile(ast.Module(body=statements, type_ignores=[]), str(script), "exec")
-
-
-def _is_main_guard(node: ast.stmt) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
-            and node.test.left.id == "__name__")
-
-
-def _literal(statement: ast.stmt) -> bool:
-    """``name = <literal>`` (or a bare string): a value nothing can change but the cell's text."""
-    if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
-        return True
-    if isinstance(statement, ast.Assign) and all(isinstance(t, ast.Name) for t in statement.targets):
-        value = statement.value
-    elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name) and statement.value:
-        value = statement.value
-    else:
-        return False
-    try:
-        ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
-    return True
-
-
-def digest(value: Any) -> str:
-    """What a literal value is, for comparing runs (a module by its name)."""
-    if isinstance(value, types.ModuleType):
-        return f"module {value.__name__}"
-    try:
-        return hashlib.sha256(repr(value).encode()).hexdigest()[:24]
-    except Exception:  # noqa: BLE001 - a value with no repr changes every time
-        return f"id {id(value)}"
-
-
-def file_digest(path: str) -> str:
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:24]
-    except OSError:
-        return "missing"
 
 
 @dataclass
