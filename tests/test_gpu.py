@@ -209,7 +209,8 @@ for _ in range(3):
 def test_a_setup_on_the_gpu_is_kept_and_a_rerun_is_a_fresh_runs_bit_for_bit(tmp_path):
     """The warm state on a GPU rank: a model and a dataset the setup moved to the GPU are kept (the parameters'
     copies on the CPU), CUDA's random generator starts where the setup left it, a dataset changed on the GPU
-    (in place, or through .data: the GPU checksum) runs the setup again, and %ddp_ranks shows GPU memory."""
+    (in place, or through .data: the GPU checksum) runs the setup again, %ddp_ranks shows GPU memory, and a
+    --fresh run's ranks get the GPU memory the warm ranks held."""
     kernel = ProtocolKernel(tmp_path, timeout=300)
     try:
         kernel.execute("%load_ext nbddp")
@@ -219,10 +220,11 @@ def test_a_setup_on_the_gpu_is_kept_and_a_rerun_is_a_fresh_runs_bit_for_bit(tmp_
         reference = weights(first, "RANK WEIGHTS")
         again = kernel.execute(GPU_TRAIN.format(extra=""), "train")
         assert re.search(r"\[nbddp\] setup: In \[\d+\] kept\n", again) and weights(again, "RANK WEIGHTS") == reference
-        fresh = kernel.execute(GPU_TRAIN.format(extra="").replace("--gpus 1", "--gpus 1 --fresh"), "train")
-        assert weights(fresh, "RANK WEIGHTS") == reference
         shown = kernel.execute("%ddp_ranks")
         assert re.search(r"X [\d.]+ MB GPU", shown) and "nbddp's copies" in shown, shown
+        fresh = kernel.execute(GPU_TRAIN.format(extra="").replace("--gpus 1", "--gpus 1 --fresh"), "train")
+        assert "the warm ranks dropped the setup they kept (" in fresh and weights(fresh, "RANK WEIGHTS") == reference
+        assert "ran; kept for the next run" in kernel.execute(GPU_TRAIN.format(extra=""), "train")  # (dropped: runs again)
         for change in ("X.mul_(2)\n", "X.data.mul_(2)\n"):
             kernel.execute(GPU_TRAIN.format(extra=change), "train")
             after = kernel.execute(GPU_TRAIN.format(extra=""), "train")

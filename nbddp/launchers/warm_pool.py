@@ -520,6 +520,19 @@ class KernelPool(PoolKeeper):
             lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
         return "\n".join(lines)
 
+    def make_room(self) -> str:
+        """Before a run starts ranks of its own (``--fresh``, ``--detach``, what warm ranks can't serve): drop the
+        setup the warm ranks keep if it holds GPU memory, which the new ranks on the same GPUs may need; a line
+        saying so (``""``: nothing to drop)."""
+        from nbddp.job.rank_memory import size
+
+        if self.pool is None or not self.pool.alive() or not self.pool.runs:
+            return ""
+        gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
+        if not gpu or not self.pool.forget():
+            return ""
+        return f"the warm ranks dropped the setup they kept ({size(gpu)} on the GPU) to leave the GPU to this run's ranks"
+
     def forget(self) -> str:
         """Drop what the warm ranks keep of the setup (``%ddp_ranks forget``): a line saying so."""
         if self.pool is None or not self.pool.alive():

@@ -20,7 +20,7 @@ from nbddp.job import orchestrator
 from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
-from nbddp.launchers.warm_pool import kernel_pool
+from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
 from nbddp.options import (DEFAULT_WARM_IDLE, ArgumentParser, add_detach_argument, add_launch_arguments,
                            launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
@@ -135,6 +135,10 @@ class DdpMagics(Magics):
             script, options, session_notebook(cwd, self.shell.user_ns), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
             source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
+        if args.fresh or args.detach or why_not_warm(script.engine, options):
+            freed = kernel_pool.make_room()  # ranks of its own on the same devices: the warm ones' GPU memory is theirs
+            if freed:
+                print(f"[nbddp] {freed}")
         if args.detach:
             return self._detach(request)
         return self._train(request)
