@@ -222,6 +222,21 @@ def test_ranks_show_and_forget_what_they_keep_and_say_why_something_cant_be_kept
     assert " ran; not kept: copying what a run changes (4.04 kB) would not fit" in setup_line(kernel.execute(train, "train"))
 
 
+def test_a_setup_cell_that_failed_runs_again_and_the_cells_before_it_are_kept(kernel, tmp_path):
+    kernel.execute(SLOW_SETUP, "slow")
+    slow = cell_label(kernel)
+    kernel.execute("#| ddp\nimport os\nif not os.path.exists('ready'):\n    raise RuntimeError('not ready')\nvalue = 1",
+                   "check")
+    check = cell_label(kernel)
+    train = "%%ddp_train --cpu\nprint('value', value)\n"
+    failed = kernel.execute(train, "train")
+    assert "RuntimeError: not ready" in failed and setup_line(failed) == f"setup: {slow}, {check} ran", failed
+    (tmp_path / "ready").touch()
+    fixed = kernel.execute(train, "train")
+    assert setup_line(fixed) == f"setup: {slow} kept, {check} ran (it didn't finish last time)", fixed
+    assert "[rank 0] value 1" in fixed and "SETUP RAN" not in fixed
+
+
 def test_a_compiled_model_trains_again_without_compiling_again(kernel, tmp_path, monkeypatch):
     """``torch.compile`` in setup: the compiled model is kept, the re-run compiles nothing (dynamo's frame count
     doesn't grow) and gives the first run's weights."""

@@ -94,6 +94,8 @@ class WarmState:
         self.libraries: dict[str, int] = {}
         """Names bound to what a cell imported from a library (not the notebook's folder), and the object's id:
         the library's state, never looked into nor put back."""
+        self.unfinished: tuple[int, str] | None = None
+        """The setup cell that raised or was interrupted in the last job, and its key."""
         self.starts: list[int] = []
         """Where this job's script has each setup cell (its first line): kept cells' tracebacks are moved there."""
 
@@ -125,10 +127,12 @@ class WarmState:
                              "it dropped it: run the cell again") from exc
         cells = [u for u in units if u.kind == CELL]
         self.starts = [u.first_line for u in cells]
+        finished = False
         try:
             self._setup(units, plan.start, keys, literal_values, namespace)
+            finished = True
         finally:
-            line = self._line(cells, plan)
+            line = self._line(cells, plan, finished)
             if line:
                 say(line)
         exec(units[-1].code, namespace)  # noqa: S102 - the training: the job's own code
@@ -166,7 +170,10 @@ class WarmState:
         plan = Plan(len(cells))
         for index, (unit, (key, values)) in enumerate(zip(cells, keys)):
             if index >= len(self.cells):
-                plan = Plan(index, unit.name, "new" if self.cells else "")
+                unfinished = self.unfinished is not None and self.unfinished[0] == index
+                why = ("" if not self.cells and not unfinished else "new" if not unfinished
+                       else "edited" if self.unfinished[1] != key else "it didn't finish last time")
+                plan = Plan(index, unit.name, why)
                 break
             kept = self.cells[index]
             stale = [Path(p).name for p, d in kept.modules.items() if file_digest(p) != d]
@@ -276,7 +283,7 @@ class WarmState:
         if self.module is not None:
             self.module.__dict__.clear()
         self.module, self.objects, self.cells, self.bindings = None, None, [], {}
-        self.literal_objects, self.again, self.libraries = {}, None, {}
+        self.literal_objects, self.again, self.libraries, self.unfinished = {}, None, {}, None
         if collect:
             _collect()
 
@@ -289,8 +296,9 @@ class WarmState:
         for unit, values in zip(units[:-1], literal_values):
             if unit.kind == CELL:
                 if cell >= start:
+                    self.unfinished = (cell, keys[cell][0])  # until it ends: the next job says why it runs
                     self._run_cell(unit, cell, keys[cell], namespace)
-                    ran = True
+                    self.unfinished, ran = None, True
                 cell += 1
             elif cell > start:  # (up to cell ``start``, the replay bound them)
                 namespace.update(values)
@@ -389,8 +397,9 @@ class WarmState:
                 return script, start + line - old_start
         return filename, line
 
-    def _line(self, cells: list[Unit], plan: Plan) -> str:
-        """The one line saying what ran: ``setup: cells 2–3 kept, cell 4 ran (edited)``."""
+    def _line(self, cells: list[Unit], plan: Plan, finished: bool = True) -> str:
+        """The one line saying what ran: ``setup: cells 2–3 kept, cell 4 ran (edited)`` (a setup cell that raised
+        says so itself, in its traceback, after the line)."""
         if not cells:
             return ""
         kept, ran = cells[:plan.start], cells[plan.start:]
@@ -406,7 +415,7 @@ class WarmState:
         line = "setup: " + ", ".join(parts)
         if self.note:
             line += f"; not kept: {self.note}"
-        elif ran and not kept and not plan.why:
+        elif ran and not kept and not plan.why and finished:
             line += "; kept for the next run"
         return line
 
