@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     text = report(args, figures)
     print(text)
     if args.cuda:
-        replace_block(args.out, "gpu", "## 8. On a GPU\n\n" + text)
+        replace_block(args.out, "gpu", "## 10. On a GPU\n\n" + text)
         print(f"wrote {args.out}")
     return 0
 

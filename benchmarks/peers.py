@@ -15,6 +15,10 @@ round after round, the tools interleaved:
 * **live text**: whether the ranks' lines reach a client that renders no widgets (nbclient,
   papermill, ``jupyter console``) while the cell runs.
 
+``--setup-cell`` measures instead the re-run of a training cell after a setup cell that takes 3 s
+(standing for loading and preparing a dataset), and whether the re-run's weights are, byte for byte,
+the first (fresh) run's: the "peers-setup" block.
+
 The peers: nbdistributed 0.1.0 (``%dist_init``, ``%%distributed``), Accelerate's
 ``notebook_launcher`` (fork), and ``!torchrun`` of a script written beforehand. They are installed in
 the benchmark's own environment (a virtual environment in ``benchmarks/.peers``, which sees this
@@ -304,6 +308,104 @@ def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- a re-run after a 3 s setup cell
+
+#: Every tool's setup: 3 s of loading (a sleep), a seeded model and data; its training: 3 SGD steps, then the
+#: digest of the weights (byte for byte) as the tool's rank 0 (or its kernel) sees them.
+SETUP_WORK = ("time.sleep(3)  # loading and preparing a dataset\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\n"
+              "X = torch.randn(64, 4)\ny = X.sum(1, keepdim=True)\n")
+WEIGHTS = ("print('WEIGHTS', hashlib.sha1(b''.join(p.detach().numpy().tobytes() for p in {model}.parameters()))"
+           ".hexdigest(), flush=True)\n")
+SETUP_STEPS = ("opt = torch.optim.SGD({params}, lr=0.1)\nfor _ in range(3):\n"
+               "    opt.zero_grad(); torch.nn.functional.mse_loss({model}(X), y).backward(); opt.step()\n")
+
+
+def setup_tools(work: Path) -> dict[str, tuple[list[str], str, str]]:
+    """Each tool's ``(setup cells, training cell, cell printing the weights' digest or "")``."""
+    nbddp_train = "%%ddp_train --cpu\nddp = nbddp.prepare(model)\n" + SETUP_STEPS.format(params="ddp.parameters()", model="ddp")
+    distributed = ("%%distributed\nddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+                   + SETUP_STEPS.format(params="ddp.parameters()", model="ddp") + "if rank == 0:\n"
+                   + _indent(WEIGHTS.format(model="model")))
+    function = ("def train_fn():\n    from accelerate import Accelerator\n    accelerator = Accelerator(cpu=True)\n"
+                "    net = accelerator.prepare(model)\n" + _indent(SETUP_STEPS.format(params="net.parameters()", model="net"))
+                + "    if accelerator.process_index == 0:\n" + _indent(WEIGHTS.format(model="model"), "        "))
+    script = ("import hashlib, time, torch, torch.distributed as dist\n" + SETUP_WORK
+              + "\nif __name__ == '__main__':\n    dist.init_process_group('gloo')\n"
+              + _indent("ddp = torch.nn.parallel.DistributedDataParallel(model)\n"
+                        + SETUP_STEPS.format(params="ddp.parameters()", model="ddp")
+                        + "if dist.get_rank() == 0:\n" + _indent(WEIGHTS.format(model="model"))
+                        + "dist.destroy_process_group()"))
+    (work / "peer_setup_train.py").write_text(script)
+    return {
+        "nbddp (`%%ddp_train`)": (["%load_ext nbddp", "#| ddp\nimport hashlib, time, torch, nbddp\n" + SETUP_WORK],
+                                  nbddp_train, "import hashlib\n" + WEIGHTS.format(model="model")),
+        "nbdistributed 0.1.0": (["%load_ext nbdistributed", "%dist_init -n 2",
+                                 "%%distributed\nimport hashlib, time, torch\n" + SETUP_WORK], distributed, ""),
+        "Accelerate `notebook_launcher`": (["import hashlib, time, torch\nfrom accelerate import notebook_launcher\n"
+                                            + SETUP_WORK, function], "notebook_launcher(train_fn, num_processes=2)", ""),
+        "`!torchrun` (script written beforehand)": (
+            [], f"!{sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 peer_setup_train.py", ""),
+    }
+
+
+def measure_setup(work: Path, rounds: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+    """Per tool: the re-runs' seconds, and whether each re-run's weights are the first run's."""
+    import importlib.util
+
+    found: dict[str, dict[str, list]] = {}
+    for name, (setup, train, digest) in setup_tools(work).items():
+        if name.startswith("nbdistributed") and importlib.util.find_spec("nbdistributed") is None:
+            found[name] = {"missing": ["nbdistributed is not installed in this environment"]}
+            continue
+        kernel = Kernel(work)
+        try:
+            for cell in setup:
+                kernel.run(cell)
+            first = kernel.run(train)
+            reference = _digest(kernel, first, digest)
+            seconds, same = [], []
+            for _ in range(rounds):
+                again = kernel.run(train)
+                seconds.append(again.seconds if not again.raised else None)
+                same.append(reference is not None and _digest(kernel, again, digest) == reference)
+            found[name] = {"seconds": seconds, "same": same}
+            log(f"{name}: re-runs {seconds}, weights equal the first run's: {same}")
+        finally:
+            kernel.close()
+    return found
+
+
+def _digest(kernel: Kernel, execution: Execution, cell: str) -> str | None:
+    text = kernel.run(cell).output if cell else execution.output
+    return text.split("WEIGHTS", 1)[1].split()[0] if "WEIGHTS" in text else None
+
+
+def setup_markdown(found: dict[str, dict[str, list]], rounds: int) -> str:
+    lines = ["### Re-run with a 3 s setup cell", "",
+             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
+             f"{platform.python_version()}; `python -m benchmarks.peers --setup-cell --rounds {rounds}`. A setup that "
+             "takes 3 s (a sleep standing for loading a dataset) and builds a seeded model, then a 2-rank CPU training "
+             "cell (3 SGD steps) re-run unchanged; medians with min–max; the weights compared byte for byte with "
+             "the first run's (a fresh run's).", "",
+             "| | re-run with a 3 s setup cell | re-run's weights equal a fresh run's |", "|---|---|---|"]
+    for name, figures in found.items():
+        if "missing" in figures:
+            lines.append(f"| {name} | not measured here: {figures['missing'][0]} | — |")
+            continue
+        same = figures["same"]
+        verdict = ("yes, byte for byte" if same and all(same)
+                   else f"**no**: {same.count(False)} of {len(same)} re-runs differ")
+        lines.append(f"| {name} | {summary(figures['seconds'])} | {verdict} |")
+    lines += ["", "nbddp runs the setup once and keeps it on its warm ranks, putting back after each run what the run "
+              "changed (README, \"The setup is kept too\"). nbdistributed keeps its workers' namespace too, and "
+              "runs only the cell sent, so its re-run starts from the model the last run trained: fast, and not a "
+              "fresh run's weights (by design; where it isn't installed, not measured). Accelerate's "
+              "`notebook_launcher` forks the kernel, so a setup run in the kernel before the launch is inherited on "
+              "the CPU; CUDA can't be forked, so on GPUs the setup goes inside the launched function and runs every "
+              "time. `!torchrun` runs the whole script every time."]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- the benchmark's own environment
 
 
@@ -321,11 +423,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="write the section into this BENCHMARKS.md")
     parser.add_argument("--only", nargs="*", default=None, help="tools to run (nbddp nbdistributed accelerate torchrun)")
+    parser.add_argument("--setup-cell", action="store_true",
+                        help="measure the re-run after a 3 s setup cell instead (the peers-setup block)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # running in the peers' environment
     args = parser.parse_args(argv)
     if not args.inside:
         python = ensure_environment()
         return subprocess.call([str(python), "-m", "benchmarks.peers", "--inside", *(argv or sys.argv[1:])], cwd=REPO)
+    if args.setup_cell:
+        with tempfile.TemporaryDirectory(prefix="nbddp-peers-") as folder:
+            text = setup_markdown(measure_setup(Path(folder), args.rounds, lambda line: print(line, flush=True)),
+                                  args.rounds)
+        print(text)
+        if args.out:
+            replace_block(args.out, "peers-setup", text)
+        return 0
     with tempfile.TemporaryDirectory(prefix="nbddp-peers-") as folder:
         work = Path(folder)
         makers = {"nbddp": nbddp_tool, "nbdistributed": nbdistributed_tool, "accelerate": accelerate_tool,

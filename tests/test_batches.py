@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import signal
 import time
 
@@ -178,9 +179,9 @@ def rank_pids(run_dir):
 
 @pytest.mark.slow
 def test_a_slots_runs_share_warm_ranks_until_one_fails_and_match_fresh_runs(sweep, tmp_path, cli_run):
-    """Warm ranks in a batch: consecutive runs on one slot reuse its ranks (each in a fresh namespace,
-    so the weights are a fresh run's), through a failed run too: every rank left it, and they joined a new
-    process group before the next run."""
+    """Warm ranks in a batch: consecutive runs on one slot reuse its ranks, through a failed run too: every rank
+    left it, and they joined a new process group before the next run. The grid varies what only the training
+    reads: the slot runs the setup cell once, and every run's weights are still a fresh run's."""
     import torch
 
     (tmp_path / "grid.json").write_text(json.dumps([{"lr": 0.1}, {"lr": 0.1}, {"lr": 0.5, "fail_at": 0.5}, {"lr": 0.1}]))
@@ -192,6 +193,8 @@ def test_a_slots_runs_share_warm_ranks_until_one_fails_and_match_fresh_runs(swee
     assert "starting fresh" not in "".join(logs), logs
     pids = [rank_pids(r) for r in runs]
     assert pids[0] == pids[1] == pids[2] == pids[3]
+    setup = [re.findall(r"\[nbddp\] (setup: .*)", (r / "logs" / "rank-0.log").read_text()) for r in runs]
+    assert setup == [["setup: cell 2 ran; kept for the next run"]] + [["setup: cell 2 kept"]] * 3, setup
     assert not run.leftovers()
 
     # Fresh runs to compare with: the grid's first two (its failing run and the one after it add nothing here).

@@ -188,6 +188,54 @@ def test_torch_compile_on_warm_ranks_compiles_once_per_rank_not_per_run(tmp_path
         kernel.close()
 
 
+GPU_SETUP = """#| ddp
+import os, torch, nbddp
+from torch import nn
+device = 'cuda' if os.environ.get('WORLD_SIZE') else 'cpu'  # a rank's GPU (the kernel runs this cell on its CPU)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
+X = torch.randn(300_000, 4, device=device)  # a dataset moved to the GPU (4.8 MB: checked, not copied)
+y = X.sum(1, keepdim=True)"""
+GPU_TRAIN = """%%ddp_train --gpus 1
+ddp = nbddp.prepare(model)
+opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+noise = torch.rand(1, device=X.device)  # CUDA's generator, where the setup left it
+for _ in range(3):
+    loss = nn.functional.mse_loss(ddp(X[:4096] + noise), y[:4096])
+    opt.zero_grad(); loss.backward(); opt.step()
+{extra}print('RANK WEIGHTS', repr(torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().tolist()), flush=True)"""
+
+
+def test_a_setup_on_the_gpu_is_kept_and_a_rerun_is_a_fresh_runs_bit_for_bit(tmp_path):
+    """The warm state on a GPU rank: a model and a dataset the setup moved to the GPU are kept (the parameters'
+    copies on the CPU), CUDA's random generator starts where the setup left it, a dataset changed on the GPU
+    (in place, or through .data: the GPU checksum) runs the setup again, %ddp_ranks shows GPU memory, and a
+    --fresh run's ranks get the GPU memory the warm ranks held."""
+    kernel = ProtocolKernel(tmp_path, timeout=300)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute(GPU_SETUP, "setup")
+        first = kernel.execute(GPU_TRAIN.format(extra=""), "train")
+        assert "ran; kept for the next run" in first, first
+        reference = weights(first, "RANK WEIGHTS")
+        again = kernel.execute(GPU_TRAIN.format(extra=""), "train")
+        assert re.search(r"\[nbddp\] setup: In \[\d+\] kept\n", again) and weights(again, "RANK WEIGHTS") == reference
+        shown = kernel.execute("%ddp_ranks")
+        assert re.search(r"X [\d.]+ MB GPU", shown) and "nbddp's copies" in shown, shown
+        fresh = kernel.execute(GPU_TRAIN.format(extra="").replace("--gpus 1", "--gpus 1 --fresh"), "train")
+        assert "the warm ranks dropped the setup they kept (" in fresh and weights(fresh, "RANK WEIGHTS") == reference
+        assert "ran; kept for the next run" in kernel.execute(GPU_TRAIN.format(extra=""), "train")  # (dropped: runs again)
+        for change in ("X.mul_(2)\n", "X.data.mul_(2)\n"):
+            kernel.execute(GPU_TRAIN.format(extra=change), "train")
+            after = kernel.execute(GPU_TRAIN.format(extra=""), "train")
+            assert "ran again: the last run changed X in place" in after, after
+            assert weights(after, "RANK WEIGHTS") == reference
+        assert "dropped the setup" in kernel.execute("%ddp_ranks forget")
+        assert "nothing kept" in kernel.execute("%ddp_ranks")
+    finally:
+        kernel.close()
+
+
 # ---------------------------------------------------------------- sharding, memory
 
 

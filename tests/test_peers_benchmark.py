@@ -25,3 +25,19 @@ def test_the_report_has_a_row_for_each_figure_and_a_column_for_each_tool():
     figures = {"a": {row: [0.1] for row in ROWS}, "b": {row: [] for row in ROWS}}
     text = markdown(figures, 1, tools)
     assert "| | a | b |" in text and all(f"| {row} |" in text for row in ROWS) and "b: it broke" in text
+
+
+def test_the_setup_cell_rows_give_every_tool_python_cells_and_say_what_was_not_measured(tmp_path):
+    from benchmarks.peers import setup_markdown, setup_tools
+
+    tools = setup_tools(tmp_path)
+    assert len(tools) == 4 and (tmp_path / "peer_setup_train.py").exists()
+    ast.parse((tmp_path / "peer_setup_train.py").read_text())
+    for setup, train, digest in tools.values():
+        for cell in [*setup, train, digest]:
+            if cell and not cell.startswith(("!", "%load_ext", "%dist_init")):
+                ast.parse(cell.split("\n", 1)[1] if cell.startswith("%%") else cell)
+    text = setup_markdown({"a": {"seconds": [0.3, 0.4], "same": [True, True]},
+                           "b": {"seconds": [0.1], "same": [False]}, "c": {"missing": ["not installed"]}}, 2)
+    assert "| a | 0.35 s (0.30–0.40) | yes, byte for byte |" in text
+    assert "| b | 0.10 s | **no**: 1 of 1 re-runs differ |" in text and "| c | not measured here: not installed | — |" in text

@@ -90,13 +90,15 @@ def test_a_warm_rerun_gives_a_fresh_runs_weights_in_a_fraction_of_its_time(kerne
 
 
 def test_every_change_warm_ranks_were_not_started_with_starts_fresh_ones(kernel, tmp_path):
+    """What the ranks were started with (environment, devices) starts fresh ones; an edited local module doesn't:
+    the setup cell that imports it runs again (tests/test_warm_state.py)."""
     (tmp_path / "helper.py").write_text("SCALE = 1\n")
     kernel.execute("#| ddp\nimport helper", "helper")
     started = pids(train(kernel, extra="print('scale', helper.SCALE)\n"))
 
-    (tmp_path / "helper.py").write_text("SCALE = 2  # edited\n")
+    (tmp_path / "helper.py").write_text("SCALE = 2  # edited\n")  # no reason for fresh ranks: the cell runs again
     edited = train(kernel, extra="print('scale', helper.SCALE)\n")
-    assert "starting fresh warm ranks: helper.py changed" in edited and "[rank 1] scale 2" in edited
+    assert pids(edited) == started and "ran (helper.py changed)" in edited and "[rank 1] scale 2" in edited, edited
     started, out = pids(edited), kernel.execute("%env MY_SETTING=1")
     changed_env = train(kernel)
     assert "starting fresh warm ranks: environment variables changed" in changed_env

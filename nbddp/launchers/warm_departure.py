@@ -23,20 +23,30 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import psutil
 
+from nbddp.atomic import read_json
+from nbddp.devices import Devices
+from nbddp.rank_side.pool_dir import JobEnd, PoolDir
 from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 
-if TYPE_CHECKING:
-    from nbddp.launchers.warm_pool import WarmPool
+
+class DepartingPool(Protocol):
+    """What a departure reads of the pool its ranks belong to (:class:`~nbddp.launchers.warm_pool.WarmPool`)."""
+
+    dir: PoolDir
+    devices: Devices
+
+    def alive(self) -> bool: ...
+
+    def rank_pids(self) -> dict[int, int]: ...
 
 #: How long the ranks still leaving a stopped job may go without any sign of progress before they are
 #: stuck (the pool is then stopped and, for ``%%ddp_train``, replaced at once).
@@ -55,7 +65,7 @@ STACK_SECONDS = 2.0
 class Departure:
     """The ranks of job ``number`` of ``pool`` leaving it, once it was stopped; :meth:`check` says how it goes."""
 
-    def __init__(self, pool: "WarmPool", number: int) -> None:
+    def __init__(self, pool: DepartingPool, number: int) -> None:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
@@ -93,7 +103,7 @@ class Departure:
         for rank in range(self.pool.devices.nproc):
             ending = _json(directory.ended(self.number, rank))
             if ending is not None:
-                done = ending.get("status") == "ok" or directory.released(self.number, rank).exists()
+                done = ending.get("status") == JobEnd.OK or directory.released(self.number, rank).exists()
                 found[rank] = "out" if done else "releasing"
             else:
                 found[rank] = "in" if directory.taken(self.number, rank).exists() else "pending"
@@ -188,10 +198,7 @@ def _size(path: Path) -> int:
 
 
 def _json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    data = read_json(path)
     return data if isinstance(data, dict) else None
 
 

@@ -4,14 +4,17 @@ A pool is torchrun started once with :mod:`nbddp.rank_side.warm_loop` as its mod
 processes (never forked, so CUDA in the kernel is no hazard) that import torch, join the process
 group and wait. Each run then hands its script to them (:meth:`WarmPool.submit`), which costs a
 file write instead of a process start. A run on warm ranks means what a fresh run means: the script
-runs in a fresh namespace with the run's own environment and run dir.
+runs with the run's own environment and run dir, and its training starts from the state a fresh
+run's setup leaves; the ranks keep the setup cells that didn't change since they ran them
+(:mod:`nbddp.rank_side.warm_state`), which :meth:`WarmPool.kept` reads and :meth:`WarmPool.forget` drops.
 
-Two rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
-engine, several nodes, Slurm, ``--max-restarts``) and :func:`why_fresh` (can *this* pool serve it:
-what the ranks were started with, the notebook's local modules, whether they are alive and idle;
-a pool whose last run failed is kept unless :meth:`WarmPool.why_not_kept` says why not).
-``%%ddp_train`` keeps one pool per kernel (:class:`KernelPool`); ``nbddp batch`` one per device
-slot, which its runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
+Three rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
+engine, several nodes, Slurm, ``--max-restarts``), :func:`why_fresh` (can *this* pool serve it:
+what the ranks were started with, whether they are alive and idle) and :meth:`PoolKeeper.ended`
+(after a run that didn't succeed, keyed by its :class:`~nbddp.job.status.Status`: the pool is kept
+unless :meth:`WarmPool.why_not_kept` says why not). ``%%ddp_train`` keeps one pool per kernel
+(:class:`KernelPool`); ``nbddp batch`` one per device slot (a :class:`PoolKeeper` each), which its
+runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
 The kernel's death takes the ranks with it (torchrun runs under
 :mod:`nbddp.rank_side.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
@@ -34,9 +37,10 @@ from typing import TYPE_CHECKING, Mapping
 from nbddp.atomic import write_json
 from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
+from nbddp.job.status import Status
 from nbddp.launchers.base import Launch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
-from nbddp.rank_side.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.rank_side.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.torchrun import torchrun_options
 from nbddp.launchers.warm_departure import Departure
@@ -117,7 +121,6 @@ class WarmPool:
         self.stopped = False
         self.lost = ""
         self.last_used = self.started = time.monotonic()
-        self.local_modules: dict[str, float] = {}
         options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs))
         argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir), *options,
                 "-m", "nbddp.rank_side.warm_loop", str(self.dir)]
@@ -157,7 +160,6 @@ class WarmPool:
         pool.stopped = False
         pool.lost = ""
         pool.last_used = pool.started = time.monotonic()
-        pool.local_modules = {}
         pool.launch = AdoptedGroup(pid, pgid)
         return pool
 
@@ -222,25 +224,34 @@ class WarmPool:
         return not self.dir.stopped(handed - 1).exists() or any(
             ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings))
 
-    def note_modules(self) -> None:
-        """Learn the local modules the ranks imported, from every job's end report (a batch reads
-        them after each run, since its runs hand out the jobs)."""
-        for path in self.dir.ended_dir.glob("*.json"):
-            try:
-                self.local_modules.update(json.loads(path.read_text()).get("modules", {}))
-            except (OSError, ValueError, AttributeError):
-                continue
+    def kept(self, wait: float = 10.0) -> list[dict | None]:
+        """What each rank keeps of the setup (its cells, names and sizes, nbddp's copies; ``None``: nothing said),
+        once each has put it back after the last job (waited for up to ``wait`` seconds)."""
+        handed, deadline = self.dir.jobs_handed_out(), time.monotonic() + wait
+        while True:
+            found = []
+            for rank in range(self.devices.nproc):
+                try:
+                    found.append(json.loads(self.dir.kept(rank).read_text()))
+                except (OSError, ValueError):
+                    found.append(None)
+            if all(f is not None and f.get("job", -1) >= handed - 1 for f in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
 
-    def stale_modules(self) -> list[str]:
-        """Local modules the ranks imported that were edited (or removed) since."""
-        changed = []
-        for path, mtime in self.local_modules.items():
-            try:
-                if os.stat(path).st_mtime != mtime:
-                    changed.append(Path(path).name)
-            except OSError:
-                changed.append(Path(path).name)
-        return changed
+    def forget(self, wait: float = 30.0) -> bool:
+        """Ask the (idle) ranks to drop the setup they keep; ``True`` once every rank has."""
+        try:
+            count = int(self.dir.forget_request.read_text()) + 1
+        except (OSError, ValueError):
+            count = 1
+        write_json(self.dir.forget_request, count)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.alive():
+            if all(self.dir.forgot(count, rank).exists() for rank in range(self.devices.nproc)):
+                return True
+            time.sleep(0.02)
+        return False
 
     def interrupt(self, number: int) -> None:
         """Stop job ``number``: mark it stopped (a rank yet to take it ends it without running it), then
@@ -325,16 +336,13 @@ class WarmRun:
         if self._code is not None:
             return self._code
         endings = self.pool.endings(self.number)
-        for ending in endings:
-            if ending is not None:
-                self.pool.local_modules.update(ending.get("modules", {}))
         statuses = [ending and ending.get("status") for ending in endings]
         if None not in statuses:
-            self._code = 0 if all(s == "ok" for s in statuses) else 1
+            self._code = 0 if all(s == JobEnd.OK for s in statuses) else 1
             self.pool.last_used = time.monotonic()
         elif self.pool.launch.poll() is not None:
             self._code = self.pool.launch.poll() or 1
-        elif self._departure is not None or any(s not in (None, "ok") for s in statuses):
+        elif self._departure is not None or any(s not in (None, JobEnd.OK) for s in statuses):
             self._interrupt()  # a rank failed (or the job is being stopped): end the job in the others
             why = self._departure.check()
             if why == "":  # the ranks left haven't taken the job: they end it the moment they do
@@ -369,19 +377,19 @@ class WarmRun:
 
 
 def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
-    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words."""
-    stale = pool.stale_modules()
+    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words. (An edited module of
+    the notebook's folder is no reason: the ranks run again the setup cells that import it.)"""
     return (key.differs(pool.key)
-            or (f"{', '.join(stale)} changed" if stale else "")
             or ("" if pool.alive() else "the warm ranks had exited (idle, or stopped)")
             or ("they are busy with another run" if pool.busy() else "")
             or ("their idle limit changed" if pool.idle != idle else ""))
 
 
-def ending_note(status: str) -> str:
-    """Why a pool can't serve the next run after one that ended with ``status`` (``""``: it can)."""
-    return {"succeeded": "", "timeout": "the last run timed out", "interrupted": "the last run was interrupted"}.get(
-        str(status), f"the last run {status}")
+def ending_note(status: Status) -> str:
+    """How the last run ended, when its ranks must be judged before the next (``""``: it succeeded)."""
+    status = Status(status)
+    return {Status.SUCCEEDED: "", Status.TIMEOUT: "the last run timed out",
+            Status.INTERRUPTED: "the last run was interrupted"}.get(status, f"the last run {status}")
 
 
 def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | None,
@@ -402,31 +410,38 @@ def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | No
     return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
 
 
-# ---------------------------------------------------------------- the kernel's one pool
+# ---------------------------------------------------------------- keeping a pool between runs
 
 
-class KernelPool:
-    """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`).
+class PoolKeeper:
+    """One pool of warm ranks kept between runs, and the one rule for keeping it after a run.
 
-    A run that failed, timed out or was interrupted keeps its ranks when each of them left the job
-    or is on its way out (they rebuild their process group before the next one); otherwise fresh
-    ranks start the moment the run ends, so that they are ready, or nearly, by the time the cell
-    runs again, and the next run says why.
+    After a run that didn't succeed (keyed by its :class:`~nbddp.job.status.Status`), the ranks are kept
+    when each of them left the job or is on its way out (they rebuild their process group before the
+    next one; :meth:`WarmPool.why_not_kept`); otherwise they are stopped, and fresh ones start either at
+    once (``replace_at_once``: a kernel's, ready or nearly by the time the cell runs again) or when the
+    next run asks (a batch slot's, whose next run comes at once). The next run says what happened.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float = DEFAULT_WARM_IDLE, environ: Mapping[str, str] | None = None,
+                 replace_at_once: bool = True) -> None:
         self.pool: WarmPool | None = None
-        self.idle = DEFAULT_WARM_IDLE
+        self.idle = idle
         """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
+        self.environ = environ
+        self.replace_at_once = replace_at_once
         self.last_run = ""
         """How the last run ended, when it didn't succeed (the next run says what that meant for its ranks)."""
         self.replaced = ""
-        """Why its ranks could not be kept, when they couldn't: the pool was replaced as it ended."""
-        self._at_exit = False
+        """Why its ranks could not be kept, when they couldn't."""
 
-    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
-        """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
-        key = pool_key(devices, cwd, collective_timeout)
+    def pool_with(self, key: PoolKey, devices: Devices) -> tuple[WarmPool, str]:
+        """The warm ranks for a run that wants ``key``, and a line to say how it got them, when there is
+        something to say.
+
+        Raises:
+            OSError: the ranks could not be started.
+        """
         last_run, replaced, self.last_run, self.replaced = self.last_run, self.replaced, "", ""
         why = ""
         if self.pool is not None:
@@ -438,12 +453,54 @@ class KernelPool:
                     return self.pool, f"{last_run}: on the same warm ranks, in a new process group"
                 return self.pool, (f"{last_run} and its warm ranks could not be kept ({replaced}): on fresh ones, "
                                    f"started as it ended ({self.pool.startup_note()})")
-            self.pool.stop()
+            self.stop()
+        elif replaced:
+            why = f"{last_run} and its warm ranks could not be kept ({replaced})"
         self.pool = self._start(key, devices)
         return self.pool, f"starting fresh warm ranks: {why}" if why else ""
 
     def _start(self, key: PoolKey, devices: Devices) -> WarmPool:
-        pool = WarmPool(key, devices, self.idle)
+        return WarmPool(key, devices, self.idle, environ=self.environ)
+
+    def ended(self, pool: WarmPool, status: Status) -> None:
+        """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
+        left the job (or is on its way out), else stop them (and start fresh ones, ``replace_at_once``)."""
+        note = ending_note(status)
+        if not note or pool is not self.pool:
+            return
+        self.last_run, self.replaced = note, pool.why_not_kept()
+        if self.replaced:
+            self.stop()
+            if self.replace_at_once:
+                self.pool = self._start(pool.key, pool.devices)
+
+    def stop(self) -> bool:
+        """Stop the warm ranks; ``False`` if there were none. (Forgotten only once stopped, so that an
+        interrupt meanwhile still finds them.)"""
+        if self.pool is None:
+            return False
+        self.pool.stop()
+        self.pool = None
+        return True
+
+
+# ---------------------------------------------------------------- the kernel's one pool
+
+
+class KernelPool(PoolKeeper):
+    """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`),
+    replaced at once when a run's ranks can't be kept, and stopped when the kernel exits."""
+
+    def __init__(self) -> None:
+        super().__init__(DEFAULT_WARM_IDLE)
+        self._at_exit = False
+
+    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
+        """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
+        return self.pool_with(pool_key(devices, cwd, collective_timeout), devices)
+
+    def _start(self, key: PoolKey, devices: Devices) -> WarmPool:
+        pool = super()._start(key, devices)
         if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
             import atexit
 
@@ -451,33 +508,54 @@ class KernelPool:
             self._at_exit = True
         return pool
 
-    def ended(self, pool: WarmPool, status: str) -> None:
-        """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
-        left the job (or is on its way out), else stop them and start fresh ones now."""
-        note = ending_note(status)
-        if not note or pool is not self.pool:
-            return
-        self.last_run, self.replaced = note, pool.why_not_kept()
-        if self.replaced:
-            pool.stop()
-            self.pool = self._start(pool.key, pool.devices)
-
     def describe(self) -> str:
-        """What ``%ddp_ranks`` says about the warm ranks."""
+        """What ``%ddp_ranks`` says about the warm ranks, and what each keeps of the setup."""
         pool = self.pool
         if pool is None or not pool.alive():
             return "no warm ranks: the next %%ddp_train starts them"
         state = "ready" if pool.ready() else "starting"
-        return (f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
-                f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}")
+        lines = [f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
+                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}"]
+        for rank, report in enumerate(pool.kept() if pool.runs else []):
+            lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
+        return "\n".join(lines)
 
-    def stop(self) -> bool:
-        """Stop the warm ranks (``%ddp_ranks stop``, the kernel exiting); ``False`` if there were none."""
-        if self.pool is None:
-            return False
-        self.pool.stop()
-        self.pool = None
-        return True
+    def make_room(self) -> str:
+        """Before a run starts ranks of its own (``--fresh``, ``--detach``, what warm ranks can't serve): drop the
+        setup the warm ranks keep if it holds GPU memory, which the new ranks on the same GPUs may need; a line
+        saying so (``""``: nothing to drop)."""
+        from nbddp.job.rank_memory import size
+
+        if self.pool is None or not self.pool.alive() or not self.pool.runs:
+            return ""
+        gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
+        if not gpu or not self.pool.forget():
+            return ""
+        return f"the warm ranks dropped the setup they kept ({size(gpu)} on the GPU) to leave the GPU to this run's ranks"
+
+    def forget(self) -> str:
+        """Drop what the warm ranks keep of the setup (``%ddp_ranks forget``): a line saying so."""
+        if self.pool is None or not self.pool.alive():
+            return "no warm ranks: nothing kept"
+        if not self.pool.forget():
+            return "the warm ranks did not answer: nothing was dropped (%ddp_ranks restart starts fresh ones)"
+        return "the warm ranks dropped the setup they kept: the next %%ddp_train runs every setup cell"
+
+
+def kept_summary(report: dict, limit: int = 8) -> str:
+    """One rank's kept setup in a few words: ``cell 2, cell 3 kept: X 1.05 MB, model 4.1 kB; nbddp's copies 4.1 kB (CPU)``."""
+    from nbddp.job.rank_memory import size
+
+    if not report.get("cells"):
+        return "nothing kept" + (f" ({report['note']})" if report.get("note") else "")
+    names = report.get("names", [])
+    shown = []
+    for name, cpu, gpu in names[:limit]:
+        sizes = " + ".join(s for s in (size(cpu) if cpu else "", f"{size(gpu)} GPU" if gpu else "") if s)
+        shown.append(f"{name} {sizes}".rstrip())
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    copies = f"; nbddp's copies {size(report['copies'])} (CPU)" if report.get("copies") else ""
+    return f"{', '.join(report['cells'])} kept: {', '.join(shown)}{more}{copies}"
 
 
 #: This process's pool for ``%%ddp_train`` (a kernel has one).

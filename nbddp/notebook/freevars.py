@@ -307,3 +307,9 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
         "without a tag run only in the kernel, never in the ranks."
         + (" (No cell is marked, so nbddp chose them: a mark turns that off; mark the training cell "
            "'#| ddp-train' and its setup '#| ddp' too.)" if chosen else ""))
+
+
+def global_reads(code: str) -> list[str]:
+    """Every global name ``code`` reads, also inside its functions and classes, in order seen (a name it binds
+    too: ``lr = lr * 2``)."""
+    return _global_names(code, "<cell>")[1]

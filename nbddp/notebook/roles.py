@@ -21,15 +21,8 @@ from pathlib import Path
 
 from nbddp.errors import CellError, CellSyntaxError
 from nbddp.notebook.reader import Cell, Notebook
-
-PARAMETERS = "parameters"
-INJECTED = "injected-parameters"
-SETUP = "ddp"
-TRAIN = "ddp-train"
-ROLES = (PARAMETERS, INJECTED, SETUP, TRAIN)
-#: Roles a user may write as a ``#| word`` directive (papermill writes the injected one).
-DIRECTIVE_ROLES = (PARAMETERS, SETUP, TRAIN)
-TRAIN_MAGIC = "ddp_train"
+from nbddp.notebook.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP, TRAIN,  # noqa: F401
+                                       TRAIN_MAGIC)
 
 _DIRECTIVE = re.compile(r"^#\|\s*([A-Za-z][\w-]*)\s*$")
 

@@ -12,11 +12,15 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
       ready/rank-R                  rank R joined the group and waits (its pid)
       jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
       taken/N-R                     rank R took job N (a rank without it hasn't: it won't run the job once stopped)
+      plans/N-R.json                where rank R would start job N's setup (the ranks take the earliest)
       stopped/N                     job N was stopped: a rank yet to take it ends it without running it
       heard/N-R.json                rank R heard job N's interrupt: where it was (its Python frames)
       ended/N-R.json                rank R ended job N: ok, failed or interrupted, and the local modules it imported
       released/N-R                  rank R freed the process group after job N went wrong (its peers are woken)
       stacks/rank-R.txt             rank R's threads' Python stacks, written when the kernel asks (SIGUSR1)
+      kept/rank-R.json              what rank R keeps of the setup (its cells, names and sizes), after its last job
+      forget                        how many times the owner asked the ranks to drop their kept setup
+      forgot/K-R                    rank R dropped it, asked for the K-th time
       stop                          its owner is stopping it for good: the folder can go
       logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
       logs/torchrun/                torchrun's own folder
@@ -25,9 +29,22 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from nbddp.job.rundir import RunDir
+
+class JobEnd(str, Enum):
+    """How a rank ended a job (``ended/N-R.json``'s ``status``): the rank's word, judged into a run's
+    :class:`~nbddp.job.status.Status` by the kernel side with the rest of the evidence."""
+
+    OK = "ok"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: The pool folders' prefix in the system temp folder (the owner's pid follows).
 FOLDER_PREFIX = "nbddp-warm-"
@@ -83,6 +100,19 @@ class PoolDir:
 
     def released(self, number: int, rank: int) -> Path:
         return self.path / "released" / f"{number}-{rank}"
+
+    def plan(self, number: int, rank: int) -> Path:
+        return self.path / "plans" / f"{number}-{rank}.json"
+
+    def kept(self, rank: int) -> Path:
+        return self.path / "kept" / f"rank-{rank}.json"
+
+    @property
+    def forget_request(self) -> Path:
+        return self.path / "forget"
+
+    def forgot(self, count: int, rank: int) -> Path:
+        return self.path / "forgot" / f"{count}-{rank}"
 
     def stack(self, rank: int) -> Path:
         return self.path / "stacks" / f"rank-{rank}.txt"

@@ -123,8 +123,10 @@ def refuse(global_rank: int, error: NbddpError) -> NoReturn:
     sys.exit(error.exit_code)
 
 
-def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN001
-    """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook."""
+def record_exception(global_rank: int, exc_type, exc, tb,  # noqa: ANN001
+                     report: traceback.TracebackException | None = None) -> None:
+    """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook. ``report``: the
+    traceback as it should read, when it isn't ``tb``'s own (a warm rank's kept cells, moved to this job's lines)."""
     directory = run_dir()
     if directory is None or exc_type in (KeyboardInterrupt, SystemExit):
         return
@@ -132,7 +134,7 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
     directory.errors.mkdir(parents=True, exist_ok=True)
     frames = [
         {"file": f.filename, "line": f.lineno, "function": f.name, "text": f.line or ""}
-        for f in traceback.extract_tb(tb)
+        for f in (report.stack if report is not None else traceback.extract_tb(tb))
     ]
     report = {
         "rank": global_rank,
@@ -141,7 +143,7 @@ def record_exception(global_rank: int, exc_type, exc, tb) -> None:  # noqa: ANN0
         "type": exc_type.__name__,
         "message": str(exc),
         "frames": frames,
-        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+        "traceback": "".join(report.format() if report is not None else traceback.format_exception(exc_type, exc, tb)),
     }
     write_json(directory.rank_error(global_rank), report)
 

@@ -1,12 +1,16 @@
 """A warm rank: started once by torchrun, it joins the process group and then runs job after job.
 
 What a fresh rank pays on every run (interpreter start, ``import torch``, device and gloo/NCCL
-initialisation, the rendezvous) is paid here once; each job still runs its script exactly as a
-fresh rank would: ``runpy`` executes it as ``__main__`` in a **fresh namespace**, with the run's
-own ``NBDDP_*`` environment, its output in the run's ``logs/rank-N.log``, its exception in
-``errors/rank-N.json`` (its traceback starting at the script, as a fresh rank's does). Modules the
-job imported from the notebook's folder are forgotten after it, so the next job imports them anew,
-and the CUDA caching allocator is emptied between jobs.
+initialisation, the rendezvous) is paid here once; each job still means what a fresh rank's run
+means: its script runs as ``__main__`` with the run's own ``NBDDP_*`` environment, its output in the
+run's ``logs/rank-N.log``, its exception in ``errors/rank-N.json`` (its traceback starting at the
+script, as a fresh rank's does). The setup cells the last job ran are kept
+(:mod:`nbddp.rank_side.warm_state`): the job runs only those that changed and the ones after them,
+and starts its training from the state right after setup, which the rank puts back after every job
+while it waits for the next. The ranks agree on where the setup starts (``plans/N-R.json``). Modules
+the training imported from the notebook's folder are forgotten after the job (the kept cells' stay
+imported until their files change), and the CUDA caching allocator is emptied between jobs.
+``forget`` (``%ddp_ranks forget``) drops the kept setup of an idle rank.
 
 The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
 (:class:`~nbddp.rank_side.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
@@ -34,7 +38,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import runpy
 import signal
 import sys
 import time
@@ -45,9 +48,10 @@ from types import TracebackType
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
-from nbddp.rank_side.pool_dir import PoolDir
+from nbddp.rank_side.pool_dir import JobEnd, PoolDir
 from nbddp.rank_side import memory
 from nbddp.rank_side.env import DEFAULT_WARM_IDLE, RankEnv
+from nbddp.rank_side.warm_state import Plan, WarmState, set_torch_settings, torch_settings
 
 POLL_SECONDS = 0.005
 
@@ -71,24 +75,27 @@ def main(folder: Path) -> int:
     _dump_stacks_when_asked(pool, rank)
     pool.ready_dir.mkdir(exist_ok=True)
     write_json(pool.ready(rank), os.getpid())
+    global _state
+    _state = state = WarmState(Path.cwd())
     number = 0
     pool_stdout, pool_stderr = os.dup(1), os.dup(2)
     while True:
-        job = _next_job(pool, number, idle)
+        job = _next_job(pool, number, idle, state, rank)
         if job is None:
             break
         try:
-            status, modules = _run(job, pool, rank, size, number)
+            status = _run(job, pool, rank, size, number, state)
         except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
-            status, modules = "interrupted", {}
+            status = JobEnd.INTERRUPTED
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        write_json(pool.ended(number, rank), {"status": status, "modules": modules})
-        if status != "ok":  # (said first: should freeing the group block, the kernel still ends the job)
+        write_json(pool.ended(number, rank), {"status": status.value})
+        if status != JobEnd.OK:  # (said first: should freeing the group block, the kernel still ends the job)
             rank_process.release_group()  # wakes the peers still in a collective with this rank
             pool.mark(pool.released(number, rank))
+        _keep_setup(state, pool, rank, number)  # the setup's objects back as after setup, while the rank waits
         gc.collect()  # the job's garbage, once the kernel knows the job ended
         _release_device_memory()
         if not _every_rank_ended_well(pool, number, size):
@@ -110,6 +117,8 @@ def dist_store():
 _in_job: tuple[PoolDir, int, int] | None = None
 #: Where SIGUSR1 writes this rank's stacks (kept open: :mod:`faulthandler` writes to its descriptor).
 _stacks = None
+#: What this rank keeps of the setup between jobs (kept cells' frames are moved to this job's script lines).
+_state: WarmState | None = None
 
 
 def _interrupt_the_job(signum: int, frame) -> None:  # noqa: ANN001 - signal handler
@@ -122,7 +131,7 @@ def _interrupt_the_job(signum: int, frame) -> None:  # noqa: ANN001 - signal han
 def _heard(pool: PoolDir, number: int, rank: int, frame) -> None:  # noqa: ANN001 - a frame
     """Tell the kernel this rank heard the interrupt, and where: it is in Python (not stuck in C code),
     on its way out of the job. Best effort: a full disk must not turn an interrupt into another error."""
-    frames = [[f.filename, f.lineno, f.name]
+    frames = [[*_relocated(f.filename, f.lineno), f.name]
               for f in traceback.StackSummary.extract(traceback.walk_stack(frame), limit=60, lookup_lines=False)]
     try:
         pool.heard(number, rank).parent.mkdir(exist_ok=True)
@@ -166,33 +175,54 @@ def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
                     pass
         if None in statuses:
             time.sleep(POLL_SECONDS)
-    return all(status == "ok" for status in statuses)
+    return all(status == JobEnd.OK for status in statuses)
 
 
-def _next_job(pool: PoolDir, number: int, idle: float) -> dict | None:
+def _next_job(pool: PoolDir, number: int, idle: float, state: WarmState, rank: int) -> dict | None:
     """The next job's description, or ``None`` once idle for ``idle`` seconds (the kernel stops a pool
-    by stopping its processes)."""
+    by stopping its processes). Meanwhile, a request to forget the kept setup is answered."""
+    global _forgotten
     path, deadline = pool.job(number), time.monotonic() + idle
     while time.monotonic() < deadline:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except (FileNotFoundError, ValueError):  # not there yet (written atomically)
+            asked = _forget_requests(pool)
+            if asked > _forgotten:
+                state.forget()
+                _release_device_memory()
+                write_json(pool.kept(rank), {**state.report(), "job": number - 1})
+                pool.mark(pool.forgot(asked, rank))
+                _forgotten = asked
             time.sleep(POLL_SECONDS)
     return None
 
 
-def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int) -> tuple[str, dict[str, float]]:
-    """Run one job's script as a fresh rank would: ``ok``, ``failed`` or ``interrupted``, and the local
-    modules it imported. A job stopped before this rank took it ends ``interrupted`` without running."""
-    global _in_job
+#: How many requests to forget the kept setup this rank answered.
+_forgotten = 0
+
+
+def _forget_requests(pool: PoolDir) -> int:
+    try:
+        return int(pool.forget_request.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: WarmState) -> JobEnd:
+    """Run one job's script as a fresh rank would (its setup cells kept from the last job where they didn't
+    change): ``ok``, ``failed`` or ``interrupted``. A job stopped before this rank took it ends
+    ``interrupted`` without running."""
+    global _in_job, _script
     from nbddp.rank_side import process as rank_process
 
     saved = dict(os.environ)
     os.environ.update(job["env"])
-    before, cwd, path = set(sys.modules), os.getcwd(), list(sys.path)
-    torch_settings = _torch_settings()
+    before, cwd, path, argv, main = set(sys.modules), os.getcwd(), list(sys.path), list(sys.argv), sys.modules["__main__"]
+    settings = torch_settings()
     _fresh_random_state()
-    status = "ok"
+    status = JobEnd.OK
+    _script = os.path.abspath(job["script"])
     try:
         try:
             # In this order: the kernel marks a job stopped *before* it sends SIGINT, and reads which ranks
@@ -203,61 +233,103 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int) -> tuple[s
                 raise KeyboardInterrupt
             rank_process.log_to_run_dir(rank)
             rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
-            runpy.run_path(job["script"], run_name="__main__")
+            state.run(Path(job["script"]), _agree(pool, number, rank, size),
+                      lambda line: print(f"[nbddp] {line}", flush=True) if rank == 0 else None)
         except SystemExit as exc:
-            status = "ok" if exc.code in (None, 0) else "failed"
+            status = JobEnd.OK if exc.code in (None, 0) else JobEnd.FAILED
         except KeyboardInterrupt:
-            status = "interrupted"  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
+            status = JobEnd.INTERRUPTED  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
             tb = from_script(exc.__traceback__, job["script"])
-            rank_process.record_exception(rank, type(exc), exc, tb)
-            traceback.print_exception(type(exc), exc, tb)
-            status = "failed"
-            del tb  # its frames hold the job's namespace, and through it the process group
+            report = _relocate(traceback.TracebackException(type(exc), exc, tb))
+            rank_process.record_exception(rank, type(exc), exc, tb, report=report)
+            print("".join(report.format()), end="", file=sys.stderr)
+            status = JobEnd.FAILED
+            del tb, report  # their frames hold the job's namespace, and through it the process group
         finally:
             _in_job = None
     finally:
         memory.watch(None)  # the next job counts its own peak, in its own run dir
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
+        sys.modules["__main__"] = main
+        sys.argv[:] = argv
         os.environ.clear()
         os.environ.update(saved)
         os.chdir(cwd)
         sys.path[:] = path
-        _restore_torch_settings(torch_settings)
-        modules = _forget_local_modules(before, Path(job["cwd"]))
-    return status, modules
+        set_torch_settings(settings)
+        _forget_local_modules(before, Path(job["cwd"]), state.local_modules())
+    return status
+
+
+#: The script of the job this rank runs (kept cells' tracebacks are moved to its lines).
+_script = ""
+
+
+def _agree(pool: PoolDir, number: int, rank: int, size: int):  # noqa: ANN202 - a Plan → Plan callable
+    """How the ranks agree on where job ``number``'s setup starts: each says where it would, all take the
+    earliest (a setup's collectives must match), with the reason of the rank that needs it."""
+    def agree(plan: Plan) -> Plan:
+        write_json(pool.plan(number, rank), vars(plan))
+        plans: list[dict | None] = [None] * size
+        while None in plans:
+            for other in range(size):
+                if plans[other] is None:
+                    try:
+                        plans[other] = json.loads(pool.plan(number, other).read_text())
+                    except (OSError, ValueError):
+                        pass
+            if None in plans:
+                time.sleep(POLL_SECONDS)
+        earliest = min(range(size), key=lambda r: plans[r]["start"])
+        return plan if plans[earliest]["start"] == plan.start else Plan(**plans[earliest])
+    return agree
+
+
+def _keep_setup(state: WarmState, pool: PoolDir, rank: int, number: int) -> None:
+    """After a job: the kept setup's objects back as they were after setup (what can't be, let go), and
+    what the rank keeps written for ``%ddp_ranks``. Never costs the rank: a failure here keeps nothing."""
+    try:
+        state.after_job()
+    except Exception as exc:  # noqa: BLE001
+        print(f"[nbddp] setup: not kept: putting it back failed ({type(exc).__name__}: {exc})", flush=True)
+        state.forget()
+    try:
+        write_json(pool.kept(rank), {**state.report(), "job": number})
+    except OSError:
+        pass
+
+
+def _relocated(filename: str, line: int) -> tuple[str, int]:
+    return _state.relocate(filename, line, _script) if _state is not None and _script else (filename, line)
+
+
+def _relocate(report: traceback.TracebackException) -> traceback.TracebackException:
+    """Move the frames of kept cells' code (compiled in an earlier job's script) to this job's script lines,
+    in the exception and every exception chained to it."""
+    pending, seen = [report], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        for index, frame in enumerate(current.stack):
+            filename, line = _relocated(frame.filename, frame.lineno)
+            if (filename, line) != (frame.filename, frame.lineno):
+                current.stack[index] = traceback.FrameSummary(filename, line, frame.name)
+        pending.extend(e for e in (current.__cause__, current.__context__, *(getattr(current, "exceptions", None) or ()))
+                       if e is not None)
+    return report
 
 
 def from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
-    """The traceback from the script's first frame on: this loop's and runpy's frames are how a warm rank
-    runs the script, not part of what it did (a fresh rank's traceback starts at the script too)."""
+    """The traceback from the script's first frame on: this loop's and :mod:`~nbddp.rank_side.warm_state`'s
+    frames are how a warm rank runs the script, not part of what it did (a fresh rank's traceback starts at
+    the script too)."""
     first = tb
     while first is not None and os.path.abspath(first.tb_frame.f_code.co_filename) != os.path.abspath(script):
         first = first.tb_next
     return first or tb
-
-
-def _torch_settings() -> dict:
-    """torch's process-wide settings a job may change (a fresh rank would start from the defaults)."""
-    import torch
-
-    return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
-            "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_precision": torch.get_float32_matmul_precision()}
-
-
-def _restore_torch_settings(settings: dict) -> None:
-    import torch
-
-    torch.set_default_dtype(settings["dtype"])
-    torch.set_num_threads(settings["threads"])
-    torch.set_grad_enabled(settings["grad"])
-    torch.use_deterministic_algorithms(settings["deterministic"])
-    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
-    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
-    torch.backends.cudnn.allow_tf32 = settings["cudnn_tf32"]
-    torch.set_float32_matmul_precision(settings["matmul_precision"])
 
 
 def _fresh_random_state() -> None:
@@ -273,19 +345,14 @@ def _fresh_random_state() -> None:
         sys.modules["numpy"].random.seed()
 
 
-def _forget_local_modules(before: set[str], folder: Path) -> dict[str, float]:
-    """Drop modules the job imported from the notebook's folder, so the next job imports them afresh;
-    return their files' modification times (the kernel starts fresh ranks when one is edited)."""
-    folder, found = folder.resolve(), {}
+def _forget_local_modules(before: set[str], folder: Path, kept: set[str]) -> None:
+    """Drop modules the job imported from the notebook's folder, so the next job imports them afresh; those
+    that kept setup cells imported (files in ``kept``) stay, as the cells' objects do."""
+    folder = folder.resolve()
     for name in set(sys.modules) - before:
         path = getattr(sys.modules.get(name), "__file__", None)
-        if path and Path(path).resolve().is_relative_to(folder):
+        if path and Path(path).resolve().is_relative_to(folder) and str(Path(path).resolve()) not in kept:
             del sys.modules[name]
-            try:
-                found[str(Path(path).resolve())] = os.stat(path).st_mtime
-            except OSError:
-                pass
-    return found
 
 
 def _release_device_memory() -> None:

@@ -37,7 +37,7 @@ from nbddp.notebook.literals import check_name, is_plain_data
 from nbddp.launchers.process_groups import stop_groups
 from nbddp.job.rundir import RunDir
 from nbddp.notebook.script import engine_of
-from nbddp.launchers.warm_pool import POOL_ENV, ending_note, why_not_warm
+from nbddp.launchers.warm_pool import POOL_ENV, PoolKeeper, why_not_warm
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -189,10 +189,8 @@ class Batch:
         self.states = [RunState(r, out / r.name) for r in runs]
         self.warm = not options.fresh and not why_not_warm(engine, options.launch)
         self.cwd = Path(options.notebook).resolve().parent
-        self.pools: dict[int, Any] = {}
-        """Each device slot's warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`), kept between its runs."""
-        self.last_run: dict[int, str] = {}
-        """Why a slot's next run can't use its warm ranks: its last run did not succeed."""
+        self.keepers: dict[int, PoolKeeper] = {}
+        """Each device slot's warm ranks, kept between its runs (by the rule ``%%ddp_train``'s are kept by)."""
 
     def run(self) -> list[RunState]:
         pending = [s for s in self.states if not self._finished_before(s)]
@@ -213,8 +211,8 @@ class Batch:
             self._stop_all(running, stop_signal(exc))
             raise
         finally:
-            for pool in self.pools.values():
-                pool.stop()
+            for keeper in self.keepers.values():
+                keeper.stop()
         self.progress(self)
         return self.states
 
@@ -263,45 +261,34 @@ class Batch:
         state.slot, state.started, state.status = index, time.monotonic(), BatchState.RUNNING
 
     def _warm_pool(self, slot: int, launch: LaunchOptions, env: dict[str, str], log: Any) -> Any:
-        """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and
-        again (with a line in the run's log saying why) when what they were started with no longer holds."""
+        """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and again (with
+        a line in the run's log saying why) when what they were started with no longer holds, or when its last
+        run's ranks could not be kept."""
         if not self.warm:
             return None
-        from nbddp.launchers.warm_pool import WarmPool, pool_key, why_fresh
+        from nbddp.launchers.warm_pool import pool_key
 
         devices = devices_for(launch, visible=len(self.slots[slot]) or None)
-        key = pool_key(devices, self.cwd, launch.collective_timeout, env)
-        pool, why = self.pools.get(slot), self.last_run.pop(slot, "")
-        if pool is not None:
-            pool.note_modules()
-            why = why_fresh(pool, key, pool.idle)
-            if not why:
-                return pool
-            self._drop_pool(slot)
-        if why:
-            log.write(f"nbddp: starting fresh warm ranks: {why}\n".encode())
-            log.flush()
+        keeper = self.keepers.setdefault(slot, PoolKeeper(environ=env, replace_at_once=False))
+        keeper.environ = env
         try:
-            self.pools[slot] = WarmPool(key, devices, environ=env)
+            pool, why = keeper.pool_with(pool_key(devices, self.cwd, launch.collective_timeout, env), devices)
         except OSError as exc:  # the run starts its own ranks, and would say why it can't either
             log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
             log.flush()
             return None
-        return self.pools[slot]
-
-    def _drop_pool(self, slot: int) -> None:
-        """Stop a slot's warm ranks; forgotten only once stopped, so an interrupt meanwhile still finds them."""
-        self.pools[slot].stop()
-        del self.pools[slot]
+        if why:
+            log.write(f"nbddp: {why}\n".encode())
+            log.flush()
+        return pool
 
     def _finish(self, state: RunState) -> None:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.run_dir, code)
-        pool = self.pools.get(state.slot)
-        if state.status != BatchState.SUCCEEDED and pool is not None and not pool.sound():
-            self._drop_pool(state.slot)  # a rank died, or never left the failed run: the next run starts fresh ones
-            self.last_run[state.slot] = ending_note(state.status)
+        keeper = self.keepers.get(state.slot)
+        if keeper is not None and keeper.pool is not None:
+            keeper.ended(keeper.pool, Status(state.status.value))
 
     def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
         """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and

@@ -20,7 +20,7 @@ from nbddp.job import orchestrator
 from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
-from nbddp.launchers.warm_pool import kernel_pool
+from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
 from nbddp.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
                            launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
@@ -43,8 +43,9 @@ _PARSER = _parser()
 
 
 def _ranks_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show, stop or restart them.")
-    parser.add_argument("action", nargs="?", choices=("show", "stop", "restart"), default="show")
+    parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show them and the setup each "
+                            "keeps, drop that setup (forget), stop or restart them.")
+    parser.add_argument("action", nargs="?", choices=("show", "forget", "stop", "restart"), default="show")
     parser.add_argument("--idle", type=float, metavar="SECONDS",
                         help=f"idle ranks exit after this long without a run (default {DEFAULT_WARM_IDLE:g})")
     return parser
@@ -88,13 +89,17 @@ class DdpMagics(Magics):
 
     @line_magic
     def ddp_ranks(self, line: str):
-        """Show (``%ddp_ranks``), ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets
-        how long idle ranks wait for the next ``%%ddp_train`` before exiting."""
+        """Show (``%ddp_ranks``: the ranks, and what each keeps of the setup), ``forget`` (drop the kept setup),
+        ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets how long idle ranks wait for
+        the next ``%%ddp_train`` before exiting."""
         args = parse_line(_RANKS_PARSER, line)
         if args is None:
             return None
         if args.idle is not None:
             kernel_pool.idle = args.idle
+        if args.action == "forget":
+            print(f"[nbddp] {kernel_pool.forget()}")
+            return None
         if args.action in ("stop", "restart"):
             stopped = kernel_pool.stop()
             print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
@@ -130,6 +135,10 @@ class DdpMagics(Magics):
             script, options, session_notebook(cwd, self.shell.user_ns), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
             source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
+        if args.fresh or args.detach or why_not_warm(script.engine, options):
+            freed = kernel_pool.make_room()  # ranks of its own on the same devices: the warm ones' GPU memory is theirs
+            if freed:
+                print(f"[nbddp] {freed}")
         if args.detach:
             return self._detach(request)
         return self._train(request)
