@@ -7,7 +7,8 @@ are medians with min–max.
 
 1. start → first training step, and start → end: a hand-written torchrun script; ``nbddp run``;
    ``%%ddp_train --fresh``; ``%%ddp_train`` on warm ranks (its 2nd and 10th run).
-2. training throughput (steps/s) under ``nbddp run`` against the hand-written script.
+2. training throughput (steps/s) under ``nbddp run`` against the hand-written script and against nbddp's
+   export of the notebook under plain torchrun (which tells the ranks' code from what runs beside them).
 3. log streaming: a rank printing timestamped lines at 100 lines/s, then a burst, through
    ``nbddp run`` to the terminal and through ``%%ddp_train``'s live view to an nbclient-executed
    cell: latency print → shown (p50/p99), lines lost, lines/s.
@@ -211,21 +212,53 @@ def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None
     return times
 
 
+#: Section 2's cases: the hand-written script; nbddp's export of the notebook under plain torchrun (nbddp's
+#: runtime in the ranks, nothing else of nbddp); ``nbddp run`` (the kernel and the front end beside the ranks).
+THROUGHPUT_CASES = ("torchrun by hand", "exported script under torchrun", "nbddp run")
+
+
 def throughput(work: Path, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Steps/s in the ranks of each of :data:`THROUGHPUT_CASES`, interleaved round after round; also the CPU
+    seconds each case's processes used (``"<case> cpu"``): what a case adds beside the ranks shows there."""
     loop = LOOP.replace("__STEPS__", str(steps))
     (work / "hand_long.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
     notebook(work / "long.ipynb", [(SETUP, []), ("#| ddp-train\n" + loop, [])])
-    rates: dict[str, list[float]] = {"torchrun by hand": [], "nbddp run": []}
+    subprocess.run([PYTHON, "-m", "nbddp", "export", "long.ipynb", "-o", "exported_long.py"], cwd=work, env=ENV,
+                   capture_output=True, text=True, check=True)
+    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    rates: dict[str, list[float]] = {key: [] for case in THROUGHPUT_CASES for key in (case, f"{case} cpu")}
     for _ in range(rounds):
-        out = run_process([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "hand_long.py"], work)[2]
-        rates["torchrun by hand"].append(steps_per_s(out))
-        subprocess.run([PYTHON, "-m", "nbddp", "run", "long.ipynb", "--cpu", "--nproc", "2"], cwd=work, env=ENV,
-                       capture_output=True, text=True, check=True)
-        [run] = list(work.glob("runs/long-*"))
-        rates["nbddp run"].append(steps_per_s("".join(p.read_text() for p in (run / "logs").glob("rank-*.log"))))
-        shutil.rmtree(work / "runs")
+        for case in THROUGHPUT_CASES:
+            before = os.times()
+            if case == "nbddp run":
+                subprocess.run([PYTHON, "-m", "nbddp", "run", "long.ipynb", "--cpu", "--nproc", "2"], cwd=work,
+                               env=ENV, capture_output=True, text=True, check=True)
+                [run] = list(work.glob("runs/long-*"))
+                rate = steps_per_s("".join(p.read_text() for p in (run / "logs").glob("rank-*.log")))
+                shutil.rmtree(work / "runs")
+            else:
+                rate = steps_per_s(run_process(torchrun + ["hand_long.py" if case == "torchrun by hand"
+                                                           else "exported_long.py"], work)[2])
+            after = os.times()
+            rates[case].append(rate)
+            rates[f"{case} cpu"].append(after.children_user + after.children_system
+                                        - before.children_user - before.children_system)
     return rates
+
+
+def throughput_lines(rates: dict[str, list[float]]) -> list[str]:
+    """Section 2's table and ratios (shared with :mod:`benchmarks.throughput`, which runs more rounds)."""
+    median = {case: statistics.median(rates[case]) for case in THROUGHPUT_CASES}
+    hand, exported, nbddp = (median[case] for case in THROUGHPUT_CASES)
+    paired = [n / h for h, n in zip(rates["torchrun by hand"], rates["nbddp run"])]
+    lines = ["| case | steps/s | CPU seconds, all its processes |", "|---|---|---|"]
+    lines += [f"| {case} | {summary(rates[case], 'steps/s', 1)} | {summary(rates[f'{case} cpu'], 's', 1)} |"
+              for case in THROUGHPUT_CASES]
+    return lines + ["", f"Ratio nbddp / by hand: **{nbddp / hand:.3f}** (medians; round by round "
+                        f"{statistics.median(paired):.3f}, {min(paired):.3f}–{max(paired):.3f}); the exported script under torchrun / by hand: "
+                        f"{exported / hand:.3f}; `nbddp run` / the exported script: {nbddp / exported:.3f} (what "
+                        "the kernel and the front end beside the ranks cost). Two rounds on a shared machine move these by several "
+                        "percent: `python -m benchmarks.throughput` runs more rounds and measures where the CPU goes (section 11)."]
 
 
 # ---------------------------------------------------------------- 3: log streaming
@@ -445,15 +478,11 @@ def report(args: argparse.Namespace, figures: dict) -> str:
     for case, values in start.items():
         ratio = statistics.median(values["end"]) / hand_end
         lines.append(f"| {case} | {summary(values['first'])} | {summary(values['end'])} | {ratio:.2f}× |")
-    hand_rate, nbddp_rate = (statistics.median(rates[k]) for k in ("torchrun by hand", "nbddp run"))
     lines += ["", "The torchrun and `nbddp run` times start at the command; the `%%ddp_train` times at the cell's "
               "execute request (its kernel already running, as in a notebook). `nbddp run` includes its kernel "
               "(setup and other cells) beside the job.", "",
               f"## 2. Training throughput ({args.long_steps} steps per job, {1 if args.quick else 2} rounds)", "",
-              "| case | steps/s |", "|---|---|",
-              f"| torchrun by hand | {summary(rates['torchrun by hand'], 'steps/s', 1)} |",
-              f"| nbddp run | {summary(rates['nbddp run'], 'steps/s', 1)} |", "",
-              f"Ratio nbddp / by hand: **{nbddp_rate / hand_rate:.3f}**.", "",
+              *throughput_lines(rates), "",
               f"## 3. Log streaming ({logs['lines']} lines from rank 0: {args.paced} paced at 100 lines/s, then a burst)", "",
               "| where | first line | paced: latency p50 | p99 | lines lost | burst: lines/s |",
               "|---|---|---|---|---|---|",

@@ -77,6 +77,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.beside  # long, asserts no timing: runs beside the rest in .ci/run, where the lanes even out
 @pytest.mark.slow
 def test_two_by_two_grid_two_at_a_time_with_summaries(sweep, tmp_path, cli_run):
     (tmp_path / "grid.yaml").write_text("lr: [0.05, 0.1]\nbatch_size: [8, 16]\n")
@@ -102,6 +103,7 @@ def test_two_by_two_grid_two_at_a_time_with_summaries(sweep, tmp_path, cli_run):
     assert not run.leftovers()
 
 
+@pytest.mark.beside  # long, asserts no timing: runs beside the rest in .ci/run, where the lanes even out
 @pytest.mark.slow
 def test_a_failing_run_is_recorded_and_resume_reruns_only_the_rest(sweep, tmp_path, cli_run):
     """A run whose rank raises and one whose evaluation cell (in the kernel, after the training) fails an

@@ -293,6 +293,7 @@ def test_nbddp_run_trains_an_unmarked_accelerate_notebook_with_the_cells_nbddp_c
     assert kernel_weights(run.output) == pytest.approx(weights_sum(reference(engine)), abs=2e-3), run.output
 
 
+@pytest.mark.waits  # mostly a timeout or a mid-training signal: runs beside the rest in .ci/run
 @pytest.mark.slow
 def test_ctrl_c_stops_lightnings_ranks_although_they_catch_sigterm(tmp_path, cli_run):
     """``nbddp run``'s Ctrl-C stops the launcher (SIGTERM, forwarded to the ranks); Lightning's ranks catch
@@ -315,6 +316,7 @@ def _rank_pids(run_dir) -> set[int]:
     return {json.loads(p.read_text())["pid"] for p in (run_dir / "ranks").glob("rank-*.json")}
 
 
+@pytest.mark.waits  # three 8 s timeouts, three stop buttons 6 s into a 10 s step: runs beside the rest in .ci/run
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the_peers(tmp_path, reference):
