@@ -399,7 +399,7 @@ def setup_markdown(found: dict[str, dict[str, list]], rounds: int) -> str:
     lines += ["", "nbddp runs the setup once and keeps it on its warm ranks, putting back after each run what the run "
               "changed (README, \"The setup is kept too\"). nbdistributed keeps its workers' namespace too, and "
               "runs only the cell sent, so its re-run starts from the model the last run trained: fast, and not a "
-              "fresh run's weights (by design; where it isn't installed, not measured). Accelerate's "
+              "fresh run's weights (by design). Accelerate's "
               "`notebook_launcher` forks the kernel, so a setup run in the kernel before the launch is inherited on "
               "the CPU; CUDA can't be forked, so on GPUs the setup goes inside the launched function and runs every "
               "time. `!torchrun` runs the whole script every time."]
