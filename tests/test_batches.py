@@ -253,6 +253,7 @@ def test_gpus_per_run_is_refused_where_a_cluster_places_the_runs(cluster):
         BatchOptions("nb.ipynb", {}, launch, gpus_per_run=2)
 
 
+@pytest.mark.beside  # long, asserts no timing: runs beside the rest in .ci/run, where the lanes even out
 @pytest.mark.slow
 def test_launch_options_reach_every_run_of_a_batch(tmp_path, cli_run):
     """--max-restarts (resuming from the checkpoint) and the timeouts mean in a batch what they mean in `nbddp run`."""

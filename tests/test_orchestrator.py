@@ -78,6 +78,7 @@ def _run(argv: list[str], cwd: Path, env: dict, timeout: float = 240) -> subproc
     return done
 
 
+@pytest.mark.beside  # long, asserts no timing: runs beside the rest in .ci/run, where the lanes even out
 def test_every_front_door_runs_through_the_orchestrator_and_the_launcher_seam(tmp_path, spy):
     env, seen = spy
     # A `#| parameters` directive (papermill alone finds its cell by tag): every door's `batch 8` must reach
