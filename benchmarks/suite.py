@@ -246,8 +246,9 @@ def throughput(work: Path, rounds: int, steps: int) -> dict[str, list[float]]:
     return rates
 
 
-def throughput_lines(rates: dict[str, list[float]]) -> list[str]:
-    """Section 2's table and ratios (shared with :mod:`benchmarks.throughput`, which runs more rounds)."""
+def throughput_lines(rates: dict[str, list[float]], pointer: bool = True) -> list[str]:
+    """Section 2's table and ratios (shared with :mod:`benchmarks.throughput`, which runs more rounds);
+    ``pointer``: say where more rounds are."""
     median = {case: statistics.median(rates[case]) for case in THROUGHPUT_CASES}
     hand, exported, nbddp = (median[case] for case in THROUGHPUT_CASES)
     paired = [n / h for h, n in zip(rates["torchrun by hand"], rates["nbddp run"])]
@@ -257,8 +258,10 @@ def throughput_lines(rates: dict[str, list[float]]) -> list[str]:
     return lines + ["", f"Ratio nbddp / by hand: **{nbddp / hand:.3f}** (medians; round by round "
                         f"{statistics.median(paired):.3f}, {min(paired):.3f}–{max(paired):.3f}); the exported script under torchrun / by hand: "
                         f"{exported / hand:.3f}; `nbddp run` / the exported script: {nbddp / exported:.3f} (what "
-                        "the kernel and the front end beside the ranks cost). Two rounds on a shared machine move these by several "
-                        "percent: `python -m benchmarks.throughput` runs more rounds and measures where the CPU goes (section 11)."]
+                        "the kernel and the front end beside the ranks cost)." + (
+                            " Two rounds on a shared machine move these by several percent: `python -m "
+                            "benchmarks.throughput` runs more rounds and measures where the CPU goes (section 11)."
+                            if pointer else "")]
 
 
 # ---------------------------------------------------------------- 3: log streaming

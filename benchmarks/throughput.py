@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {machine()}; `python -m benchmarks.throughput "
         f"--rounds {args.rounds} --steps {args.steps}`. Section 2's cases, more and shorter rounds, interleaved; "
         "steps/s in the ranks, medians (min–max).", "",
-        *throughput_lines(rates), "",
+        *throughput_lines(rates, pointer=False), "",
         "Where the CPU goes while they train (`psutil`, every second, over the middle of a 3000-step job; 2 rounds):", "",
         "| case | the ranks | everything else of the run |", "|---|---|---|",
         *(f"| {case} | {', '.join(f'{r:.3f}' for r, _ in values)} cores | {', '.join(f'{o:.3f}' for _, o in values)} "
