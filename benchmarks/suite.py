@@ -68,6 +68,19 @@ HAND_WRITTEN = ("import os, time, torch\nimport torch.distributed as dist\nfrom 
                 + "    dist.destroy_process_group()\n")
 
 
+#: How the hand-written script is launched: torchrun, 2 processes on this machine.
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def write_training(work: Path, script: str, notebook_name: str, steps: int) -> str:
+    """The same training for ``steps`` steps, twice: the hand-written ``script`` and the notebook
+    ``notebook_name`` (its setup cell and its training cell); returns the training cell's loop."""
+    loop = LOOP.replace("__STEPS__", str(steps))
+    (work / script).write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
+    notebook(work / notebook_name, [(SETUP, []), ("#| ddp-train\n" + loop, [])])
+    return loop
+
+
 def summary(values: list[float], unit: str = "s", digits: int = 2) -> str:
     if not values:
         return "n/a"
@@ -171,9 +184,7 @@ class Kernel:
 
 def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None = None) -> dict[str, dict[str, list[float]]]:
     """``before``: ``(ref, checkout)`` of an earlier nbddp, whose ``nbddp run`` is timed in the same rounds."""
-    loop = LOOP.replace("__STEPS__", str(steps))
-    (work / "hand.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
-    notebook(work / "bench.ipynb", [(SETUP, []), ("#| ddp-train\n" + loop, [])])
+    loop = write_training(work, "hand.py", "bench.ipynb", steps)
     cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (starts warm ranks)",
              "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run"]
     if before is not None:
@@ -186,8 +197,7 @@ def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None
             times[case]["first"].append(first)
 
     for _ in range(rounds):
-        add("torchrun by hand", *run_process(
-            [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "hand.py"], work)[:2])
+        add("torchrun by hand", *run_process(TORCHRUN + ["hand.py"], work)[:2])
         add("nbddp run", *run_process([PYTHON, "-m", "nbddp", "run", "bench.ipynb", "--cpu", "--nproc", "2"], work)[:2])
         if before is not None:
             ref, checkout = before
@@ -220,12 +230,9 @@ THROUGHPUT_CASES = ("torchrun by hand", "exported script under torchrun", "nbddp
 def throughput(work: Path, rounds: int, steps: int) -> dict[str, list[float]]:
     """Steps/s in the ranks of each of :data:`THROUGHPUT_CASES`, interleaved round after round; also the CPU
     seconds each case's processes used (``"<case> cpu"``): what a case adds beside the ranks shows there."""
-    loop = LOOP.replace("__STEPS__", str(steps))
-    (work / "hand_long.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
-    notebook(work / "long.ipynb", [(SETUP, []), ("#| ddp-train\n" + loop, [])])
+    write_training(work, "hand_long.py", "long.ipynb", steps)
     subprocess.run([PYTHON, "-m", "nbddp", "export", "long.ipynb", "-o", "exported_long.py"], cwd=work, env=ENV,
                    capture_output=True, text=True, check=True)
-    torchrun = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     rates: dict[str, list[float]] = {key: [] for case in THROUGHPUT_CASES for key in (case, f"{case} cpu")}
     for _ in range(rounds):
         for case in THROUGHPUT_CASES:
@@ -237,7 +244,7 @@ def throughput(work: Path, rounds: int, steps: int) -> dict[str, list[float]]:
                 rate = steps_per_s("".join(p.read_text() for p in (run / "logs").glob("rank-*.log")))
                 shutil.rmtree(work / "runs")
             else:
-                rate = steps_per_s(run_process(torchrun + ["hand_long.py" if case == "torchrun by hand"
+                rate = steps_per_s(run_process(TORCHRUN + ["hand_long.py" if case == "torchrun by hand"
                                                            else "exported_long.py"], work)[2])
             after = os.times()
             rates[case].append(rate)

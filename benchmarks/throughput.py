@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.document import replace_block
-from benchmarks.suite import ENV, HAND_WRITTEN, LOOP, PYTHON, SETUP, machine, notebook, throughput, throughput_lines
+from benchmarks.suite import ENV, PYTHON, TORCHRUN, machine, throughput, throughput_lines, write_training
 
 
 def cpu_shares(work: Path, rounds: int, steps: int) -> dict[str, list[tuple[float, float]]]:
@@ -30,10 +30,8 @@ def cpu_shares(work: Path, rounds: int, steps: int) -> dict[str, list[tuple[floa
     middle of the training."""
     import psutil
 
-    (work / "shares_hand.py").write_text(HAND_WRITTEN.replace("__STEPS__", str(steps)))
-    notebook(work / "shares.ipynb", [(SETUP, []), ("#| ddp-train\n" + LOOP.replace("__STEPS__", str(steps)), [])])
-    cases = {"torchrun by hand": ([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                   "shares_hand.py"], "shares_hand.py"),
+    write_training(work, "shares_hand.py", "shares.ipynb", steps)
+    cases = {"torchrun by hand": (TORCHRUN + ["shares_hand.py"], "shares_hand.py"),
              "nbddp run": ([PYTHON, "-m", "nbddp", "run", "shares.ipynb", "--cpu", "--nproc", "2"], "train.py")}
     found: dict[str, list[tuple[float, float]]] = {case: [] for case in cases}
     for _ in range(rounds):
