@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Mapping
 from nbddp.atomic import write_json
 from nbddp.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
+from nbddp.job.rank_memory import size
 from nbddp.job.status import Status
 from nbddp.launchers.base import Launch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
@@ -524,8 +525,6 @@ class KernelPool(PoolKeeper):
         """Before a run starts ranks of its own (``--fresh``, ``--detach``, what warm ranks can't serve): drop the
         setup the warm ranks keep if it holds GPU memory, which the new ranks on the same GPUs may need; a line
         saying so (``""``: nothing to drop)."""
-        from nbddp.job.rank_memory import size
-
         if self.pool is None or not self.pool.alive() or not self.pool.runs:
             return ""
         gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
@@ -544,8 +543,6 @@ class KernelPool(PoolKeeper):
 
 def kept_summary(report: dict, limit: int = 8) -> str:
     """One rank's kept setup in a few words: ``cell 2, cell 3 kept: X 1.05 MB, model 4.1 kB; nbddp's copies 4.1 kB (CPU)``."""
-    from nbddp.job.rank_memory import size
-
     if not report.get("cells"):
         return "nothing kept" + (f" ({report['note']})" if report.get("note") else "")
     names = report.get("names", [])

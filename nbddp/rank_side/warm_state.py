@@ -170,9 +170,10 @@ class WarmState:
         plan = Plan(len(cells))
         for index, (unit, (key, values)) in enumerate(zip(cells, keys)):
             if index >= len(self.cells):
-                unfinished = self.unfinished is not None and self.unfinished[0] == index
-                why = ("" if not self.cells and not unfinished else "new" if not unfinished
-                       else "edited" if self.unfinished[1] != key else "it didn't finish last time")
+                if self.unfinished is not None and self.unfinished[0] == index:  # it raised or was interrupted
+                    why = "edited" if self.unfinished[1] != key else "it didn't finish last time"
+                else:
+                    why = "new" if self.cells else ""
                 plan = Plan(index, unit.name, why)
                 break
             kept = self.cells[index]
