@@ -72,6 +72,16 @@ class JupyterLab:
         workspace = notebook.replace(".", "-")
         return f"{self.base}/lab/workspaces/{workspace}/tree/{notebook}?reset&token={self.token}"
 
+    def shut_down_kernels(self) -> None:
+        """Shut every kernel down (and the warm ranks each keeps), as File ▸ Shut Down All would: a test
+        that is over leaves nothing running beside the next one."""
+        import json
+
+        api = f"{self.base}/api/kernels"
+        for kernel in json.loads(urllib.request.urlopen(f"{api}?token={self.token}", timeout=10).read()):
+            request = urllib.request.Request(f"{api}/{kernel['id']}?token={self.token}", method="DELETE")
+            urllib.request.urlopen(request, timeout=30).read()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -91,8 +101,31 @@ class Notebook:
     def open(self) -> "Notebook":
         self.page.goto(self.lab.url(self.name))
         self.page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-        self.wait_idle(60)
+        self.settle(60)
         return self
+
+    def settle(self, timeout: float) -> None:
+        """Wait until the notebook has its Python kernel, idle, and no dialog covers it.
+
+        On a loaded machine JupyterLab can open a notebook before it has fetched the kernelspecs, find
+        no kernel to start, and ask "Select Kernel" (seen once in CI, on a dialog that then stopped
+        every click): a user picks the preferred kernel it offers, and so does this. Any other dialog
+        is JupyterLab saying something went wrong: the test fails with its text."""
+        deadline = time.monotonic() + timeout
+        while True:
+            dialog = self.page.locator(".jp-Dialog")
+            if dialog.count() and dialog.first.is_visible():
+                text = dialog.first.inner_text()
+                if not text.startswith("Select Kernel"):
+                    raise AssertionError(f"JupyterLab showed a dialog over the notebook:\n{text}")
+                dialog.first.locator(".jp-Dialog-button.jp-mod-accept").click()
+            elif self.page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() and \
+                    "Python 3" in self.page.locator(".jp-NotebookPanel-toolbar").inner_text():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the notebook's kernel was not idle within {timeout:.0f} s: "
+                                     f"{self.page.locator('.jp-NotebookPanel-toolbar').inner_text()!r}")
+            time.sleep(0.2)
 
     def wait_idle(self, timeout: float) -> None:
         self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
@@ -110,6 +143,7 @@ class Notebook:
         started = ("() => { const p = document.querySelector('.jp-Notebook .jp-Cell .jp-InputPrompt');"
                    " return !!p && /[0-9*]/.test(p.innerText); }")
         for attempt in range(attempts):
+            self.settle(60)
             self.page.locator(".jp-Notebook .jp-Cell").first.click()  # the notebook has the focus, as after a click
             self.page.locator(".lm-MenuBar-itemLabel:text-is('Run')").click()
             self.page.locator(".lm-Menu-itemLabel:text-is('Run All Cells')").click()

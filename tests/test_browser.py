@@ -77,6 +77,7 @@ def notebook(lab, browser, request):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     yield Notebook(page, lab, name).open()
     page.close()
+    lab.shut_down_kernels()
 
 
 def run_dirs(root: Path, name: str) -> list[Path]:
