@@ -179,6 +179,7 @@ def rank_pids(run_dir):
     return sorted(json.loads(p.read_text())["pid"] for p in (run_dir / "ranks").glob("rank-*.json"))
 
 
+@pytest.mark.beside  # long (six batch runs), asserts no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 def test_a_slots_runs_share_warm_ranks_until_one_fails_and_match_fresh_runs(sweep, tmp_path, cli_run):
     """Warm ranks in a batch: consecutive runs on one slot reuse its ranks, through a failed run too: every rank
