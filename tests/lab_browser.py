@@ -8,6 +8,7 @@ reached here, so Playwright is pointed at ``/usr/bin/chromium`` (never ``playwri
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -22,6 +23,8 @@ from tests.slurm_cluster import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+#: The notebook's kernel is idle, as its toolbar's execution indicator shows it.
+IDLE = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
 
 
 def browser_missing() -> str | None:
@@ -75,8 +78,6 @@ class JupyterLab:
     def shut_down_kernels(self) -> None:
         """Shut every kernel down (and the warm ranks each keeps), as File ▸ Shut Down All would: a test
         that is over leaves nothing running beside the next one."""
-        import json
-
         api = f"{self.base}/api/kernels"
         for kernel in json.loads(urllib.request.urlopen(f"{api}?token={self.token}", timeout=10).read()):
             request = urllib.request.Request(f"{api}/{kernel['id']}?token={self.token}", method="DELETE")
@@ -119,7 +120,7 @@ class Notebook:
                 if not text.startswith("Select Kernel"):
                     raise AssertionError(f"JupyterLab showed a dialog over the notebook:\n{text}")
                 dialog.first.locator(".jp-Dialog-button.jp-mod-accept").click()
-            elif self.page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count() and \
+            elif self.page.locator(IDLE).count() and \
                     "Python 3" in self.page.locator(".jp-NotebookPanel-toolbar").inner_text():
                 return
             if time.monotonic() > deadline:
@@ -128,7 +129,7 @@ class Notebook:
             time.sleep(0.2)
 
     def wait_idle(self, timeout: float) -> None:
-        self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout * 1000)
+        self.page.wait_for_selector(IDLE, timeout=timeout * 1000)
 
     def command(self, name: str) -> None:
         """Run a JupyterLab command from its toolbar button or menu entry (what a user clicks)."""
