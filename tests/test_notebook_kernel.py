@@ -26,3 +26,44 @@ def test_the_error_raised_in_the_training_cells_place_is_the_same_error(error):
         exec(raise_code(error), {})
     assert str(raised.value) == str(error)
     assert [getattr(raised.value, name) for name in error.FIELDS] == [getattr(error, name) for name in error.FIELDS]
+
+
+def test_a_ctrl_c_while_the_kernel_runs_a_cell_leaves_no_task_to_find_the_kernel_dead_later(tmp_path, caplog):
+    """The cause of a papermill Ctrl-C that ended with ``DeadKernelError`` instead of ``Aborted!`` (1 run in 3
+    under load): the interrupted cell's task stayed pending on nbclient's loop and, when the loop next ran to shut
+    the kernel down, found it gone. Made deterministic here: the loop runs past the task's 1 s alive check after
+    the kernel is gone. (A real kernel; the job beside it is a stand-in that trains no cell.)"""
+    import asyncio
+    import os
+    import signal
+    import threading
+
+    import nbformat
+    from jupyter_core.utils import ensure_event_loop
+    from nbclient import NotebookClient
+
+    from nbddp.doors.notebook_kernel import TrainingCells
+
+    class Client(TrainingCells, NotebookClient):
+        pass
+
+    class NoTraining:
+        def trains(self, index: int) -> bool:
+            return False
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("import time; time.sleep(30)")])
+    client = Client(nb, kernel_name="python3", shutdown_kernel="immediate",
+                    resources={"metadata": {"path": str(tmp_path)}})
+    client.nbddp_kernel = NoTraining()
+    loop = ensure_event_loop()
+    with client.setup_kernel():
+        timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            client.execute_cell(nb.cells[0], 0)
+        timer.join()
+        left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        loop.run_until_complete(client.km.shutdown_kernel(now=True))
+        loop.run_until_complete(asyncio.sleep(1.5))  # past the cell task's check that the kernel is alive
+    assert left == []
+    assert "Kernel died" not in caplog.text  # (nbclient's line as the task found it gone)

@@ -18,6 +18,8 @@ door subclasses it to let papermill drive its own loop.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import math
 import os
@@ -26,7 +28,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.errors import RunError
@@ -81,14 +83,43 @@ class TrainingCells:
                      store_history: bool = True):
         if self.nbddp_kernel.trains(cell_index):
             return self.nbddp_kernel.receive(self, cell, cell_index)
-        return super().execute_cell(cell, cell_index, execution_count, store_history)
+        with _no_task_left_by_an_interrupt():
+            return super().execute_cell(cell, cell_index, execution_count, store_history)
 
     def run_in_kernel(self, cell, cell_index: int):  # noqa: ANN001, ANN201
         """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell)."""
-        return super().execute_cell(cell, cell_index)
+        with _no_task_left_by_an_interrupt():
+            return super().execute_cell(cell, cell_index)
 
     def on_rank_lines(self, text: str) -> None:
         """Rank output added to the training cell while it trains (papermill's client logs it, saves)."""
+
+
+@contextlib.contextmanager
+def _no_task_left_by_an_interrupt() -> Iterator[None]:
+    """A Ctrl-C while the kernel runs a cell leaves nothing running on nbclient's event loop.
+
+    nbclient runs a cell as a task on this thread's event loop (``run_sync``). A ``KeyboardInterrupt``
+    raised while that loop waits for the kernel's reply leaves the loop, but not the task: it stays
+    pending, with its poll of whether the kernel is alive, and wakes up the next time the loop runs,
+    which is when nbclient shuts the kernel down on the way out. If that shutdown lasts past the task's
+    once-a-second check, the task finds the kernel gone and fails with ``DeadKernelError`` ("Kernel died
+    while waiting for execute reply"), which asyncio logs as "Task exception was never retrieved" after
+    papermill's ``Aborted!``: a papermill Ctrl-C seemed to end with a dead kernel (1 run in 3 with the
+    ranks loading a 2-core machine). So the cell's tasks are cancelled, and their ends collected, before
+    the interrupt goes on, as ``asyncio.run`` cancels what is left when its main coroutine is interrupted."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        from jupyter_core.utils import ensure_event_loop
+
+        loop = ensure_event_loop()
+        left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in left:
+            task.cancel()
+        if left and not loop.is_running():
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        raise
 
 
 class NotebookKernel:
