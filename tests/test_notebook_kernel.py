@@ -28,11 +28,12 @@ def test_the_error_raised_in_the_training_cells_place_is_the_same_error(error):
     assert [getattr(raised.value, name) for name in error.FIELDS] == [getattr(error, name) for name in error.FIELDS]
 
 
-def test_a_ctrl_c_while_the_kernel_runs_a_cell_leaves_no_task_to_find_the_kernel_dead_later(tmp_path, caplog):
+def test_a_ctrl_c_while_the_kernel_runs_a_cell_ends_the_cell_as_a_stop_button_and_leaves_no_task(tmp_path, caplog):
     """The cause of a papermill Ctrl-C that ended with ``DeadKernelError`` instead of ``Aborted!`` (1 run in 3
     under load): the interrupted cell's task stayed pending on nbclient's loop and, when the loop next ran to shut
-    the kernel down, found it gone. Made deterministic here: the loop runs past the task's 1 s alive check after
-    the kernel is gone. (A real kernel; the job beside it is a stand-in that trains no cell.)"""
+    the kernel down, found it gone; when it didn't, it recorded the kernel's ``KeyboardInterrupt`` in the cell, as
+    papermill's own engine does. Made deterministic here: the loop runs past the task's 1 s alive check after the
+    kernel is gone. (A real kernel; the job beside it is a stand-in that trains no cell.)"""
     import asyncio
     import os
     import signal
@@ -67,3 +68,4 @@ def test_a_ctrl_c_while_the_kernel_runs_a_cell_leaves_no_task_to_find_the_kernel
         loop.run_until_complete(asyncio.sleep(1.5))  # past the cell task's check that the kernel is alive
     assert left == []
     assert "Kernel died" not in caplog.text  # (nbclient's line as the task found it gone)
+    assert [o.get("ename") for o in nb.cells[0].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]

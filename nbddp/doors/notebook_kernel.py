@@ -83,41 +83,55 @@ class TrainingCells:
                      store_history: bool = True):
         if self.nbddp_kernel.trains(cell_index):
             return self.nbddp_kernel.receive(self, cell, cell_index)
-        with _no_task_left_by_an_interrupt():
+        with _interrupt_settles_the_cell(self):
             return super().execute_cell(cell, cell_index, execution_count, store_history)
 
     def run_in_kernel(self, cell, cell_index: int):  # noqa: ANN001, ANN201
         """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell)."""
-        with _no_task_left_by_an_interrupt():
+        with _interrupt_settles_the_cell(self):
             return super().execute_cell(cell, cell_index)
 
     def on_rank_lines(self, text: str) -> None:
         """Rank output added to the training cell while it trains (papermill's client logs it, saves)."""
 
 
+#: How long a kernel interrupted with its notebook gets to answer the running cell (its ``KeyboardInterrupt``).
+ANSWER_SECONDS = 5.0
+
+
 @contextlib.contextmanager
-def _no_task_left_by_an_interrupt() -> Iterator[None]:
-    """A Ctrl-C while the kernel runs a cell leaves nothing running on nbclient's event loop.
+def _interrupt_settles_the_cell(client) -> Iterator[None]:  # noqa: ANN001 - nbclient's NotebookClient
+    """A Ctrl-C while the kernel runs a cell ends that cell as a front end's stop button would, and leaves
+    nothing running on nbclient's event loop.
 
     nbclient runs a cell as a task on this thread's event loop (``run_sync``). A ``KeyboardInterrupt``
     raised while that loop waits for the kernel's reply leaves the loop, but not the task: it stays
     pending, with its poll of whether the kernel is alive, and wakes up the next time the loop runs,
-    which is when nbclient shuts the kernel down on the way out. If that shutdown lasts past the task's
-    once-a-second check, the task finds the kernel gone and fails with ``DeadKernelError`` ("Kernel died
-    while waiting for execute reply"), which asyncio logs as "Task exception was never retrieved" after
-    papermill's ``Aborted!``: a papermill Ctrl-C seemed to end with a dead kernel (1 run in 3 with the
-    ranks loading a 2-core machine). So the cell's tasks are cancelled, and their ends collected, before
-    the interrupt goes on, as ``asyncio.run`` cancels what is left when its main coroutine is interrupted."""
+    which is when nbclient shuts the kernel down on the way out. What it then finds was a race: the
+    kernel's answer (its ``KeyboardInterrupt``, recorded in the cell, as papermill's own engine shows it)
+    or, when the shutdown lasted past the task's once-a-second check, a kernel gone (``DeadKernelError``,
+    "Kernel died while waiting for execute reply", logged as "Task exception was never retrieved" after
+    papermill's ``Aborted!``: 1 papermill Ctrl-C in 3 with the ranks loading a 2-core machine). So the
+    kernel is interrupted here and given :data:`ANSWER_SECONDS` to answer the cell, whose task records
+    the answer; what is left is then cancelled, as ``asyncio.run`` cancels what its interrupted main
+    coroutine left, and the interrupt goes on."""
     try:
         yield
     except KeyboardInterrupt:
-        from jupyter_core.utils import ensure_event_loop
+        from jupyter_core.utils import ensure_async, ensure_event_loop
 
         loop = ensure_event_loop()
         left = [task for task in asyncio.all_tasks(loop) if not task.done()]
-        for task in left:
-            task.cancel()
-        if left and not loop.is_running():
+        if not left or loop.is_running():
+            raise
+        try:
+            loop.run_until_complete(asyncio.wait_for(ensure_async(client.km.interrupt_kernel()), ANSWER_SECONDS))
+            loop.run_until_complete(asyncio.wait(left, timeout=ANSWER_SECONDS))
+        except (Exception, KeyboardInterrupt):  # noqa: BLE001 - a kernel that can't answer (or a second Ctrl-C)
+            pass
+        finally:
+            for task in left:
+                task.cancel()
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         raise
 
