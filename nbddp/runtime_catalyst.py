@@ -7,6 +7,10 @@ nbddp's internal moves (scripts exported by earlier versions name it too): it *i
 
 import sys
 
-from nbddp.rank_side import catalyst_engine
+from nbddp.rank_side.parent_death import die_with_parent
+
+die_with_parent()  # a rank nbddp launched dies with its launcher, armed before torch is imported (seconds)
+
+from nbddp.rank_side import catalyst_engine  # noqa: E402
 
 sys.modules[__name__] = catalyst_engine

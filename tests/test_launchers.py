@@ -56,7 +56,10 @@ def test_torchrun_command_keeps_its_folder_in_the_run_dir():
     torchrun = launcher_for("torch")
     argv = torchrun.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py", max_restarts=2)
     assert argv[:3] == ["py", "-m", "nbddp.launchers.torchrun_main"] and argv[-1] == "/r/train.py"  # torchrun's main
-    assert {"--standalone", "--nproc-per-node=3", "--max-restarts=2", "--log-dir=/r/logs/torchrun"} <= set(argv)
+    assert {"--nproc-per-node=3", "--max-restarts=2", "--log-dir=/r/logs/torchrun"} <= set(argv)
+    # one machine: c10d's rendezvous in a file of the run dir, not --standalone's TCPStore on every interface
+    assert {"--rdzv-backend=c10d", "--rdzv-endpoint=/r/store/rendezvous", "--rdzv-conf=store_type=file",
+            "--local-addr=127.0.0.1"} <= set(argv) and "--standalone" not in argv
     assert torchrun.supports_restarts and not torchrun.streams_launcher_log
 
 
@@ -114,7 +117,7 @@ def test_rendezvous_failures_are_told_as_what_to_check(rank, report, words):
 def test_a_catalyst_node_numbers_its_ranks_after_the_nodes_before_it():
     spawn = launcher_for("catalyst", Nodes(2, 1, "h:1"))
     spawn.command(Path("/r/train.py"), Devices("cpu", 2), RunDir(Path("/r")), python="py")
-    assert spawn.environment() == {"NBDDP_NNODES": "2", "NBDDP_NODE_RANK": "1", "NBDDP_MASTER": "h:1",
+    assert spawn.environment(RunDir(Path("/r"))) == {"NBDDP_NNODES": "2", "NBDDP_NODE_RANK": "1", "NBDDP_MASTER": "h:1",
                                    "NBDDP_RDZV_TIMEOUT": "300.0"}
     assert spawn.rank_exit_codes("process 1 terminated with exit code 3") == {3: 3}
 
@@ -274,9 +277,13 @@ def test_the_torchrun_command_is_one_whichever_place_renders_it():
     assert read(argv) == expected
     assert read(shlex.split(header.replace("--node-rank=R", "--node-rank=0"))) == expected
     assert read(slurm) == expected
+    # One machine: a person's command (the header's) is torchrun's --standalone; nbddp's own launcher meets in a
+    # file of the run dir instead (nbddp.launchers.private_rendezvous), with the same processes.
     one = read(shlex.split(local_hint("torch", devices, "train.py")))
-    assert one == read(launcher_for("torch").command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
     assert one["standalone"] and one["nproc_per_node"] == "3"
+    ours = read(launcher_for("torch").command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
+    assert ours == {**one, "standalone": False, "nnodes": "1", "rdzv_backend": "c10d",
+                    "rdzv_endpoint": "/r/store/rendezvous", "rdzv_conf": "store_type=file"}
 
 
 def test_ray_ranks_get_torchruns_variables_rank_0_beside_the_kernel_and_their_own_gpu():

@@ -24,6 +24,11 @@ from nbddp.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
 from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT
 
+#: A run on one machine: the address torchrun's agent names its node by (it listens on nothing), and its
+#: rendezvous file in the run's private store folder (:mod:`nbddp.launchers.private_rendezvous`).
+LOOPBACK = "127.0.0.1"
+RENDEZVOUS_FILE = "rendezvous"
+
 #: What runs torchrun: ``python -m torch.distributed.run`` (not the ``torchrun`` script, which may
 #: belong to another interpreter than the one that has nbddp).
 MODULE = ("-m", "torch.distributed.run")
@@ -56,11 +61,15 @@ def code(returns: tuple[str, ...], script_name: str, shard: bool = False) -> Eng
 
 def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int | str | None = None,
                      endpoint: str | None = None, rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT,
-                     max_restarts: int | None = None, monitor: bool = False, log_dir: str | None = None) -> list[str]:
+                     max_restarts: int | None = None, monitor: bool = False, log_dir: str | None = None,
+                     store: str | None = None) -> list[str]:
     """torchrun's options for one node: everything between ``python -m torch.distributed.run`` and the script.
 
-    One machine (``nnodes == 1``): ``--standalone``, a fresh c10d store on an OS-chosen free port, so two
-    runs at once never collide. Several nodes: torchrun's *static* rendezvous at ``endpoint`` (node 0),
+    One machine (``nnodes == 1``), launched by nbddp: c10d's rendezvous in a FileStore in ``store``, the
+    run's private folder, so nothing listens and nothing is unpickled from a socket
+    (:mod:`nbddp.launchers.private_rendezvous`); typed by a person (the exported script's header):
+    ``--standalone``, the same rendezvous in a TCPStore on an OS-chosen free port, torch's own trust
+    model (a trusted network). Several nodes: torchrun's *static* rendezvous at ``endpoint`` (node 0),
     with ``node_rank`` (a number, or a placeholder such as ``"$SLURM_NODEID"`` or ``R``). Static, not c10d's
     dynamic rendezvous: node 0 runs the kernel and must hold global rank 0 (the weights are saved there);
     the dynamic one ranks nodes by sorting their descriptors, the static one honours ``--node-rank``.
@@ -69,7 +78,10 @@ def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int 
     ``log_dir``: keep torchrun's folder there (without it, every run leaves a ``torchelastic_*`` folder
     in the system temp folder); ``max_restarts``: ``None`` leaves torchrun's default.
     """
-    if nnodes == 1:
+    if nnodes == 1 and store is not None:
+        options = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={store}/{RENDEZVOUS_FILE}",
+                   "--rdzv-conf=store_type=file", f"--local-addr={LOOPBACK}"]
+    elif nnodes == 1:
         options = ["--standalone"]
     else:
         options = [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",

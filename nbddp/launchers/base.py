@@ -87,8 +87,9 @@ class Launcher:
         """The argv that starts every rank of the job."""
         raise NotImplementedError
 
-    def environment(self) -> dict[str, str]:
-        """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones."""
+    def environment(self, run_dir: RunDir) -> dict[str, str]:
+        """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones (a run on one
+        machine: where its ranks meet, :mod:`nbddp.launchers.private_rendezvous`)."""
         return {}
 
     def start(self, script: Path, spec: "JobSpec", rank_env: dict[str, str]) -> Launch:
@@ -97,8 +98,8 @@ class Launcher:
         ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.rank_side.env.RankEnv`).
         """
         paths = RunDir(spec.run_dir)
+        env = {**os.environ, **rank_env, **self.environment(paths)}
         argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.launch.max_restarts)
-        env = {**os.environ, **rank_env, **self.environment()}
         return LocalProcess(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, self.stop_grace))
 
     def observe(self, run_dir: RunDir, expired: bool = False) -> LaunchReport:

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 from nbddp.devices import Devices
+from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import Launcher
 from nbddp.launchers.torchrun import rendezvous_failure
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
@@ -40,9 +41,9 @@ class CatalystSpawn(Launcher):
         self.first_rank = self.nodes.rank * devices.nproc if self.nodes else 0
         return [python, str(script)]
 
-    def environment(self) -> dict[str, str]:
-        if self.nodes is None:
-            return {}
+    def environment(self, run_dir: RunDir) -> dict[str, str]:
+        if self.nodes is None:  # Catalyst's spawned ranks meet in a file (file://) of the run's store folder
+            return private_rendezvous.environment(private_rendezvous.prepare(run_dir.store))
         return RankEnv(nnodes=self.nodes.count, node_rank=self.nodes.rank, master=self.nodes.endpoint,
                        rdzv_timeout=self.rdzv_timeout).variables()
 

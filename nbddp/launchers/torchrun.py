@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nbddp.devices import Devices
 from nbddp.engines.torch import torchrun_options
+from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import Launcher
 from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.job.rundir import RunDir
@@ -41,13 +42,20 @@ class Torchrun(Launcher):
                 max_restarts: int = 0) -> list[str]:
         """torchrun in its own process, never ``elastic_launch`` inside the kernel (it replaces the
         kernel's SIGINT handler)."""
-        return [python, *LAUNCHER_MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs)),
-                str(script)]
+        return [python, *LAUNCHER_MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs),
+                                                        str(run_dir.store)), str(script)]
 
-    def options(self, nproc: int, max_restarts: int = 0, log_dir: str | None = None) -> list[str]:
-        """This launcher's torchrun options (this node's part, when there are several)."""
+    def environment(self, run_dir: RunDir) -> dict[str, str]:
+        if self.nodes is not None:
+            return {}
+        return private_rendezvous.environment(private_rendezvous.prepare(run_dir.store))
+
+    def options(self, nproc: int, max_restarts: int = 0, log_dir: str | None = None,
+                store: str | None = None) -> list[str]:
+        """This launcher's torchrun options (this node's part, when there are several); ``store``: where the
+        ranks of a run on one machine meet."""
         if self.nodes is None:
-            return torchrun_options(nproc, max_restarts=max_restarts, monitor=True, log_dir=log_dir)
+            return torchrun_options(nproc, max_restarts=max_restarts, monitor=True, log_dir=log_dir, store=store)
         return torchrun_options(nproc, nnodes=self.nodes.count, node_rank=self.nodes.rank,
                                 endpoint=self.nodes.endpoint, rdzv_timeout=self.rdzv_timeout,
                                 max_restarts=max_restarts, monitor=True, log_dir=log_dir)

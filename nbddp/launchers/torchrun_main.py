@@ -13,8 +13,10 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    from nbddp.rank_side.parent_death import launching_ranks
     from torch.distributed.run import main as torchrun
 
+    launching_ranks()
     try:
         torchrun(argv)
     finally:

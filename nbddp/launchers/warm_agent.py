@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 
+from nbddp.rank_side.parent_death import launching_ranks
 from nbddp.rank_side.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
 
@@ -25,6 +26,7 @@ def main(argv: list[str]) -> None:
     pool = PoolDir(argv[0])
     from torch.distributed.run import main as torchrun
 
+    launching_ranks()
     idle = False
     try:
         torchrun(argv[1:])

@@ -40,6 +40,8 @@ from nbddp.engines import spawns_its_own_ranks
 from nbddp.job.rank_memory import size
 from nbddp.job.status import Status
 from nbddp.launchers.base import Launch
+from nbddp.launchers import private_rendezvous
+from nbddp.owned import touch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
 from nbddp.rank_side.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
@@ -122,11 +124,15 @@ class WarmPool:
         self.stopped = False
         self.lost = ""
         self.last_used = self.started = time.monotonic()
-        options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs))
+        store = private_rendezvous.prepare(self.dir.store)
+        options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs),
+                                   store=str(store))
         argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir), *options,
                 "-m", "nbddp.rank_side.warm_loop", str(self.dir)]
+        environ = os.environ if environ is None else environ
         env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
-                      warm_idle=idle, pool_owner=os.getpid()).to_environ(os.environ if environ is None else environ)
+                      warm_idle=idle, pool_owner=os.getpid()).to_environ(environ)
+        env |= private_rendezvous.environment(store, environ)
         self.launch: Launch = LocalProcess(LaunchSpec(tuple(argv), env, Path(key.cwd), self.dir.launcher_log))
         try:
             write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
@@ -307,7 +313,7 @@ class WarmPool:
         """Stop every rank and torchrun, and remove the pool's folder (its torchrun removes it too, should
         this process be killed while waiting for it: see :mod:`nbddp.launchers.warm_agent`)."""
         try:
-            self.dir.stop_mark.touch()
+            touch(self.dir.stop_mark)
         except OSError:
             pass
         self.terminate(sig)

@@ -29,6 +29,7 @@ from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
 from nbddp.job.status import Status
 from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, RankEnv
+from nbddp.rank_side.parent_death import launching_ranks
 
 _state = {"trained": False, "patched": False}
 
@@ -86,12 +87,14 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         import torch.multiprocessing as mp
 
         check_picklable(fn)
+        launching_ranks()
         return mp.spawn(_rank_main, args=(fn, self._world_size, self._workers_global_rank),
                         nprocs=self._num_local_workers, join=True)
 
     def setup(self, local_rank: int, world_size: int) -> None:
         """Catalyst's setup, on GPUs with the rank's own GPU checked, made current and bound to the NCCL
-        group (as the torch engine's ranks); across nodes, joining waits at most ``--rdzv-timeout`` (then
+        group (as the torch engine's ranks); on one machine, the ranks meet in the run's store folder
+        (:mod:`nbddp.launchers.private_rendezvous`) rather than at Catalyst's TCP address; across nodes, joining waits at most ``--rdzv-timeout`` (then
         the collective timeout applies) and the nodes check they run the same script."""
         if self._process_group_kwargs.get("backend", "nccl") == "nccl":  # (Catalyst's default: GPUs)
             gpu = self._own_gpu(local_rank)
@@ -99,6 +102,9 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
             self._process_group_kwargs = {**runtime.group_backend(True, gpu), **self._process_group_kwargs}
         env = RankEnv.from_environ()
         if not env.nnodes or env.nnodes < 2:
+            if env.store is not None:  # one machine: meet in a file of the run's private folder, not a TCPStore
+                self._process_group_kwargs = {**self._process_group_kwargs, "init_method": f"file://{env.store}/catalyst",
+                                              "rank": self._workers_global_rank + local_rank}
             return super().setup(local_rank, world_size)
         import torch.distributed.distributed_c10d as c10d
 

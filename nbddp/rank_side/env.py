@@ -39,6 +39,8 @@ VARIABLES = {
     "pool_owner": "NBDDP_POOL_OWNER",
     "requeue": "NBDDP_REQUEUE",
     "requeues": "NBDDP_REQUEUES",
+    "store": "NBDDP_STORE",
+    "parent": "NBDDP_PARENT",
 }
 
 
@@ -78,6 +80,12 @@ class RankEnv:
     preemption), every rank stops at its next ``nbddp.save_checkpoint``."""
     requeues: int | None = None
     """``NBDDP_REQUEUES``: how many times Slurm requeued this job before (``SLURM_RESTART_COUNT``)."""
+    parent: int | None = None
+    """``NBDDP_PARENT``: the pid of the process that started this one (a launcher for its ranks), which a rank
+    must still have as its parent once its death signal is armed (:func:`~nbddp.rank_side.parent_death.die_with_parent`)."""
+    store: Path | None = None
+    """``NBDDP_STORE``: a run on one machine: the private folder where its ranks meet (a FileStore per
+    attempt, :mod:`nbddp.launchers.private_rendezvous`), instead of a TCPStore at ``MASTER_ADDR``."""
 
     def variables(self) -> dict[str, str]:
         """The variables this environment sets (empty fields left out)."""
@@ -123,4 +131,6 @@ class RankEnv:
             pool_owner=int(get["pool_owner"]) if get["pool_owner"] else None,
             requeue=get["requeue"] == "1",
             requeues=int(get["requeues"]) if get["requeues"].isdigit() else None,
+            store=Path(get["store"]) if get["store"] else None,
+            parent=int(get["parent"]) if get["parent"].isdigit() else None,
         )

@@ -22,8 +22,12 @@ import signal
 import sys
 
 from nbddp.job.status import signal_exit_code
+from nbddp.rank_side.env import VARIABLES
 
 PR_SET_PDEATHSIG = 1
+#: The variable a launcher process sets to its own pid for its ranks (each rank then to its own, for what it
+#: starts): the parent a rank must still have once its death signal is armed (:class:`RankEnv`'s ``parent``).
+PARENT = VARIABLES["parent"]
 
 
 def arm(sig: int) -> None:
@@ -35,6 +39,42 @@ def arm(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):
         pass
+
+
+def die_with_parent(always: bool = False) -> None:
+    """In a rank: be SIGKILLed when the process that started it dies, and if that process is gone already,
+    end now. A rank an nbddp launcher started (its pid in :data:`PARENT`) calls this first thing, before
+    torch is imported (:mod:`nbddp.runtime`, :mod:`nbddp.runtime_catalyst`, :mod:`nbddp.rank_side.warm_loop`);
+    every rank calls it again once it knows it is one (``always``: :func:`nbddp.rank_side.process.become_rank`,
+    which arms the signal under any launcher: Slurm's, Ray's, a person's own torchrun).
+
+    Arming alone is not enough: a launcher that dies while its rank's interpreter starts (a kernel killed by
+    the OOM killer while it forks thousands of ranks) signals nobody, and its orphan would train on,
+    re-parented to init. So the parent is checked *after* arming: if it is no longer the launcher, the
+    signal will never come and the rank exits. What the rank starts that imports nbddp in turn (DataLoader
+    workers importing the training's modules) is tied to the rank the same way: :data:`PARENT` becomes the
+    rank's own pid.
+
+    SIGKILL, not SIGTERM: libraries catch SIGTERM to save a checkpoint at their next step (Lightning does),
+    and once the launcher is gone a rank that waits for that would outlive its run.
+    """
+    expected = os.environ.get(PARENT, "")
+    if expected == str(os.getpid()):
+        return  # armed and checked already
+    if not expected.isdigit():
+        if always:
+            arm(signal.SIGKILL)
+        return
+    arm(signal.SIGKILL)
+    if os.getppid() != int(expected):
+        os._exit(signal_exit_code(signal.SIGKILL))  # the launcher is gone: the signal will never come
+    os.environ[PARENT] = str(os.getpid())
+
+
+def launching_ranks() -> None:
+    """In a launcher process (torchrun's agent, Catalyst's spawning script), before it starts ranks: name
+    itself as their parent (:data:`PARENT`), which each rank checks once its death signal is armed."""
+    os.environ[PARENT] = str(os.getpid())
 
 
 def main(argv: list[str]) -> None:

@@ -22,6 +22,7 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
       forget                        how many times the owner asked the ranks to drop their kept setup
       forgot/K-R                    rank R dropped it, asked for the K-th time
       stop                          its owner is stopping it for good: the folder can go
+      store/                        where torchrun's agent and the ranks meet (FileStores)
       logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
       logs/torchrun/                torchrun's own folder
 """
@@ -133,6 +134,10 @@ class PoolDir:
     @property
     def torchrun_logs(self) -> Path:
         return RunDir(self.path).torchrun_logs
+
+    @property
+    def store(self) -> Path:
+        return RunDir(self.path).store
 
     def owner(self) -> int | None:
         """The pid of the process that started the pool, from the folder's name."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -26,6 +25,7 @@ from nbddp.atomic import write_json
 from nbddp.errors import NbddpError
 from nbddp.rank_side import memory
 from nbddp.rank_side.env import RankEnv
+from nbddp.rank_side.parent_death import die_with_parent
 from nbddp.job.rundir import SCRIPT_NAME, RunDir
 
 
@@ -43,7 +43,7 @@ def run_dir() -> RunDir | None:
 
 def become_rank(global_rank: int, size: int) -> None:
     """Per-rank plumbing shared by both engines: die with the parent, log to files, leave the group safely."""
-    _die_with_parent()
+    die_with_parent(always=True)  # (an nbddp launcher's rank armed it before importing torch)
     guard_destroy()
     if not log_to_run_dir(global_rank):
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
@@ -146,19 +146,6 @@ def record_exception(global_rank: int, exc_type, exc, tb,  # noqa: ANN001
         "traceback": "".join(report.format() if report is not None else traceback.format_exception(exc_type, exc, tb)),
     }
     write_json(directory.rank_error(global_rank), report)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank when its parent (torchrun / Catalyst) dies.
-
-    torch starts each rank in a session of its own, so stopping the launcher's group doesn't reach the
-    ranks: the launcher forwards a SIGTERM, and this is the rest. SIGKILL, not SIGTERM: libraries catch
-    SIGTERM to save a checkpoint at their next step (Lightning does), and once the launcher is gone a
-    rank that waits for that would outlive its run.
-    """
-    from nbddp.rank_side.parent_death import arm
-
-    arm(signal.SIGKILL)
 
 
 def exchange_roster(node_rank: int, nnodes: int, global_rank: int, node_ranks: range) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from nbddp import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
                                      mark_done, refuse, restart_count, run_dir, skip_final_collection,
                                      use_notebook_folder)
+from nbddp.rank_side.env import RankEnv
 from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
 from nbddp.job.rundir import RunDir
 
@@ -113,14 +114,21 @@ def _binding_hangs(version: str) -> bool:
 
 
 def _attempt_store():
-    """torchrun's store, scoped to this restart attempt.
+    """The store this restart attempt's ranks meet in.
 
-    With ``--standalone`` and ``--max-restarts``, the agent's store outlives an attempt, so the
-    ranks of attempt 1 could read the gloo addresses of attempt 0's dead ranks and hang or be
-    refused. A prefix per attempt keeps every attempt's keys apart.
+    Launched by nbddp on one machine (``NBDDP_STORE``): a FileStore of its own in the run's private folder,
+    where no other host or user can read or write a key (:mod:`nbddp.launchers.private_rendezvous`).
+    Otherwise (several nodes, an exported script under a person's own torchrun): torch's TCPStore at
+    ``MASTER_ADDR``, the agent's own where torchrun shares it.
+
+    One per attempt either way: with ``--max-restarts`` the agent's store outlives an attempt, so the
+    ranks of attempt 1 could read the gloo addresses of attempt 0's dead ranks and hang or be refused.
     """
     from datetime import timedelta
 
+    folder = RankEnv.from_environ().store
+    if folder is not None:
+        return dist.FileStore(str(folder / f"attempt-{restart_count()}"), world_size())
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size(),

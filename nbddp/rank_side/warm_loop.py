@@ -45,9 +45,13 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
-import torch.distributed as dist
+from nbddp.rank_side.parent_death import die_with_parent
 
-from nbddp.atomic import write_json
+die_with_parent()  # dies with the pool's torchrun, armed before torch is imported (seconds)
+
+import torch.distributed as dist  # noqa: E402
+
+from nbddp.atomic import write_json  # noqa: E402
 from nbddp.rank_side.pool_dir import JobEnd, PoolDir
 from nbddp.rank_side import memory
 from nbddp.rank_side.env import DEFAULT_WARM_IDLE, RankEnv

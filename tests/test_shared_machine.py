@@ -1,0 +1,143 @@
+"""A run on a shared machine (DESIGN.md, "Shared machines"; docs/reliability.md, "Security"): nothing of a
+run on one machine can be reached from another host, no other local user can read or write where its ranks
+meet, and poking at what it does listen on (gloo's pairs, on loopback) neither reads a key nor breaks the run.
+
+Real runs: ``nbddp run`` (2 gloo ranks) and a kernel's idle warm pool; "another user" is ``uid 65534``
+(``setpriv``), with the system's own Python (it can't read root's site-packages).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import code, write_notebook
+
+pytestmark = pytest.mark.slow
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+TRAINING = ("#| ddp-train\nimport time, torch.distributed as dist\nfor step in range({steps}):\n"
+            "    t = torch.ones(1); dist.all_reduce(t)\n    print('step', step, t.item(), flush=True)\n    time.sleep(0.2)")
+
+
+def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
+    """``(address, port, pid)`` of every listening TCP socket of ``pids``."""
+    return [(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def store_answers(port: int) -> str:
+    """What a torch ``TCPStore`` client reads on ``port`` (``""``: no store answered within 10 s). In a process
+    of its own: on a gloo pair's listener the client can wait for a reply that never comes, whatever its timeout."""
+    probe = ("import datetime, sys, torch.distributed as dist\n"
+             "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, wait_for_workers=False,\n"
+             "                      timeout=datetime.timedelta(seconds=2))\n"
+             "print(store.num_keys(), 'keys')")
+    try:
+        answer = subprocess.run([sys.executable, "-c", probe, str(port)], capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return ""
+    return answer.stdout.strip() if answer.returncode == 0 else ""
+
+
+def as_nobody(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv],
+                          capture_output=True, text=True, timeout=30)
+
+
+def assert_private(folder: Path) -> None:
+    """``folder`` (where ranks meet) is the user's alone: another uid can neither list it nor read or add a file."""
+    assert folder.is_dir() and folder.stat().st_mode & 0o077 == 0, oct(folder.stat().st_mode)
+    for argv in (["ls", str(folder)], ["cat", str(folder / "rendezvous")], ["touch", str(folder / "planted")]):
+        denied = as_nobody(*argv)
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr, (argv, denied)
+
+
+def assert_unreachable(pids: set[int]) -> list[tuple[str, int, int]]:
+    found = listeners(pids)
+    assert all(address in LOOPBACK for address, _, _ in found), found
+    answered = {port: store_answers(port) for _, port, _ in found}
+    assert not any(answered.values()), answered  # gloo's pairs: no key to read, nothing to unpickle
+    return found
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_a_run_on_one_machine_listens_on_loopback_only_and_no_store_answers(tmp_path, cli_run):
+    """The stores torchrun's ``--standalone`` opened on every interface (its rendezvous state unpickled on each
+    heartbeat) are files in the run's 0700 folder; the ranks' pairs listen on loopback, and poking them as a
+    store reads nothing and doesn't disturb the training."""
+    write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=40))])
+    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path)
+    run.wait_for("[rank 1] step 2")
+    ours = assert_unreachable(run.seen)
+    assert_private(next((tmp_path / "runs").glob("f-*")) / "store")
+    assert run.wait(timeout=120) == 0, run.output
+    assert "[rank 0] step 39 2.0" in run.output and "[rank 1] step 39 2.0" in run.output
+    assert not run.leftovers(grace=1)
+    assert not {port for _, port, _ in ours} & {port for _, port, _ in listeners(set(psutil.pids()))}
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
+def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_path):
+    from tests.test_magic import ProtocolKernel
+
+    kernel = ProtocolKernel(tmp_path)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute("#| ddp\nimport torch, nbddp", "setup")
+        out = kernel.execute("%%ddp_train --cpu\n" + TRAINING.format(steps=2).split("\n", 1)[1], "train")
+        assert "[rank 1] step 1 2.0" in out, out
+        time.sleep(1)  # idle now: the ranks wait for their next job
+        agent = [p for p in psutil.Process(kernel.km.provisioner.process.pid).children(recursive=True)
+                 if "nbddp.launchers.warm_agent" in " ".join(p.cmdline())]
+        assert len(agent) == 1, agent
+        pids = {agent[0].pid, *(c.pid for c in agent[0].children(recursive=True))}
+        assert len(pids) == 3
+        assert_unreachable(pids)
+        assert_private(Path(agent[0].cmdline()[agent[0].cmdline().index("nbddp.launchers.warm_agent") + 1]) / "store")
+        again = kernel.execute("%%ddp_train --cpu\n" + TRAINING.format(steps=2).split("\n", 1)[1], "train")
+        assert "on a warm rank (its run 2)" in again and "[rank 1] step 1 2.0" in again, again
+    finally:
+        kernel.close()
+
+
+def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, cli_run):
+    """A rank asks to die with its launcher before it imports torch, and then checks that its launcher is still
+    its parent: one killed in between (a kernel taken by the OOM killer while it forks) would never signal it.
+    The window is made deterministic by a fault hook: a ``sitecustomize`` that holds each rank for 3 s before
+    its first line (only the ranks: a process whose ``NBDDP_PARENT`` is its parent), while the test SIGKILLs
+    the launcher (torchrun's agent)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('NBDDP_PARENT') == str(os.getppid()):\n    time.sleep(3)\n")
+    write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=300))])
+    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path,
+                  env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
+    deadline = time.monotonic() + 60
+    ranks: list[psutil.Process] = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, "nbddp.launchers.torchrun_main")]
+        ranks = [child for agent in agents for child in agent.children() if _runs(child.pid, "train.py")]
+        time.sleep(0.01)
+    assert len(ranks) == 2, run.output
+    agents[0].kill()  # the launcher dies before its ranks armed their death signal
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    for rank in alive:
+        rank.kill()
+    assert not alive, "ranks outlived their launcher"
+    assert run.wait(timeout=60) != 0
+    assert not run.leftovers()
+
+
+def _runs(pid: int, what: str) -> bool:
+    try:
+        return any(what in part for part in psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
