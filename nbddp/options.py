@@ -32,6 +32,10 @@ from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owne
 if TYPE_CHECKING:
     from nbddp.notebook.script import ExportOptions
 
+#: ``--nproc`` beyond this many CPU processes per CPU of this machine needs ``--oversubscribe``.
+PROCESSES_PER_CPU = 4
+#: The longest time limit an option takes: a year, in seconds.
+MOST_SECONDS = 365 * 24 * 3600
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
 DEFAULT_COLLECTIVE_TIMEOUT = 300.0
 _SLURM_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
@@ -77,9 +81,13 @@ def _at_least(least: int, says: str):  # noqa: ANN202
     return check
 
 
-def _seconds(value: float, flag: str) -> None:
+def check_seconds(value: float, flag: str) -> None:
+    """A time limit: positive, and at most :data:`MOST_SECONDS` (torch turns a collective's limit into a
+    ``timedelta`` and C++ milliseconds, which a number like 1e30 overflows inside every rank)."""
     if not (value > 0 and math.isfinite(value)):
         raise UsageError(f"{flag} {value:g}: give a positive number of seconds.")
+    if value > MOST_SECONDS:
+        raise UsageError(f"{flag} {value:g}: give at most {MOST_SECONDS} seconds (a year).")
 
 
 def _names(names: Sequence[str], flag: str) -> None:
@@ -320,23 +328,25 @@ class LaunchOptions:
     nproc: int | None = option("--nproc", group=_DEVICES, default=None, type=int, example=("3",),
                                help=f"CPU processes (default {CPU_PROCESSES})",
                                check=_at_least(1, "need at least 1 process"))
+    oversubscribe: bool = option("--oversubscribe", group=_DEVICES, doors=_RUNS, default=False, action="store_true",
+                                 help=f"start more CPU processes than {PROCESSES_PER_CPU} per CPU of this machine")
     run_dir: Path | None = option("--run-dir", group=_LIMITS, doors=_RUNS - {BATCH}, default=None, type=Path,
                                   example=("runs/first",), coerce=_path, accepts="str | Path | None",
                                   help="where the script, logs and weights go (default: runs/STEM-TIME beside the "
                                        "notebook)")
     timeout: float | None = option("--timeout", group=_LIMITS, doors=_RUNS, default=None, type=float,
-                                   metavar="SECONDS", example=("60.5",), check=_seconds,
+                                   metavar="SECONDS", example=("60.5",), check=check_seconds,
                                    help=f"stop the run after this long (exit {Status.TIMEOUT.exit_code})")
     collective_timeout: float | None = option(
         "--collective-timeout", group=_LIMITS, doors=_RUNS, default=DEFAULT_COLLECTIVE_TIMEOUT, type=float,
-        metavar="SECONDS", example=("0",), check=_seconds, coerce=lambda seconds: seconds or None,
+        metavar="SECONDS", example=("0",), check=check_seconds, coerce=lambda seconds: seconds or None,
         render=lambda seconds, flag: [flag, "0" if seconds is None else str(seconds)],
         help=f"a rank waiting longer than this in a collective fails the run, exit {Status.TIMEOUT.exit_code} "
              f"(default {DEFAULT_COLLECTIVE_TIMEOUT:g}; 0: torch's own)")
     """``None`` (``0`` on the command line): torch's own."""
     idle_timeout: float | None = option(
         "--idle-timeout", group=_LIMITS, doors=_RUNS, default=None, type=float, metavar="SECONDS", example=("30",),
-        check=_seconds,
+        check=check_seconds,
         help=f"stop the run (exit {Status.TIMEOUT.exit_code}) when no rank prints or logs anything for this long")
     max_restarts: int = option("--max-restarts", group=_LIMITS, doors=_RUNS, default=0, type=int, metavar="N",
                                example=("2",), check=_at_least(0, "give 0 or more"),
@@ -346,7 +356,7 @@ class LaunchOptions:
     """This node's part in a multi-node run; ``None`` on one machine."""
     rdzv_timeout: float = option(
         "--rdzv-timeout", group=_NODES, default=DEFAULT_RDZV_TIMEOUT, type=float, metavar="SECONDS", example=("30",),
-        check=_seconds,
+        check=check_seconds,
         help=f"how long nodes wait for each other at the start; with --ray, how long the run waits for the cluster's "
              f"resources (default {DEFAULT_RDZV_TIMEOUT:g})")
     slurm: SlurmRequest | None = option("--slurm", group=_SLURM, default=None, action="store_true", of=SlurmRequest,
@@ -368,6 +378,8 @@ class LaunchOptions:
                 raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
         if self.shard and self.engine not in (None, "torch"):
             raise UsageError(shard_refusal(self.engine))
+        if self.nproc is not None and not self.oversubscribe and self.slurm is None and self.ray is None:
+            _fits_this_machine(self.nproc)
         if self.max_restarts and spawns_its_own_ranks(self.engine):
             raise UsageError("--max-restarts needs the torch engine or a library's (torchrun restarts their ranks); "
                              "Catalyst's spawn can't.")
@@ -411,6 +423,19 @@ class LaunchOptions:
     def to_argv(self) -> list[str]:
         """The same options as arguments :func:`add_launch_arguments` parses back (a batch's runs)."""
         return to_argv(self)
+
+
+def _fits_this_machine(nproc: int) -> None:
+    """``--nproc`` beyond :data:`PROCESSES_PER_CPU` per CPU is a typo or a runaway loop, not a plan: each CPU rank
+    is a whole Python process with torch (a few hundred MB), and thousands of them fork until the kernel's
+    out-of-memory killer takes the notebook's kernel. Refused before anything starts (``--oversubscribe``
+    starts them anyway); a cluster's nodes (``--slurm``, ``--ray``) are not this machine."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    most = cpus * PROCESSES_PER_CPU
+    if nproc > most:
+        raise UsageError(f"--nproc {nproc}: this machine has {cpus} CPU{'s' if cpus != 1 else ''}, so at most {most} "
+                         f"processes ({PROCESSES_PER_CPU} per CPU; each is a Python process with torch). Give --nproc "
+                         f"{most} or fewer, or add --oversubscribe to start {nproc} anyway.")
 
 
 def machine_gpus_refusal(flag: str, launch: LaunchOptions) -> str:

@@ -43,8 +43,11 @@ def _supervised(run_dir: Path) -> set[int]:
     """The supervisor and every process under it."""
     pid = json.loads(RunDir(run_dir).supervisor.read_text())["pid"]
     try:
-        return {pid} | {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
+        supervisor = psutil.Process(pid)
+        if "nbddp.doors.detached" not in supervisor.cmdline():  # (a test's made-up record: never signal it)
+            return set()
+        return {pid} | {p.pid for p in supervisor.children(recursive=True)}
+    except psutil.Error:
         return set()
 
 
@@ -138,6 +141,77 @@ def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
         detached.follow(run_dir, [])
     result = _nbddp("attach", run_dir, cwd=tmp_path)
     assert result.returncode == 1 and "ended before it started" in result.stderr, result.stderr
+
+
+def test_the_request_and_the_error_cross_as_data_and_come_back_equal(tmp_path):
+    """``detached/request.json`` and ``error.json`` (nbddp/doors/detached_record.py): what the door asked and the
+    run's judged error, written and read back as plain data (no pickle a planted file could make run code)."""
+    from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
+    from nbddp.doors.notebook_run import RunOptions
+    from nbddp.errors import RunTimeout
+    from nbddp.job.orchestrator import RunRequest
+    from nbddp.notebook.reader import read_notebook
+    from nbddp.notebook.script import generate
+    from nbddp.options import LaunchOptions, SlurmRequest
+
+    paths = RunDir(tmp_path)
+    paths.detached.mkdir()
+    launch = LaunchOptions(parameters={"lr": 0.5, "shape": (2, 3), "name": "x"}, returns=("model", "opt"), cpu=True,
+                           nproc=2, timeout=60.5, collective_timeout=None, slurm=SlurmRequest(extra=(("qos", "high"),)))
+    options = RunOptions(tmp_path / "nb.ipynb", launch, None, "nbddp run nb.ipynb --detach")
+    write_request(paths, options)
+    assert read_request(paths) == options
+    notebook = read_notebook(write_notebook(tmp_path / "nb.ipynb", [code("lr = 0.1", "parameters"), code(SETUP),
+                                                                    code(train_cell(BATCH))]))
+    script = generate(notebook, launch.export_options(parameters={"lr": 0.5}))
+    request = RunRequest(script, launch, tmp_path / "nb.ipynb", tmp_path, {"lr": 0.5, "shape": (2, 3)}, {"lr": 0.5},
+                         "%%ddp_train --detach", owner="detached")
+    write_request(paths, request)
+    assert read_request(paths) == request and isinstance(read_request(paths).parameters["shape"], tuple)
+    assert b"pickle" not in paths.detached_request.read_bytes() and json.loads(paths.detached_request.read_text())
+    error = RunTimeout("the run exceeded --timeout", exit_code=124, rank=1, exc_type="X", cell=3, line=2,
+                       run_dir=str(tmp_path))
+    write_error(paths, error)
+    back = read_error(paths)
+    assert type(back) is RunTimeout and str(back) == str(error)
+    assert [getattr(back, name) for name in error.FIELDS] == [getattr(error, name) for name in error.FIELDS]
+    paths.detached_error.write_text(json.dumps({"type": "SystemExit", "message": "x", "fields": {}}))
+    assert read_error(paths) is None  # only nbddp's own errors are made from it
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="planting files as another user needs root")
+def test_a_planted_request_error_or_link_is_refused_and_another_users_run_is_named(tmp_path):
+    """What the issue's attacker did: a symlink planted where the request is written (it overwrote the victim's
+    file), a request or error file swapped in by another user, a detached run in a shared folder attached to."""
+    from nbddp.doors.detached_record import read_error, read_request, write_request
+    from nbddp.doors.notebook_run import RunOptions
+    from nbddp.owned import NotYours
+
+    project = tmp_path / "project"
+    paths = RunDir(project / "runs" / "nb-1")
+    paths.detached.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("secret")
+    paths.detached_request.symlink_to(victim)
+    write_request(paths, RunOptions(tmp_path / "nb.ipynb"))  # replaces the link, never writes through it
+    assert victim.read_text() == "secret" and not paths.detached_request.is_symlink()
+    os.chown(paths.detached_request, 65534, 65534)  # swapped in by someone else
+    with pytest.raises(NotYours, match="request .*belongs to uid 65534"):
+        read_request(paths)
+    paths.detached_error.write_text(json.dumps({"type": "RunFailed", "message": "planted", "fields": {}}))
+    os.chown(paths.detached_error, 65534, 65534)
+    assert read_error(paths) is None
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_json(paths.supervisor, {"pid": int(gone.stdout), "started": time.time()})
+    os.chown(paths.path, 65534, 65534)  # a colleague's detached run beside the notebook
+    with pytest.raises(NotYours, match="belongs to uid 65534.*only runs of your own"):
+        detached.find_run(str(paths.path), project)
+    with pytest.raises(UsageError, match="no detached run of nb.ipynb"):
+        detached.latest(project / "nb.ipynb")  # (theirs is not the newest of the user's)
+    for command in ("attach", "kill"):
+        result = _nbddp(command, paths.path, cwd=project)
+        assert result.returncode == 2 and "belongs to uid 65534" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
 
 
 def test_the_options_of_detaching_and_attaching():

@@ -1,13 +1,17 @@
 """One options type and one argument definition for every front door."""
 
 import argparse
+import os
 import re
 from dataclasses import fields
 
 import pytest
 
 from nbddp.errors import UsageError
-from nbddp.options import (ArgumentParser, LaunchOptions, add_launch_arguments, launch_options, parse_line)
+from nbddp.options import (PROCESSES_PER_CPU, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options,
+                           parse_line)
+
+CPUS = len(os.sched_getaffinity(0))
 
 
 def parse(argv):
@@ -38,9 +42,13 @@ def test_defaults_live_in_one_place():
     (["--engine", "catalyst", "--max-restarts", "1"], "--max-restarts needs the torch engine"),
     (["--engine", "jax"], "argument --engine: invalid choice"),
     (["--nproc", "two"], "argument --nproc: invalid int value"),
+    # absurd values that would otherwise fail deep inside torch, or fork until the kernel is killed
+    (["--collective-timeout", "1e30"], "--collective-timeout 1e+30: give at most 31536000 seconds (a year)"),
+    (["--timeout", "31536001"], "--timeout 3.1536e+07: give at most 31536000 seconds"),
+    (["--nproc", "10000"], f"--nproc 10000: this machine has {CPUS} CPU"),
 ])
 def test_bad_values_are_usage_errors_naming_the_option(argv, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(")) as info:
+    with pytest.raises(UsageError, match=re.escape(message)) as info:
         parse(argv)
     assert info.value.exit_code == 2
 
@@ -243,3 +251,12 @@ def test_an_unknown_keyword_of_nbddp_run_is_pythons_type_error_naming_the_neares
         nbddp.batch("nb.ipynb")
     with pytest.raises(UsageError, match="--nproc 0: need at least 1 process"):
         nbddp.run("nb.ipynb", nproc=0)  # refused before anything reads the notebook
+
+
+def test_more_cpu_processes_than_the_machine_can_hold_need_oversubscribe():
+    most = CPUS * PROCESSES_PER_CPU
+    with pytest.raises(UsageError, match=f"at most {most} processes .*--nproc {most} or fewer, or add --oversubscribe"):
+        parse(["--cpu", "--nproc", str(most + 1)])
+    assert parse(["--cpu", "--nproc", str(most)]).nproc == most
+    assert parse(["--cpu", "--nproc", str(most + 1), "--oversubscribe"]).oversubscribe
+    assert parse(["--nproc", "10000", "--slurm"]).nproc == 10000  # a cluster's nodes are not this machine

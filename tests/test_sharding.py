@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 
 import pytest
@@ -189,6 +190,18 @@ def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_grou
         assert plain_opt.state_dict()["state"][0]["step"] == 1
         with pytest.raises(Exception, match="no checkpoint in"):
             nbddp.restore(tmp_path / "elsewhere", model=plain)
+        # DCP unpickles a save's .metadata: one another user wrote, or could change, is refused before torch reads it
+        if os.geteuid() == 0:
+            from nbddp.owned import NotYours
+
+            metadata = tmp_path / "resume.dcp" / saves[1] / ".metadata"
+            os.chown(metadata, 65534, 65534)
+            with pytest.raises(NotYours, match=r"sharded checkpoint's file .*\.metadata belongs to uid 65534"):
+                nbddp.restore(tmp_path, model=plain)
+            os.chown(metadata, 0, 0)
+            metadata.parent.chmod(0o777)
+            with pytest.raises(NotYours, match="can be written by others"):
+                nbddp.restore(tmp_path, model=plain)
     finally:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store2'}", rank=0, world_size=1)
 

@@ -16,6 +16,7 @@ from typing import Sequence
 from nbddp import __version__
 from nbddp.doors.signals import signals_interrupt
 from nbddp.errors import NbddpError, SignalReceived, UsageError
+from nbddp.owned import NotYours
 from nbddp.job.status import BatchState, Status
 from nbddp.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
 
@@ -251,6 +252,8 @@ def _stop_detached(which: str) -> bool:
 
     try:
         run_dir = detached.find_run(which, Path.cwd())
+    except NotYours:
+        raise  # another user's run: say whose, not "no live run"
     except UsageError:
         return False
     if not detached.supervisor_alive(RunDir(run_dir)):

@@ -1,6 +1,7 @@
 """Detached runs (``--detach``): a supervisor process owns the job, so whoever started it may go.
 
-:func:`start` pickles what to run into the run dir and starts the supervisor, ``python -m
+:func:`start` writes what to run into the run dir (as data: :mod:`nbddp.doors.detached_record`) and starts
+the supervisor, ``python -m
 nbddp.doors.detached RUN_DIR``, which forks once so that it is nobody's child: in a session of its own
 and without a terminal, no Ctrl-C, hang-up, kernel restart or closed SSH session reaches it, and the
 launcher's parent-death ties the ranks to *it*. It runs the job through the orchestrator as any door
@@ -18,7 +19,6 @@ Nothing here imports torch, IPython or the orchestrator at module level: the sup
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import signal
 import subprocess
@@ -29,14 +29,18 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.atomic import read_json, write_json
+from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
 from nbddp.doors.signals import signals_interrupt
 from nbddp.errors import NbddpError, RunFailed, UsageError
 from nbddp.job.rundir import RunDir
+from nbddp.owned import NotYours, check_owned, private_folder, touch
 
 #: How often an attached door reads the run dir (a detached run is long; a tenth of a second is live).
 POLL_SECONDS = 0.1
 #: How long the starter waits for the supervisor to exist (a Python start and one fork).
 START_SECONDS = 60.0
+#: What refusing another user's run says to do.
+ONLY_YOURS = "You can follow and stop only runs of your own."
 #: What a detached ``%%ddp_train`` run's ending says of its weights (the supervisor has no kernel to load them into).
 WEIGHTS_WAIT = "the weights wait in the run dir for %ddp_attach"
 
@@ -50,8 +54,8 @@ def start(what: Any, run_dir: Path, cwd: Path) -> int:
         KeyboardInterrupt: Ctrl-C while it started (a supervisor that got to start is stopped).
     """
     paths = RunDir(run_dir)
-    paths.detached.mkdir(parents=True, exist_ok=True, mode=0o700)
-    paths.detached_request.write_bytes(pickle.dumps(what))
+    private_folder(paths.detached, "the detached run's folder")
+    write_request(paths, what)
     try:  # returns once the supervisor has written its pid and let go of the pipes (or failed)
         proc = subprocess.run([sys.executable, "-m", "nbddp.doors.detached", str(paths.path)], cwd=cwd,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_SECONDS)
@@ -106,7 +110,8 @@ def _supervise(paths: RunDir) -> int:
     from nbddp.doors.notebook_run import RunOptions, run_notebook
     from nbddp.job import orchestrator
 
-    what = pickle.loads(paths.detached_request.read_bytes())
+    check_owned(paths.path, "the detached run", follow=True)
+    what = read_request(paths)
 
     def started(job: Any) -> None:  # what an attached door needs to show the job as its own run does
         _tell(paths, ranks=list(job.local_ranks()), launcher_log=job.launcher.streams_launcher_log)
@@ -122,10 +127,7 @@ def _supervise(paths: RunDir) -> int:
         say(f"nbddp: {ending_of(result).line()}")
     error = result.error()
     if error is not None:  # the judged error (rank, cell, line), for an attached kernel to raise as its own run would
-        try:
-            paths.detached_error.write_bytes(pickle.dumps(error))
-        except (pickle.PicklingError, TypeError, AttributeError):
-            pass  # (an error that can't be pickled: the attacher raises one from result.json)
+        write_error(paths, error)
     return result.exit_code
 
 
@@ -182,7 +184,7 @@ def stop(run_dir: Path, grace: float = 10.0) -> bool:
     paths = RunDir(run_dir)
     if not supervisor_alive(paths):
         return True
-    paths.stop_mark.touch()
+    touch(paths.stop_mark)
     os.kill(int(read_json(paths.supervisor)["pid"]), signal.SIGTERM)
     deadline = time.monotonic() + grace
     while supervisor_alive(paths) and time.monotonic() < deadline:
@@ -205,6 +207,7 @@ def find_run(which: str, cwd: Path) -> Path:
             break
     else:
         run_dir = Path(find(which).run_dir)  # (raises: no live run of that name)
+    check_owned(run_dir, "the run", follow=True, then=ONLY_YOURS)
     if not is_detached(run_dir):
         raise UsageError(f"{run_dir} is not a detached run: only runs started with --detach can be attached "
                          f"(its logs are in {RunDir(run_dir).logs}).")
@@ -212,28 +215,34 @@ def find_run(which: str, cwd: Path) -> Path:
 
 
 def latest(notebook: Path) -> Path:
-    """The newest detached run of ``notebook`` (``runs/<stem>-<time>`` beside it): what ``--attach`` alone means."""
+    """The newest detached run of ``notebook`` (``runs/<stem>-<time>`` beside it) of the user's own: what
+    ``--attach`` alone means."""
     import re
 
     runs = Path(notebook).resolve().parent / "runs"
     named = re.compile(re.escape(Path(notebook).stem) + r"-\d{8}-\d{6}(-\d+)?$")
-    found = [d for d in runs.iterdir() if named.match(d.name) and is_detached(d)] if runs.is_dir() else []
+    found = [d for d in runs.iterdir() if named.match(d.name) and _yours(d) and is_detached(d)] if runs.is_dir() else []
     if not found:
         raise UsageError(f"no detached run of {Path(notebook).name} in {runs}: start one with --detach, "
                          "or name the run dir to attach to.")
     return max(found, key=lambda d: (read_json(RunDir(d).supervisor) or {}).get("started", 0.0))
 
 
+def _yours(run_dir: Path) -> bool:
+    """A run of the user's own (in a shared project folder, colleagues' runs of the same notebook are beside it)."""
+    try:
+        check_owned(run_dir, "the run", follow=True)
+        return True
+    except (NotYours, OSError):
+        return False
+
+
 def raise_judged(run_dir: Path, record: Any) -> None:
     """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
     from nbddp.errors import JUDGED, error_for
 
-    paths = RunDir(run_dir)
-    try:
-        error = pickle.loads(paths.detached_error.read_bytes())
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-        error = None
-    if isinstance(error, BaseException):
+    error = read_error(RunDir(run_dir))
+    if error is not None:
         raise error
     judged = {name: value for name, value in (record.failure or {}).items() if name in JUDGED}
     raise error_for(record.status, record.error or f"the run ended {record.status}", record.exit_code, str(run_dir),

@@ -19,6 +19,7 @@ from nbddp.atomic import write_json
 from nbddp.errors import UsageError
 from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
 from nbddp.job.rundir import RunDir
+from nbddp.owned import touch
 
 
 #: Owners that stop their own job on SIGTERM (recording it as interrupted): ``nbddp run``, a detached run's supervisor.
@@ -47,14 +48,49 @@ class LiveRun:
     """``cli``: an ``nbddp run`` process, asked to stop its own job (``detached``: a detached run's
     supervisor, the same). ``kernel``: a Jupyter kernel, which is never signalled; its job's processes
     are stopped directly."""
+    owner_created: float = 0.0
+    """When the owner process started (psutil's ``create_time``): a process given its pid since is not it."""
+    leader_created: float = 0.0
+    """When the job's process group leader (the launcher, pid ``pgid``) started, likewise."""
 
     @property
     def entry(self) -> Path:
         return state_dir() / f"{self.name}.json"
 
+    def owner_is_alive(self) -> bool:
+        """The owner still runs: its pid is alive *and* is still the process that registered the run."""
+        return _same_process(self.owner_pid, self.owner_created)
+
+    def group_is_alive(self) -> bool:
+        """Some process of the job's group still runs, and the group is still the job's: a pid (and so a group
+        id) is reused once its process and group are gone, and a group whose leader is a process started since
+        belongs to someone else."""
+        return group_alive(self.pgid) and (not process_alive(self.pgid) or _same_process(self.pgid, self.leader_created))
+
+
+def _same_process(pid: int, created: float) -> bool:
+    """``pid`` runs and started at ``created`` (0: not recorded, an entry of an older nbddp: only alive)."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        return process.status() != psutil.STATUS_ZOMBIE and (not created or abs(process.create_time() - created) < 1.0)
+    except psutil.Error:
+        return False
+
+
+def _created(pid: int) -> float:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
 
 def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
-    run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner)
+    run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner,
+                  owner_created=_created(os.getpid()), leader_created=_created(pgid))
     write_json(run.entry, run.__dict__)
     return run
 
@@ -78,7 +114,7 @@ def live_runs() -> list[LiveRun]:
         except (OSError, ValueError, TypeError):
             _remove_if_old(entry)
             continue
-        if group_alive(run.pgid):
+        if run.group_is_alive():
             runs.append(run)
         else:
             entry.unlink(missing_ok=True)
@@ -111,19 +147,23 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
     from nbddp.launchers.slurm import CANCEL_SECONDS as SLURM_CANCEL_SECONDS
 
     paths = RunDir(Path(run.run_dir))
-    paths.stop_mark.touch()  # the owner records the run as interrupted, not failed
+    if not run.group_is_alive():  # ended meanwhile, or its group id now is someone else's: nothing to signal
+        unregister(run)
+        return True
+    touch(paths.stop_mark)  # the owner records the run as interrupted, not failed
     # A cluster's launcher (Slurm's watcher, the Ray driver) stops the job and waits until it is gone.
     cluster_grace = SLURM_CANCEL_SECONDS if paths.sbatch_script.exists() else \
         RAY_STOP_SECONDS if paths.ray_job.exists() else None
     if cluster_grace:
         grace = max(grace, cluster_grace)
-    if run.owner in SIGNALLED_OWNERS and process_alive(run.owner_pid) and run.owner_pid != os.getpid():
+    if run.owner in SIGNALLED_OWNERS and run.owner_is_alive() and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
         deadline = time.monotonic() + grace
-        while group_alive(run.pgid) and time.monotonic() < deadline:  # its owner stops it, recording why
+        while run.group_is_alive() and time.monotonic() < deadline:  # its owner stops it, recording why
             time.sleep(0.1)
-    stop_groups([run.pgid], grace=cluster_grace or 5.0)
-    gone = not group_alive(run.pgid)
+    if run.group_is_alive():
+        stop_groups([run.pgid], grace=cluster_grace or 5.0)
+    gone = not run.group_is_alive()
     if gone:
         unregister(run)
     return gone

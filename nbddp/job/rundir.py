@@ -10,6 +10,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       logs/rank-N.log               each rank's stdout and stderr, interleaved as written
       logs/launcher.log             torchrun's (or the Catalyst parent's) own output
       logs/torchrun/                torchrun's own folder (per-attempt error files)
+      store/                        a run on one machine: where torchrun's agent and the ranks meet (FileStores)
       ranks/rank-N.json             a started rank: pid, world size, restart attempt
       ranks/rank-N.done             a rank that finished its training normally
       ranks/memory-N.json           a rank's peak memory so far (bytes, RSS or CUDA's)
@@ -30,10 +31,10 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       result.json                   how the run ended, with what, by whom
       output.ipynb                  the executed notebook (nbddp run), saved after every cell
       batch.log                     a batch run's own terminal output (nbddp batch)
-      detached/request.pickle       a detached run (--detach): what its supervisor runs
+      detached/request.json         a detached run (--detach): what its supervisor runs (data, never a pickle)
       detached/supervisor.json      its supervisor's pid, then the job's ranks and whether its launcher log is shown
       detached/supervisor.log       the supervisor's transcript: what nbddp run's terminal would have shown
-      detached/error.pickle         a detached run that didn't succeed: its judged error, for the attaching kernel
+      detached/error.json           a detached run that didn't succeed: its judged error, for the attaching kernel
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import Any
 
 from nbddp.atomic import read_json
 from nbddp.errors import NbddpError, UsageError
+from nbddp.owned import private_folder
 
 
 #: The generated script's name in a run dir (and ``nbddp export``'s default name).
@@ -80,6 +82,12 @@ class RunDir:
     @property
     def torchrun_logs(self) -> Path:
         return self.logs / "torchrun"
+
+    @property
+    def store(self) -> Path:
+        """Where a run on one machine meets: torchrun's rendezvous and the ranks' group, as files
+        (:mod:`nbddp.launchers.private_rendezvous`)."""
+        return self.path / "store"
 
     def node_log(self, node: int) -> Path:
         return self.logs / f"node-{node}.log"
@@ -182,7 +190,7 @@ class RunDir:
 
     @property
     def detached_request(self) -> Path:
-        return self.detached / "request.pickle"
+        return self.detached / "request.json"
 
     @property
     def supervisor(self) -> Path:
@@ -194,8 +202,8 @@ class RunDir:
 
     @property
     def detached_error(self) -> Path:
-        """The judged error of a detached run that didn't succeed (pickled), raised by the kernel that attaches."""
-        return self.detached / "error.pickle"
+        """The judged error of a detached run that didn't succeed, raised by the kernel that attaches."""
+        return self.detached / "error.json"
 
     def holds_a_run(self) -> bool:
         return any(p.exists() for p in (self.result, self.script, self.logs))
@@ -240,15 +248,18 @@ class RunDir:
 
 def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
     """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private; or
-    ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten)."""
+    ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten).
+
+    Raises:
+        NotYours: ``--run-dir``, or the ``runs`` folder, belongs to another user or others can write to it
+            (:mod:`nbddp.owned`). UsageError: ``--run-dir`` holds a run.
+    """
     if run_dir is not None:
         run_dir = Path(run_dir)
         if RunDir(run_dir).holds_a_run():
             raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return run_dir.resolve()
-    parent = notebook.resolve().parent / "runs"
-    parent.mkdir(exist_ok=True)
+        return private_folder(run_dir, "--run-dir", parents=True).resolve()
+    parent = private_folder(notebook.resolve().parent / "runs", "the runs folder")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 10_000):
         candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))

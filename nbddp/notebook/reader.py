@@ -8,6 +8,7 @@ stage (script comments, source map, error messages) uses this same number.
 from __future__ import annotations
 
 import json
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,8 +74,12 @@ def read_notebook(path: str | Path) -> Notebook:
             f"{path}: not valid notebook JSON (line {exc.lineno}, column {exc.colno}: "
             f"{exc.msg}). Open it in Jupyter and save it again, or restore it from version control."
         ) from None
+    except RecursionError:
+        raise NotebookError(f"{path}: its JSON is nested too deeply to be a notebook (no editor writes that). "
+                            "Restore it from version control.") from None
     if not isinstance(raw, dict) or "cells" not in raw and "worksheets" not in raw:
         raise NotebookError(f"{path}: this JSON file is not a Jupyter notebook (no 'cells').")
+    _check_cells(path, raw.get("cells"))
     version = raw.get("nbformat")
     if version not in SUPPORTED_NBFORMAT:
         raise NotebookError(
@@ -85,8 +90,39 @@ def read_notebook(path: str | Path) -> Notebook:
         nb = nbformat.reads(text, as_version=4)
         nbformat.validate(nb)
     except nbformat.ValidationError as exc:
-        raise NotebookError(f"{path}: invalid notebook: {exc.message}.") from None
+        raise NotebookError(f"{path}: invalid notebook{_where(exc)}: {exc.message}.") from None
+    except RecursionError:
+        raise NotebookError(f"{path}: its JSON is nested too deeply to be a notebook (no editor writes that). "
+                            "Restore it from version control.") from None
     return from_nbformat(nb, path)
+
+
+def _where(error) -> str:  # noqa: ANN001 - nbformat's ValidationError
+    """`` (cell 2's metadata.tags)``: where in the notebook nbformat's schema found it wrong."""
+    where = list(getattr(error, "absolute_path", None) or getattr(error, "path", None) or ())
+    if len(where) >= 2 and where[0] == "cells" and isinstance(where[1], int):
+        rest = ".".join(str(part) for part in where[2:])
+        return f" (cell {where[1] + 1}" + (f"'s {rest})" if rest else ")")
+    return f" (at {'.'.join(str(part) for part in where)})" if where else ""
+
+
+def _check_cells(path: Path, cells: object) -> None:
+    """What nbformat assumes before it validates anything (it joins a cell's ``source`` lines first): each cell
+    an object, its source text or a list of text lines. Anything else is named by its cell, not a
+    ``TypeError`` from inside nbformat."""
+    if not isinstance(cells, list):
+        raise NotebookError(f"{path}: 'cells' is a {type(cells).__name__}, not a list of cells. Restore the "
+                            "notebook from version control.")
+    for number, cell in enumerate(cells, start=1):
+        if not isinstance(cell, dict):
+            raise NotebookError(f"{path}: cell {number} is {reprlib.repr(cell)}, not a cell. Restore the notebook "
+                                "from version control.")
+        source = cell.get("source", "")
+        lines = source if isinstance(source, list) else [source]
+        wrong = next((line for line in lines if not isinstance(line, str)), None)
+        if wrong is not None:
+            raise NotebookError(f"{path}: cell {number}'s source holds {reprlib.repr(wrong)} ({type(wrong).__name__}), not text. "
+                                "Open the notebook in Jupyter and fix that cell, or restore it from version control.")
 
 
 def from_nbformat(nb, path: str | Path) -> Notebook:

@@ -30,6 +30,7 @@ from nbddp import checkpoint
 from nbddp.atomic import read_json, write_json
 from nbddp.errors import CheckpointError
 from nbddp.job.rundir import RunDir
+from nbddp.owned import check_owned
 from nbddp.rank_side import sharding
 
 EXTRAS = "extras.pt"
@@ -155,8 +156,26 @@ def restore(path: Path, objects: dict[str, Any]) -> dict[str, Any]:
 def _saved_names(path: Path) -> set[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
+    _yours_alone(path)
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path} is not a complete sharded checkpoint ({exc}).") from None
     return {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def _yours_alone(path: Path) -> None:
+    """torch's DCP reads a save's ``.metadata`` with ``pickle.load`` (and its shards' non-tensor items with
+    ``torch.load``): a save someone else wrote, or could have changed, would run their code here. So every
+    file of the save, and its folder, must be the user's and writable by nobody else (:mod:`nbddp.owned`).
+
+    Raises:
+        NotYours: it isn't (one line: whose it is). CheckpointError: the save isn't there.
+    """
+    what = "the sharded checkpoint"
+    try:
+        check_owned(path, what, follow=True)
+        for entry in Path(path).iterdir():
+            check_owned(entry, what + "'s file", then="Restore only a checkpoint of your own.")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete sharded checkpoint (it isn't there).") from None

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from nbddp.atomic import read_json
 from nbddp.devices import requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
+from nbddp.owned import private_folder
 from nbddp.launchers import devices_for
 from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
 from nbddp.launchers.slurm import CANCEL_SECONDS
@@ -364,7 +365,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     out = Path(options.out) if options.out else default_out(options.notebook)
     if options.resume and not out.exists():
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_folder(out, "--out", parents=True)
     say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
     engine = engine_of(notebook, options.launch.engine)
     batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)

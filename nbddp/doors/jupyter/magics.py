@@ -22,7 +22,7 @@ from nbddp.job.rank_memory import read_peaks
 from nbddp.job.status import Status
 from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
 from nbddp.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
-                           launch_options, parse_line)
+                           check_seconds, launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
 
@@ -96,6 +96,7 @@ class DdpMagics(Magics):
         if args is None:
             return None
         if args.idle is not None:
+            check_seconds(args.idle, "--idle")
             kernel_pool.idle = args.idle
         if args.action == "forget":
             print(f"[nbddp] {kernel_pool.forget()}")
