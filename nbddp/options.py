@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 from nbddp.devices import CPU_PROCESSES, requested_gpus
 from nbddp.engines import DEFAULT_RETURNS, ENGINES, shard_refusal, spawns_its_own_ranks
 from nbddp.errors import UsageError
+from nbddp.job.rank_memory import size
 from nbddp.job.status import Status
 from nbddp.option_fields import Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage, values_from
 from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owned there: the ranks fall back on them)
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 #: ``--nproc`` beyond this many CPU processes per CPU of this machine needs ``--oversubscribe``.
 PROCESSES_PER_CPU = 4
+#: ``--log-cap``: what each rank's log keeps at most (its start and its last lines).
+DEFAULT_LOG_CAP = 100_000_000
 #: The longest time limit an option takes: a year, in seconds.
 MOST_SECONDS = 365 * 24 * 3600
 #: ``--collective-timeout``: long enough for a slow epoch's all-reduce, far below torch's 30 minutes.
@@ -88,6 +91,21 @@ def check_seconds(value: float, flag: str) -> None:
         raise UsageError(f"{flag} {value:g}: give a positive number of seconds.")
     if value > MOST_SECONDS:
         raise UsageError(f"{flag} {value:g}: give at most {MOST_SECONDS} seconds (a year).")
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)[bB]?\s*")
+
+
+def _bytes(value: Any) -> int | None:
+    """``--log-cap``'s value: ``100MB``, ``1.5GB``, ``500kB``, a count of bytes (decimal units, as the ending
+    line says sizes); ``0`` or ``None``: no cap."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        return value or None
+    found = _SIZE.fullmatch(str(value))
+    if found is None:
+        raise UsageError(f"--log-cap {value!r}: give a size such as 100MB, 2GB or 500kB (0: no cap).")
+    number, unit = float(found.group(1)), found.group(2).upper()
+    return int(number * 1000 ** " KMGT".index(unit or " ")) or None
 
 
 def _names(names: Sequence[str], flag: str) -> None:
@@ -348,6 +366,12 @@ class LaunchOptions:
         "--idle-timeout", group=_LIMITS, doors=_RUNS, default=None, type=float, metavar="SECONDS", example=("30",),
         check=check_seconds,
         help=f"stop the run (exit {Status.TIMEOUT.exit_code}) when no rank prints or logs anything for this long")
+    log_cap: int | None = option(
+        "--log-cap", group=_LIMITS, doors=_RUNS, default=DEFAULT_LOG_CAP, metavar="SIZE", example=("2GB",),
+        coerce=_bytes, render=lambda cap, flag: [flag, str(cap or 0)], accepts="int | str | None",
+        help=f"the most each rank's log keeps: its start and its last lines (default {size(DEFAULT_LOG_CAP)}; "
+             "e.g. 500MB, 2GB; 0: no cap)")
+    """Bytes; ``None`` (``0`` on the command line): no cap (:mod:`nbddp.rank_side.log_cap`)."""
     max_restarts: int = option("--max-restarts", group=_LIMITS, doors=_RUNS, default=0, type=int, metavar="N",
                                example=("2",), check=_at_least(0, "give 0 or more"),
                                help="restart failed ranks up to N times (torch engine); pair with "

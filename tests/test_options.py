@@ -46,6 +46,7 @@ def test_defaults_live_in_one_place():
     (["--collective-timeout", "1e30"], "--collective-timeout 1e+30: give at most 31536000 seconds (a year)"),
     (["--timeout", "31536001"], "--timeout 3.1536e+07: give at most 31536000 seconds"),
     (["--nproc", "10000"], f"--nproc 10000: this machine has {CPUS} CPU"),
+    (["--log-cap", "lots"], "--log-cap 'lots': give a size such as 100MB, 2GB or 500kB (0: no cap)."),
 ])
 def test_bad_values_are_usage_errors_naming_the_option(argv, message):
     with pytest.raises(UsageError, match=re.escape(message)) as info:
@@ -260,3 +261,10 @@ def test_more_cpu_processes_than_the_machine_can_hold_need_oversubscribe():
     assert parse(["--cpu", "--nproc", str(most)]).nproc == most
     assert parse(["--cpu", "--nproc", str(most + 1), "--oversubscribe"]).oversubscribe
     assert parse(["--nproc", "10000", "--slurm"]).nproc == 10000  # a cluster's nodes are not this machine
+
+
+def test_the_log_cap_reads_sizes_as_the_ending_line_says_them():
+    assert LaunchOptions().log_cap == 100_000_000
+    assert [parse(["--log-cap", size]).log_cap for size in ("2GB", "1.5 MB", "500kB", "12345", "0")] == \
+        [2_000_000_000, 1_500_000, 500_000, 12345, None]
+    assert parse(LaunchOptions(log_cap="2GB").to_argv()) == LaunchOptions(log_cap=2_000_000_000)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbddp.job.metrics import format_metrics, measures
 from nbddp.job.rank_memory import describe as describe_memory
+from nbddp.job.rank_memory import size
 from nbddp.job.status import Status
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class Ending:
     metrics: dict[str, Any] = field(default_factory=dict)
     memory: dict[int, int] = field(default_factory=dict)
     """Each rank's peak memory in bytes (:mod:`nbddp.job.rank_memory`)."""
+    dropped: dict[int, int] = field(default_factory=dict)
+    """Bytes of each rank's output its log didn't keep beyond ``--log-cap`` (:mod:`nbddp.rank_side.log_cap`)."""
 
     @property
     def succeeded(self) -> bool:
@@ -66,6 +69,9 @@ class Ending:
         parts = [f"final metrics: {format_metrics(shown)}"] if shown else []
         if self.memory:
             parts.append(describe_memory(self.memory))
+        if self.dropped:
+            ranks = ", ".join(f"rank {rank} {size(n)}" for rank, n in self.dropped.items())
+            parts.append(f"logs capped (--log-cap), output not kept: {ranks} (each log keeps its start and last lines)")
         return " · ".join(parts)
 
 
@@ -73,7 +79,9 @@ def ending_of(result: "RunResult", reason: str = "") -> Ending:
     """The one line ``result``'s run ends with (``reason``: why it didn't succeed, in a few words)."""
     metrics = result.record.final_metrics if result.record else {}
     memory = {int(rank): peak for rank, peak in result.record.peak_memory.items()} if result.record else {}
-    return Ending(result.status, result.seconds, result.run_dir, weights_went(result.kernel), reason, metrics, memory)
+    dropped = {int(rank): n for rank, n in result.record.dropped_output.items()} if result.record else {}
+    return Ending(result.status, result.seconds, result.run_dir, weights_went(result.kernel), reason, metrics, memory,
+                  dropped)
 
 
 def weights_went(kernel: "KernelResult") -> str:

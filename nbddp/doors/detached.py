@@ -338,7 +338,8 @@ def ending(record: Any, run_dir: Path, weights: str | None = None) -> Any:
 
     weights = weights or NO_WEIGHTS
     return Ending(record.status, record.wall_time_s, Path(run_dir), weights, first_line(record.error or ""),
-                  record.final_metrics, {int(rank): peak for rank, peak in record.peak_memory.items()})
+                  record.final_metrics, {int(rank): peak for rank, peak in record.peak_memory.items()},
+                  {int(rank): n for rank, n in record.dropped_output.items()})
 
 
 def how_to_return(run_dir: Path, in_kernel: bool) -> str:

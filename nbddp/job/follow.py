@@ -14,13 +14,15 @@ from torch's C++ code, printed while tqdm's bar held the line) is a line of its 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
-from nbddp.job.rank_memory import read_peaks
+from nbddp.atomic import read_json
+from nbddp.job.rank_memory import read_peaks, size
 from nbddp.job.rundir import RunDir
 
 _RANK_LOG = re.compile(r"rank-(\d+)\.log$")
@@ -61,6 +63,14 @@ MEMORY_SECONDS = 1.0
 Sink = Callable[[Event], None]
 
 
+#: How much of one file a poll reads at most: a rank flooding its log never holds up the loop that follows
+#: the job (its time limits, an interrupt, a view's clock), and what wasn't read yet is read on the next polls.
+READ_BYTES = 1 << 18
+#: What the last read of a file (the job has ended, or was stopped) shows at most: its last bytes, after a line
+#: saying how much is only in the log, so that a stop under a flood of output ends in a moment, not minutes.
+LAST_READ_BYTES = 1 << 18
+
+
 @dataclass
 class Followed:
     """A file being followed: how far it was read, and the unterminated line read so far."""
@@ -70,6 +80,9 @@ class Followed:
     offset: int = 0
     partial: bytes = b""
     shown_progress: bytes = field(default=b"")
+    kept: int | None = None
+    """A rank log that reached ``--log-cap``: where its kept start ends (the rest is its last lines, read once
+    the rank has ended: :mod:`nbddp.rank_side.log_cap` cuts them back while it runs)."""
 
 
 class RunFollower:
@@ -117,7 +130,10 @@ class RunFollower:
         return sorted(self._files.values(), key=lambda f: (f.rank is not None, f.rank or 0))
 
     def _read_lines(self, followed: Followed, final: bool) -> Iterator[LogLine]:
-        for raw in read_complete(followed, final):
+        if followed.rank is not None and followed.kept is None:
+            report = read_json(RunDir(self.run_dir).rank_log_cap(followed.rank))
+            followed.kept = report.get("kept") if isinstance(report, dict) else None
+        for raw in read_complete(followed, final, limit=None if final else followed.kept, budget=READ_BYTES):
             text = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # what a terminal shows after redraws
             glued = _GLUED_TO_BAR.match(text) if b"\r" in raw else None
             if glued:  # the bar's state, then another writer's line: each is what it is
@@ -133,21 +149,37 @@ class RunFollower:
                 yield LogLine(followed.rank, current.decode("utf-8", errors="replace"), progress=True)
 
 
-def read_complete(followed: Followed, final: bool) -> list[bytes]:
-    """The complete lines appended to ``followed.path`` since the last call (``final``: the unterminated one too)."""
+def read_complete(followed: Followed, final: bool, limit: int | None = None, budget: int | None = None) -> list[bytes]:
+    """The complete lines appended to ``followed.path`` since the last call (``final``: the unterminated one too).
+
+    ``limit``: read nothing beyond this offset (a capped log's kept start); ``budget``: read at most this many
+    bytes now (the rest on the next call), and on the ``final`` call, when more than :data:`LAST_READ_BYTES`
+    is left, only its last bytes, after a line that says how much is only in the file.
+    """
+    skipped = 0
     try:
         with open(followed.path, "rb") as f:
+            end = os.fstat(f.fileno()).st_size if limit is None else limit
+            if followed.offset > end:
+                followed.offset = end  # (a file cut shorter than what was read of it: follow from its end)
+            if final and budget is not None and end - followed.offset > LAST_READ_BYTES:
+                skipped = end - LAST_READ_BYTES - followed.offset
+                followed.offset, followed.partial = end - LAST_READ_BYTES, b""
             f.seek(followed.offset)
-            data = f.read()
+            data = f.read(end - followed.offset if budget is None or final else min(budget, end - followed.offset))
     except FileNotFoundError:
         return []
     followed.offset += len(data)
+    if skipped:  # the first line read is part of one that was skipped
+        data = data.split(b"\n", 1)[-1]
     data = followed.partial + data
     lines = data.split(b"\n")
     followed.partial = lines.pop()
     if final and followed.partial:
         lines.append(followed.partial)
         followed.partial = b""
+    if skipped:
+        lines.insert(0, f"[nbddp] … {size(skipped)} of output not shown here: {followed.path} has it".encode())
     return lines
 
 

@@ -79,7 +79,7 @@ class Job:
         script_path, _ = write_script(spec.script, paths.script)
         paths.logs.mkdir(exist_ok=True)
         rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
-                           spec.launch.collective_timeout).variables()
+                           spec.launch.collective_timeout, log_cap=spec.launch.log_cap).variables()
         launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)

@@ -124,6 +124,8 @@ class RunRecord:
     """A multi-node run: every node that joined (node rank, host, its ranks, its run dir)."""
     peak_memory: dict[str, int] = field(default_factory=dict)
     """Each rank's peak memory in bytes: CUDA's peak allocated on GPU ranks, else the process's peak RSS."""
+    dropped_output: dict[str, int] = field(default_factory=dict)
+    """Bytes of each rank's output its log didn't keep beyond ``--log-cap`` (only ranks that reached it)."""
     slurm_job: dict[str, Any] | None = None
     """A Slurm run: the job's id, final state and reason, and its nodes."""
     ray_job: dict[str, Any] | None = None
@@ -168,6 +170,7 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
         command=command, nodes=paths.roster(),
         **({launcher.job_record: launcher.job_info(paths)} if launcher.job_record else {}),
         peak_memory={str(rank): peak for rank, peak in read_peaks(spec.run_dir).items()},
+        dropped_output={str(rank): dropped for rank, dropped in paths.dropped_output().items()},
     )
     record.write(spec.run_dir)
     return record

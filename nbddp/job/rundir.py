@@ -14,6 +14,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       ranks/rank-N.json             a started rank: pid, world size, restart attempt
       ranks/rank-N.done             a rank that finished its training normally
       ranks/memory-N.json           a rank's peak memory so far (bytes, RSS or CUDA's)
+      ranks/log-N.json              a rank whose log reached --log-cap: where its kept start ends, what was dropped
       errors/rank-N.json            a rank's uncaught exception, with its traceback
       logs/node-N.log               a Slurm run: node N's torchrun (or Catalyst parent) output
       logs/slurm-batch.log          a Slurm run: the batch script's own output
@@ -163,6 +164,10 @@ class RunDir:
     def latest_shards(self) -> Path:
         return self.resume_shards / "latest.json"
 
+    def rank_log_cap(self, rank: int) -> Path:
+        """``ranks/log-N.json``: a rank log that reached ``--log-cap`` (see :mod:`nbddp.rank_side.log_cap`)."""
+        return self.ranks / f"log-{rank}.json"
+
     def rank_memory(self, rank: int) -> Path:
         """``ranks/memory-N.json``: the rank's peak memory so far (see :mod:`nbddp.rank_side.memory`)."""
         return self.ranks / f"memory-{rank}.json"
@@ -226,6 +231,10 @@ class RunDir:
         """``ranks/memory-N.json`` of every rank that reported its peak memory (:meth:`rank_memory`)."""
         return sorted(self.ranks.glob("memory-*.json")) if self.ranks.is_dir() else []
 
+    def log_cap_reports(self) -> list[Path]:
+        """``ranks/log-N.json`` of every rank whose log reached ``--log-cap`` (:meth:`rank_log_cap`)."""
+        return sorted(self.ranks.glob("log-*.json")) if self.ranks.is_dir() else []
+
     def written_logs(self) -> list[Path]:
         """The ranks' and the nodes' logs there are (:meth:`rank_log`, :meth:`node_log`)."""
         return [*self.logs.glob("node-*.log"), *self.logs.glob("rank-*.log")]
@@ -234,6 +243,15 @@ class RunDir:
         """torchrun's restart count of the latest attempt (from the ranks' own reports)."""
         reports = [read_json(info) for info in self.started_ranks()]
         return max([0, *(int(report.get("attempt", 0)) for report in reports if isinstance(report, dict))])
+
+    def dropped_output(self) -> dict[int, int]:
+        """``{rank: bytes}`` each rank's log dropped beyond ``--log-cap`` (only ranks that reached it)."""
+        dropped = {}
+        for report in self.log_cap_reports():
+            found = read_json(report)
+            if isinstance(found, dict) and isinstance(found.get("dropped"), int):
+                dropped[rank_of(report)] = found["dropped"]
+        return dict(sorted(dropped.items()))
 
     def roster(self) -> list[dict[str, Any]]:
         """The nodes that joined a multi-node run (:attr:`nodes`), empty on one machine."""

@@ -41,6 +41,7 @@ VARIABLES = {
     "requeues": "NBDDP_REQUEUES",
     "store": "NBDDP_STORE",
     "parent": "NBDDP_PARENT",
+    "log_cap": "NBDDP_LOG_CAP",
 }
 
 
@@ -80,6 +81,9 @@ class RankEnv:
     preemption), every rank stops at its next ``nbddp.save_checkpoint``."""
     requeues: int | None = None
     """``NBDDP_REQUEUES``: how many times Slurm requeued this job before (``SLURM_RESTART_COUNT``)."""
+    log_cap: int | None = None
+    """``NBDDP_LOG_CAP``: the most bytes a rank's log keeps (``--log-cap``; its start and its last lines:
+    :mod:`nbddp.rank_side.log_cap`); ``None``: no cap."""
     parent: int | None = None
     """``NBDDP_PARENT``: the pid of the process that started this one (a launcher for its ranks), which a rank
     must still have as its parent once its death signal is armed (:func:`~nbddp.rank_side.parent_death.die_with_parent`)."""
@@ -133,4 +137,5 @@ class RankEnv:
             requeues=int(get["requeues"]) if get["requeues"].isdigit() else None,
             store=Path(get["store"]) if get["store"] else None,
             parent=int(get["parent"]) if get["parent"].isdigit() else None,
+            log_cap=int(get["log_cap"]) if get["log_cap"].isdigit() and int(get["log_cap"]) > 0 else None,
         )

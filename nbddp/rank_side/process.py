@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from nbddp.atomic import write_json
 from nbddp.errors import NbddpError
-from nbddp.rank_side import memory
+from nbddp.rank_side import log_cap, memory
 from nbddp.rank_side.env import RankEnv
 from nbddp.rank_side.parent_death import die_with_parent
 from nbddp.job.rundir import SCRIPT_NAME, RunDir
@@ -59,7 +59,8 @@ def become_rank(global_rank: int, size: int) -> None:
 
 
 def log_to_run_dir(global_rank: int) -> bool:
-    """Send this process's stdout and stderr (the file descriptors: C code too) to ``logs/rank-N.log``.
+    """Send this process's stdout and stderr (the file descriptors: C code too) to ``logs/rank-N.log``, kept
+    within ``--log-cap`` (:mod:`nbddp.rank_side.log_cap`).
 
     ``False`` without a run dir (``python train.py``), where output stays where it was.
     """
@@ -73,6 +74,8 @@ def log_to_run_dir(global_rank: int) -> bool:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    directory.ranks.mkdir(exist_ok=True)
+    log_cap.watch(RankEnv.from_environ().log_cap, directory.rank_log_cap(global_rank))
     return True
 
 

@@ -19,6 +19,7 @@ from nbddp.errors import UsageError
 from nbddp.job import orchestrator
 from nbddp.job.metrics import last_metrics
 from nbddp.job.rank_memory import read_peaks
+from nbddp.job.rundir import RunDir
 from nbddp.job.status import Status
 from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
 from nbddp.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
@@ -170,7 +171,6 @@ class DdpMagics(Magics):
     def _attach(self, which: str) -> None:
         """Follow a detached run with the live view; load its weights here when it ends (as ``_train`` does)."""
         from nbddp.doors import detached
-        from nbddp.job.rundir import RunDir
 
         cwd = Path.cwd()
         run_dir = detached.find_run(which, cwd) if which else detached.latest(session_notebook(cwd, self.shell.user_ns))
@@ -215,7 +215,8 @@ class DdpMagics(Magics):
         def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
             metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
             shown.close(Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics,
-                               read_peaks(run_dir) if run_dir else {}))
+                               read_peaks(run_dir) if run_dir else {},
+                               RunDir(run_dir).dropped_output() if run_dir else {}))
 
         try:
             result = orchestrator.run(request, kernel, [shown], lambda text: print(f"[nbddp] {text}"),

@@ -1,0 +1,92 @@
+"""A rank's log stays within its cap (``--log-cap``, 100 MB by default) however much the training prints.
+
+A rank's stdout and stderr are its file descriptors 1 and 2, pointed at ``logs/rank-N.log``
+(:func:`nbddp.rank_side.process.log_to_run_dir`): C code's output lands there too, and a flood can never
+block the rank on a full pipe. So the cap is kept beside the writes, not in their way: a daemon thread looks
+at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it cuts the file back to the cap and
+writes one line saying so; from then on it lets the file grow by at most :data:`TAIL` beyond that line and
+cuts it back to it. The file therefore holds the first ``cap`` bytes, the line, and the last lines the rank
+wrote (a traceback at the end among them; the exception is also in ``errors/rank-N.json``), and the disk
+holds at most ``cap + TAIL`` of it, whatever a forgotten detached run prints for a week.
+
+``ranks/log-N.json`` (:meth:`nbddp.job.rundir.RunDir.rank_log_cap`) says where the kept head ends and about
+how much was dropped (bytes written between the size check and the cut are dropped uncounted): the follower
+(:mod:`nbddp.job.follow`) streams the head and, once the rank has ended, the tail, and ``result.json`` and
+the ending line say what was dropped. A warm rank's log changes with each job: the count starts again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from nbddp.atomic import write_json
+from nbddp.job.rank_memory import size
+
+CHECKS_PER_SECOND = 4
+#: What the log keeps of the output after the cap: its latest bytes, up to this many.
+TAIL = 1 << 20
+
+
+@dataclass
+class _Capped:
+    """The log fd 1 points at now, and what was cut from it."""
+
+    cap: int
+    report: Path
+    inode: tuple[int, int]
+    kept: int | None = None
+    """Where the head and the cap's line end (``None``: the cap wasn't reached)."""
+    dropped: int = 0
+
+
+_current: _Capped | None = None
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+
+
+def watch(cap: int | None, report: Path | None) -> None:
+    """Keep the log that fd 1 points at now within ``cap`` bytes, saying what was dropped in ``report``
+    (``None``: don't watch, e.g. output that isn't a rank log)."""
+    global _current, _thread
+    with _lock:
+        _current = None if not cap or report is None else _Capped(cap, report, _inode())
+        if _current is not None and _thread is None:
+            _thread = threading.Thread(target=_keep_within, name="nbddp-log-cap", daemon=True)
+            _thread.start()
+
+
+def _keep_within() -> None:
+    stop = threading.Event()
+    while not stop.wait(1 / CHECKS_PER_SECOND):
+        with _lock:
+            if _current is not None:
+                _check(_current)
+
+
+def _check(log: _Capped) -> None:
+    try:
+        length = os.fstat(1).st_size
+        if _inode() != log.inode:
+            return  # fd 1 was pointed elsewhere without a new watch(): not this log any more
+        if log.kept is None and length > log.cap:
+            os.ftruncate(1, log.cap)
+            line = (f"\n[nbddp] this log reached its cap of {size(log.cap)} (--log-cap): from here on only "
+                    "the rank's last lines are kept, below.\n").encode()
+            os.write(1, line)
+            log.kept, log.dropped = log.cap + len(line), length - log.cap
+        elif log.kept is not None and length > log.kept + TAIL:
+            os.ftruncate(1, log.kept)
+            log.dropped += length - log.kept
+        else:
+            return
+        write_json(log.report, {"cap": log.cap, "kept": log.kept, "dropped": log.dropped})
+    except OSError:
+        pass  # a log that can't be looked at or cut is left as it is
+
+
+def _inode() -> tuple[int, int]:
+    info = os.fstat(1)
+    return info.st_dev, info.st_ino

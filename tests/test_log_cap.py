@@ -1,0 +1,67 @@
+"""A rank's log is capped (nbddp/rank_side/log_cap.py): a rank that floods its output keeps its log's start and last
+lines within ``--log-cap`` (plus a megabyte of tail), says so at the end, and an interrupt under the flood still
+ends the cell within seconds.
+
+Real runs: ``nbddp run`` and ``%%ddp_train`` in a real kernel (2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from nbddp.rank_side.log_cap import TAIL
+from tests.conftest import code, write_notebook
+
+pytestmark = pytest.mark.slow
+FLOOD = ("#| ddp-train\nimport time\nt0 = time.time(); i = 0\nwhile time.time() - t0 < {seconds}:\n"
+         "    print('flood line', i, 'x' * 80); i += 1\nprint('the end', i, flush=True)")
+
+
+def test_a_flooding_rank_keeps_its_start_and_last_lines_within_the_cap_and_says_what_it_dropped(tmp_path, cli_run):
+    write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(FLOOD.format(seconds=4))])
+    run = cli_run(["run", "f.ipynb", "--cpu", "--log-cap", "1MB"], tmp_path)
+    assert run.wait(timeout=180) == 0, run.output[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    record = json.loads((run_dir / "result.json").read_text())
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_bytes()
+        # the cap, its line, the tail, and what the rank wrote between two of its checks (a quarter second)
+        assert 1_000_000 < len(log) <= 1_000_000 + 200 + TAIL + 3 * TAIL, len(log)
+        assert log.startswith(b"[nbddp] rank") and b"flood line 0 " in log[:1000]  # its start
+        assert b"this log reached its cap of 1 MB (--log-cap)" in log[1_000_000:1_000_200]
+        assert log.rstrip().endswith(b"the end " + log.rstrip().rsplit(b" ", 1)[-1])  # and its last lines
+        assert record["dropped_output"][str(rank)] > 1_000_000
+        assert f"[rank {rank}] the end" in run.output  # the last lines reach the terminal once the rank has ended
+    assert "] [nbddp] this log reached its cap of 1 MB (--log-cap)" in run.output  # ([all ranks] when both say it)
+    assert "logs capped (--log-cap), output not kept: rank 0 " in run.output
+    assert not run.leftovers()
+
+
+def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_path):
+    """The stop button while both ranks print as fast as they can (the default cap, 100 MB): the cell ends with
+    the interrupt within 5 s (measured to the kernel's reply), the ranks kept warm for the next run."""
+
+    from tests.test_magic import ProtocolKernel
+
+    kernel = ProtocolKernel(tmp_path)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute("#| ddp\nimport torch, nbddp", "setup")
+        kernel.start_execute("%%ddp_train --cpu\n" + FLOOD.format(seconds=60).split("\n", 1)[1], "train")
+        logs = tmp_path / "runs"
+        deadline = time.monotonic() + 120
+        while not (found := list(logs.glob("*/logs/rank-1.log"))) or found[0].stat().st_size < 20_000_000:
+            assert time.monotonic() < deadline, "the ranks never flooded"
+            time.sleep(0.1)
+        stopped = time.monotonic()
+        kernel.km.interrupt_kernel()  # the stop button
+        out = kernel.finish_execute()
+        assert time.monotonic() - stopped < 5, time.monotonic() - stopped
+        assert "KeyboardInterrupt" in out and "interrupted" in out
+        again = kernel.execute("%%ddp_train --cpu\nprint('again', nbddp.rank())", "train")
+        assert "[rank 1] again 1" in again and "on a warm rank (its run 2)" in again, again
+    finally:
+        kernel.close()
