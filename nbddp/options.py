@@ -48,6 +48,8 @@ _SLURM_OWN = ("nodes", "ntasks", "ntasks-per-node", "output", "error", "gpus-per
               "job-name", "cpus-per-task")
 #: Options a job that requeues itself sets (``--no-requeue`` leaves them to the user).
 _SLURM_REQUEUE_OWN = ("signal", "open-mode")
+#: Addresses that mean "every interface": no node can dial them.
+_EVERY_INTERFACE = ("0.0.0.0", "::", "*", "")
 #: ``--max-requeues``' default: as submitit's ``max_num_timeout``.
 DEFAULT_MAX_REQUEUES = 3
 #: ``--ray`` without an address: Ray's own rule, ``RAY_ADDRESS`` else the cluster started on this machine.
@@ -162,6 +164,10 @@ class Nodes:
         host, _, port = self.endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"--rdzv-endpoint {self.endpoint!r}: give HOST:PORT of node 0 (e.g. node0:29500).")
+        if host.strip("[]") in _EVERY_INTERFACE:
+            raise UsageError(f"--rdzv-endpoint {self.endpoint}: {host} names every interface, not an address another node "
+                             "can dial: give node 0's host name or address on the network the nodes share (its store "
+                             "listens there, reachable by whoever can reach that network).")
         return host.strip("[]"), int(port)
 
 

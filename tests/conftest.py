@@ -266,19 +266,32 @@ def private_state_dir(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="session", autouse=True)
 def no_temp_folders_left():
-    """The suite, like every run, leaves nothing in the system temp folder (kernel sockets, torchelastic)."""
+    """The suite, like every run, leaves nothing in the system temp folder (kernel sockets, warm pools,
+    torchelastic). The session's processes get a temp folder of their own (``TMPDIR``), so that what another
+    nbddp user, or another test session, has in the machine's temp folder is neither counted nor disturbed."""
+    import shutil
     import tempfile
 
-    def leftovers() -> set[Path]:
-        tmp = Path(tempfile.gettempdir())
-        return {*tmp.glob("nbddp-kernel-*"), *tmp.glob("nbddp-warm-*"), *tmp.glob("torchelastic_*")}
+    own = Path(tempfile.mkdtemp(prefix="nbddp-tests-"))
+    before = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(own)
 
-    before = leftovers()
-    yield
-    deadline = time.monotonic() + 10  # a run's last cleanup may be a moment behind its exit
-    while leftovers() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not leftovers() - before, f"the tests left temp folders: {sorted(leftovers() - before)}"
+    def leftovers() -> set[Path]:
+        return {*own.glob("nbddp-kernel-*"), *own.glob("nbddp-warm-*"), *own.glob("torchelastic_*")}
+
+    try:
+        yield
+        deadline = time.monotonic() + 10  # a run's last cleanup may be a moment behind its exit
+        while leftovers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not leftovers(), f"the tests left temp folders: {sorted(leftovers())}"
+    finally:
+        tempfile.tempdir = before[0]
+        if before[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before[1]
+        shutil.rmtree(own, ignore_errors=True)
 
 
 class StoppedLastCell:

@@ -46,6 +46,8 @@ def test_defaults_live_in_one_place():
     (["--collective-timeout", "1e30"], "--collective-timeout 1e+30: give at most 31536000 seconds (a year)"),
     (["--timeout", "31536001"], "--timeout 3.1536e+07: give at most 31536000 seconds"),
     (["--nproc", "10000"], f"--nproc 10000: this machine has {CPUS} CPU"),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "0.0.0.0:29500"],
+     "--rdzv-endpoint 0.0.0.0:29500: 0.0.0.0 names every interface, not an address another node can dial"),
     (["--log-cap", "lots"], "--log-cap 'lots': give a size such as 100MB, 2GB or 500kB (0: no cap)."),
 ])
 def test_bad_values_are_usage_errors_naming_the_option(argv, message):
