@@ -32,7 +32,7 @@ class TerminalSink:
 
     The bar is the terminal's last line while the run goes: everything else written to the terminal
     meanwhile goes above it (:meth:`line`, and nbddp's own lines through :meth:`above`), and the door
-    :meth:`close`\ s it before the ending, which then starts on a line of its own with no bar after it.
+    closes it (:meth:`close`) before the ending, which then starts on a line of its own with no bar after it.
     """
 
     def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None) -> None:
