@@ -34,6 +34,25 @@ def test_a_cells_names_say_what_it_needs_from_earlier_cells_and_what_it_binds():
     assert cell_names("from helpers import *\nrun()").star_import
 
 
+def test_names_are_read_alike_on_every_python():
+    """Comprehensions keep their names (Python 3.12 inlines them, PEP 709, and its symtable lists them with the
+    module's); a walrus in one binds in the module; ``match`` and ``global`` bind; ``type`` (3.12+) binds."""
+    import sys
+
+    code = ("x = [i for i in range(3)]\nd = {k: v for k, v in y.items()}\nz = [x for x in x]\n"  # (the first x: the module's)
+            "[w := t for t in q]\ndef f(a=[j for j in r]):\n    global g\n    g = a\n"
+            "nested = [[u for u in row] for row in m]\nclass C:\n    vals = [c for c in cs]\n"
+            "match cmd:\n    case [a0, *rest]:\n        pass\n"
+            "display([t.shape for t in (X, Y)])\n")
+    if sys.version_info >= (3, 12):
+        code += "type Alias = list[int]\n"
+    names = cell_names(code)
+    assert set(names.needs) == {"y", "q", "r", "m", "cs", "cmd", "display", "X", "Y"}
+    assert names.defines == {"x", "d", "z", "w", "f", "g", "nested", "C", "a0", "rest",
+                             *(["Alias"] if sys.version_info >= (3, 12) else [])}
+    assert free_names("[i for i in range(3)]\nprint(len([t.shape for t in (X, Y)]))") == ["X", "Y"]
+
+
 def test_a_cell_that_changes_an_object_in_place_or_seeds_says_so():
     names = cell_names("model.apply(init)\n"  # a method called for its effect
                        "cfg['lr'] = 0.1\nopt.param_groups[0]['lr'] *= 2\n"  # stores into an item

@@ -30,8 +30,11 @@ def free_names(code: str, filename: str = "<script>") -> list[str]:
 def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
     """The names ``code`` binds at module level, the global names it reads (in order seen, also
     inside functions and classes), and whether it star-imports."""
+    import ast
+
     top = symtable.symtable(code, filename, "exec")
-    bound: set[str] = set()
+    comprehensions_own, walrus_bound = _comprehensions_own(ast.parse(code))
+    bound: set[str] = set(walrus_bound)
     used: list[str] = []
     star_import = False
 
@@ -41,6 +44,8 @@ def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
             name = symbol.get_name()
             if name == "*":
                 star_import = True
+            if is_top and name in comprehensions_own:
+                continue  # (Python 3.12+ lists a module-level comprehension's own names with the module's)
             if is_top:
                 if symbol.is_assigned() or symbol.is_imported() or _defines(table, name):
                     bound.add(name)
@@ -56,6 +61,57 @@ def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
 
     visit(top, True)
     return bound, used, star_import or _star_imports(code)
+
+
+def _comprehensions_own(tree) -> tuple[set[str], set[str]]:  # noqa: ANN001 - an ast.Module
+    """Names that only module-level comprehensions bind (their ``for`` targets) and read; and the names their
+    walrus targets bind in the module (``[w := f(t) for t in q]`` binds ``w``).
+
+    They are the comprehension's own in every Python 3, but since Python 3.12 (PEP 709 inlines
+    comprehensions) ``symtable`` lists them among the module's names, assigned and referenced: ``i`` of
+    ``[i for i in range(3)]`` would read as a name the cell defines and needs. A name also read or bound
+    outside such a comprehension (``[x for x in x]``'s first ``x``, a walrus target) is the module's.
+    """
+    import ast
+
+    comprehensions = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+    targets: set[str] = set()
+    modules: set[str] = set()
+    walrus: set[str] = set()
+
+    def visit(node: ast.AST, own: frozenset[str]) -> None:
+        if isinstance(node, scopes):  # their bodies are scopes of their own; what runs at definition isn't
+            for part in (*getattr(node, "decorator_list", ()), *getattr(node, "bases", ()),
+                         *getattr(node, "keywords", ()), *(getattr(node, "args", None) and
+                                                           [*node.args.defaults, *node.args.kw_defaults] or ())):
+                if part is not None:
+                    visit(part, own)
+            return
+        if isinstance(node, ast.NamedExpr):  # a walrus binds in the enclosing (here: the module's) scope
+            modules.add(node.target.id)
+            walrus.add(node.target.id)
+            visit(node.value, own)
+            return
+        if isinstance(node, comprehensions):
+            inner = own
+            for number, generator in enumerate(node.generators):
+                visit(generator.iter, own if number == 0 else inner)  # the first iterable runs outside
+                names = {n.id for n in ast.walk(generator.target) if isinstance(n, ast.Name)}
+                targets.update(names)
+                inner = inner | names
+                for condition in generator.ifs:
+                    visit(condition, inner)
+            for element in (node.key, node.value) if isinstance(node, ast.DictComp) else (node.elt,):
+                visit(element, inner)
+            return
+        if isinstance(node, ast.Name) and node.id not in own:
+            modules.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(tree, frozenset())
+    return targets - modules, walrus
 
 
 def _always_there(name: str) -> bool:
