@@ -265,13 +265,14 @@ def private_state_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_temp_folders_left():
+def no_temp_folders_left(tmp_path_factory):
     """The suite, like every run, leaves nothing in the system temp folder (kernel sockets, warm pools,
     torchelastic). The session's processes get a temp folder of their own (``TMPDIR``), so that what another
     nbddp user, or another test session, has in the machine's temp folder is neither counted nor disturbed."""
     import shutil
     import tempfile
 
+    tmp_path_factory.getbasetemp()  # (pytest's own folders stay where they are: a socket's path has a length limit)
     own = Path(tempfile.mkdtemp(prefix="nbddp-tests-"))
     before = tempfile.tempdir, os.environ.get("TMPDIR")
     tempfile.tempdir = os.environ["TMPDIR"] = str(own)

@@ -11,7 +11,10 @@ error marker, and what ``--stdout-file`` received. The DDP cells' own outputs ar
 differ by design: every rank's lines against one process's).
 
 ``python -m tests.papermill_parity [--only CASE ...] [--markdown docs/papermill.md]`` runs the
-whole matrix and writes the table; ``tests/test_papermill_parity.py`` runs a part of it in CI.
+whole matrix and writes the table; ``tests/test_papermill_parity.py`` runs a part of it in CI, against
+papermill's own engine's results as ``--record`` recorded them (``tests/notebooks/papermill/reference.json``)
+while the packages that decide them (papermill, nbclient, nbformat, jupyter_client, ipykernel, Python)
+are the versions recorded there, and running papermill's engine again otherwise.
 """
 
 from __future__ import annotations
@@ -287,6 +290,48 @@ def _versions() -> str:
     return ", ".join(f"{name} {version(name)}" for name in ("papermill", "nbclient", "nbddp"))
 
 
+#: What papermill's own engine did, recorded (``--record``) with the versions of what decides it: read back
+#: in place of running papermill's engine again while those versions are the ones installed.
+REFERENCE = NOTEBOOKS / "reference.json"
+#: The packages whose versions decide what papermill's own engine does (nbddp is not among them).
+REFERENCE_PACKAGES = ("papermill", "nbclient", "nbformat", "jupyter_client", "ipykernel")
+
+
+def reference_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"python": "%d.%d" % sys.version_info[:2], **{name: version(name) for name in REFERENCE_PACKAGES}}
+
+
+def recorded(case: Case, variant: str) -> dict | None:
+    """papermill's own engine's result for ``case``, as recorded with the installed versions (``None``: not
+    recorded, or recorded with other versions: run it)."""
+    try:
+        data = json.loads(REFERENCE.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("versions") != reference_versions():
+        return None
+    return data["results"].get(f"{case.id}/{variant}")
+
+
+def record(cases: tuple[Case, ...], variants: tuple[str, ...], work: Path) -> None:
+    """Run papermill's own engine on every case and write :data:`REFERENCE` (keeping the other cases it holds,
+    when they were recorded with the same versions)."""
+    try:
+        kept = json.loads(REFERENCE.read_text())
+        results = kept["results"] if kept.get("versions") == reference_versions() else {}
+    except (OSError, ValueError, KeyError):
+        results = {}
+    for case in cases:
+        for variant in variants:
+            result = run_case(case, variant, "papermill", work / case.id)
+            results[f"{case.id}/{variant}"] = {k: v for k, v in result.items() if k not in ("seconds", "stderr_tail")}
+            print(f"{case.id} [{variant}]: exit {result['exit']}, {result['exception'] or 'no exception'}",
+                  file=sys.stderr, flush=True)
+    REFERENCE.write_text(json.dumps({"versions": reference_versions(), "results": results}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=None, help="case ids")
@@ -294,9 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None,
                         help="write the table into this document (between its parity markers)")
     parser.add_argument("--json", type=Path, default=None, help="write every result here")
+    parser.add_argument("--record", action="store_true",
+                        help=f"run papermill's own engine on every case and record it ({REFERENCE.name}), for the tests")
     args = parser.parse_args(argv)
     cases = tuple(c for c in CASES if args.only is None or c.id in args.only)
     work = Path(tempfile.mkdtemp(prefix="nbddp-parity-"))
+    if args.record:
+        try:
+            record(cases, tuple(args.variants), work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     started = time.monotonic()
     try:
         rows = run_matrix(cases, tuple(args.variants), work)

@@ -7,6 +7,7 @@ CPU ranks (``--cpu``: 2 gloo processes, on a machine with GPUs too).
 import json
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -100,8 +101,9 @@ def test_hang_outside_collectives_stops_after_idle_timeout(tmp_path, cli_run):
 def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     """SIGKILL to nbddp itself: no cleanup code runs; the guard's parent-death signal must do it."""
     write_notebook(tmp_path / "f.ipynb", training("for step in range(100000):\n    print('step', step, flush=True)\n    time.sleep(0.1)"))
-    temp = tmp_path / "tmp"  # its own temp folder: another nbddp process's clean-up of /tmp can't race this test's
-    temp.mkdir()
+    # Its own temp folder (short: a socket's path has a length limit), so that another nbddp process's clean-up of
+    # the temp folder can't race this test's.
+    temp = Path(tempfile.mkdtemp(prefix="f", dir="/tmp"))
     run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path, env={"TMPDIR": str(temp)})
     run.wait_for("[rank 1] step 2")
     ranks = set(run.seen)
@@ -118,6 +120,7 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
         fresh = owned_temp_dir(SOCKETS_PREFIX)
     assert not left.exists() and os.path.isdir(fresh)
     os.rmdir(fresh)
+    shutil.rmtree(temp)  # (what else the SIGKILLed run left there: torch's compile cache folder)
 
 
 def test_busy_default_ports_and_a_stale_run_dir(tmp_path, cli_run):

@@ -21,10 +21,10 @@ from nbddp.launchers.slurm_watch import filesystem_type
 from nbddp.options import LaunchOptions, Nodes, SlurmRequest
 from nbddp.job.rundir import RunDir
 
-def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0):
+def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0, max_restarts=0):
     """The seam's choice for a job of ``engine`` (a spec with an empty script)."""
     script = Script("", SourceMap("nb.ipynb", "train.py", ()), engine, ())
-    launch = LaunchOptions(nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout)
+    launch = LaunchOptions(nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts)
     spec = JobSpec(script, Devices("cpu", 2), Path("/r"), Path("/"), launch=launch)
     return launcher_for_spec(spec)
 
@@ -52,8 +52,28 @@ Root Cause (first observed failure):
 """
 
 
+def test_one_machine_starts_its_ranks_directly_unless_it_restarts_them(tmp_path):
+    """No restarts to make: nbddp's own starter (torchrun's variables, no agent: 2 s sooner); --max-restarts and
+    several nodes: torchrun."""
+    direct = launcher_for("torch")
+    assert direct.name == "direct" and not direct.supports_restarts
+    assert launcher_for("torch", max_restarts=1).name == "torchrun"
+    assert launcher_for("torch", Nodes(2, 0, "h:1")).name == "torchrun"
+    argv = direct.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py")
+    assert argv == ["py", "-m", "nbddp.launchers.direct_main", "--nproc", "3", "--report", "/r/logs/launch.json",
+                    "/r/train.py"]
+    run_dir = RunDir(tmp_path)
+    env = direct.environment(run_dir)
+    assert env["NBDDP_STORE"] == str(run_dir.store) and env["GLOO_SOCKET_IFNAME"] and run_dir.store.is_dir()
+    run_dir.logs.mkdir()
+    run_dir.launch_report.write_text('{"exit_codes": {"0": 1, "1": -15}, "root_cause": 0, "stopped_by": null}')
+    run_dir.launcher_log.write_text("a rank's early line\n")
+    seen = direct.observe(run_dir)
+    assert seen.rank_exit_codes == {0: 1, 1: -15} and seen.root_cause == 0 and seen.tail == "a rank's early line"
+
+
 def test_torchrun_command_keeps_its_folder_in_the_run_dir():
-    torchrun = launcher_for("torch")
+    torchrun = launcher_for("torch", max_restarts=2)
     argv = torchrun.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py", max_restarts=2)
     assert argv[:3] == ["py", "-m", "nbddp.launchers.torchrun_main"] and argv[-1] == "/r/train.py"  # torchrun's main
     assert {"--nproc-per-node=3", "--max-restarts=2", "--log-dir=/r/logs/torchrun"} <= set(argv)
@@ -64,7 +84,7 @@ def test_torchrun_command_keeps_its_folder_in_the_run_dir():
 
 
 def test_torchrun_report_and_root_cause():
-    torchrun = launcher_for("torch")
+    torchrun = launcher_for("torch", max_restarts=1)
     assert torchrun.rank_exit_codes(TORCHRUN) == {1: -9, 0: 1}
     assert torchrun.root_cause(TORCHRUN) == 0 and torchrun.root_cause("nothing here") is None
 
@@ -281,7 +301,7 @@ def test_the_torchrun_command_is_one_whichever_place_renders_it():
     # file of the run dir instead (nbddp.launchers.private_rendezvous), with the same processes.
     one = read(shlex.split(local_hint("torch", devices, "train.py")))
     assert one["standalone"] and one["nproc_per_node"] == "3"
-    ours = read(launcher_for("torch").command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
+    ours = read(launcher_for("torch", max_restarts=1).command(Path("t.py"), devices, RunDir(Path("/r")), python="py"))
     assert ours == {**one, "standalone": False, "nnodes": "1", "rdzv_backend": "c10d",
                     "rdzv_endpoint": "/r/store/rendezvous", "rdzv_conf": "store_type=file"}
 

@@ -2,7 +2,7 @@
 
 A spy launcher is registered at the seam the way another package would register one: an
 ``nbddp.launchers`` entry point in a distribution on ``sys.path`` (a fake dist-info the test writes,
-reaching every process through ``PYTHONPATH``). It replaces the built-in ``torchrun`` and ``warm``
+reaching every process through ``PYTHONPATH``). It replaces the built-in ``direct`` and ``warm``
 launchers by subclasses that record each job they start, and whether the orchestrator asked for
 it, then launch as usual. Real doors, real kernels, real ranks (2 gloo processes): this is the fast
 tier's real-process test of ``nbddp run``, ``nbddp.run()``, ``%%ddp_train``, ``nbddp batch`` and
@@ -25,7 +25,7 @@ from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 
 SPY = '''
 import json, os, traceback
-from nbddp.launchers.torchrun import Torchrun
+from nbddp.launchers.direct import Direct
 from nbddp.launchers.warm import WarmRanks
 
 
@@ -36,10 +36,10 @@ def _seen(spec, launcher):
                               "orchestrated": any(f.endswith("nbddp/job/orchestrator.py") for f in stack)}) + "\\n")
 
 
-class SpyTorchrun(Torchrun):
+class SpyDirect(Direct):
     @classmethod
     def for_job(cls, spec):
-        _seen(spec, "torchrun")
+        _seen(spec, "direct")
         return super().for_job(spec)
 
 
@@ -59,7 +59,7 @@ def spy(tmp_path):
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nbddp-spy\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[nbddp.launchers]\ntorchrun = nbddp_spy:SpyTorchrun\nwarm = nbddp_spy:SpyWarm\n")
+        "[nbddp.launchers]\ndirect = nbddp_spy:SpyDirect\nwarm = nbddp_spy:SpyWarm\n")
     (site / "nbddp_spy.py").write_text(SPY)
     log = tmp_path / "spy.jsonl"
     path = os.pathsep.join(filter(None, [str(site), str(Path(__file__).resolve().parent.parent),
@@ -121,7 +121,7 @@ def test_every_front_door_runs_through_the_orchestrator_and_the_launcher_seam(tm
         result = json.loads((Path(door["run_dir"]) / "result.json").read_text())
         assert result["status"] == "succeeded", (name, result)
     assert doors["%%ddp_train"]["launcher"] == "warm" and doors["nbddp batch"]["launcher"] == "warm"
-    assert doors["nbddp run"]["launcher"] == doors["papermill --engine nbddp"]["launcher"] == "torchrun"
+    assert doors["nbddp run"]["launcher"] == doors["papermill --engine nbddp"]["launcher"] == "direct"
 
 
 def test_nbddp_run_takes_every_launch_option_as_a_typed_keyword():

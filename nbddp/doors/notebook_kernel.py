@@ -211,12 +211,12 @@ class NotebookKernel:
         """A manager whose kernel talks over private IPC sockets: local only, and without ipykernel's
         "Kernel is running over TCP without encryption" warning on every run (jupyter_client's default
         is TCP). The socket files default to the working folder, where two runs would collide: they go
-        in a private temp folder, removed when the run ends. Asynchronous, as the manager nbclient makes
+        in a private temp folder (a short path: a socket's has a length limit), removed when the run ends. Asynchronous, as the manager nbclient makes
         itself: with a blocking one, nbclient's wait for a cell's reply blocks its own event loop and a
         cell's time limit (papermill's ``--execution-timeout``) never fires."""
         from jupyter_client import AsyncKernelManager
 
-        sockets = owned_temp_dir(SOCKETS_PREFIX)
+        sockets = owned_temp_dir(SOCKETS_PREFIX, for_sockets=True)
         self._cleanup.append(lambda: shutil.rmtree(sockets, ignore_errors=True))
         return AsyncKernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(sockets, "k"))
 

@@ -96,6 +96,21 @@ def torchrun_options(nproc: int | str, *, nnodes: int | str = 1, node_rank: int 
     return options
 
 
+def torchrun_variables(rank: int, local_rank: int, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                       master: tuple[str, int] = (LOOPBACK, 0), run_id: str = "none") -> dict[str, str]:
+    """What torchrun tells each of its ranks (``torch.distributed.run``'s worker environment): the variables
+    the rank side, torch and the libraries read (Lightning takes ``RANK``, ``GROUP_RANK``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` for torchrun's ranks). For launchers that start torchrun's ranks without torchrun
+    (:mod:`nbddp.launchers.direct`, the Ray driver)."""
+    world = nproc * nnodes
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes),
+            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world), "ROLE_NAME": "default",
+            "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def by_hand(options: Sequence[str], script: str, python: str = "python") -> str:
     """What a person types to run ``script`` under torchrun with ``options`` (placeholders left as they are)."""
     return " ".join([python, *MODULE, *(_shell_word(o) for o in options), shlex.quote(script)])

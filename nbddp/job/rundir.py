@@ -8,7 +8,8 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
     RUN_DIR/
       train.py, train.py.map.json   the generated script and its source map
       logs/rank-N.log               each rank's stdout and stderr, interleaved as written
-      logs/launcher.log             torchrun's (or the Catalyst parent's) own output
+      logs/launcher.log             torchrun's (or the Catalyst parent's, or nbddp's own starter's) output
+      logs/launch.json              nbddp's own starter (one machine): each rank's exit code, the first failure
       logs/torchrun/                torchrun's own folder (per-attempt error files)
       store/                        a run on one machine: where torchrun's agent and the ranks meet (FileStores)
       ranks/rank-N.json             a started rank: pid, world size, restart attempt
@@ -79,6 +80,11 @@ class RunDir:
     @property
     def launcher_log(self) -> Path:
         return self.logs / "launcher.log"
+
+    @property
+    def launch_report(self) -> Path:
+        """What nbddp's own starter saw of the ranks (:mod:`nbddp.launchers.direct_main`)."""
+        return self.logs / "launch.json"
 
     @property
     def torchrun_logs(self) -> Path:

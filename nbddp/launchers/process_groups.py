@@ -74,21 +74,32 @@ def _wait_gone(pgids: list[int], seconds: float, reap: Callable[[], None]) -> bo
         time.sleep(0.05)
 
 
-def owned_temp_dir(prefix: str) -> str:
+#: The longest folder path :func:`owned_temp_dir` gives for sockets: a Unix socket's path holds 107 bytes,
+#: and the kernel's IPC sockets are ``FOLDER/k-NNNNN``.
+SOCKET_FOLDER_LENGTH = 90
+
+
+def owned_temp_dir(prefix: str, for_sockets: bool = False) -> str:
     """A private temp folder named after this process (``PREFIX<pid>-XXXX``).
 
     Its owner removes it when done; one killed outright (SIGKILL) can't, so this first removes the
-    folders of the same prefix whose owning process no longer exists.
+    folders of the same prefix whose owning process no longer exists. ``for_sockets``: its path must be
+    short enough for a Unix socket in it (JupyterHub and batch systems set long ``TMPDIR``s): where the
+    temp folder's path is too long, ``/tmp`` holds it (a private folder all the same).
     """
     import shutil
     import tempfile
     from pathlib import Path
 
-    for stale in Path(tempfile.gettempdir()).glob(f"{prefix}*-*"):
+    root = tempfile.gettempdir()
+    if for_sockets and len(os.path.join(root, f"{prefix}{os.getpid()}-XXXXXXXX")) > SOCKET_FOLDER_LENGTH \
+            and os.access("/tmp", os.W_OK | os.X_OK):
+        root = "/tmp"
+    for stale in Path(root).glob(f"{prefix}*-*"):
         try:
             pid = int(stale.name[len(prefix):].split("-", 1)[0])
             if stale.stat().st_uid == os.getuid() and not process_alive(pid):
                 shutil.rmtree(stale, ignore_errors=True)
         except (ValueError, OSError):
             continue
-    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root)

@@ -5,9 +5,11 @@ A rank's stdout and stderr are its file descriptors 1 and 2, pointed at ``logs/r
 block the rank on a full pipe. So the cap is kept beside the writes, not in their way: a daemon thread looks
 at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it cuts the file back to the cap and
 writes one line saying so; from then on it lets the file grow by at most :data:`TAIL` beyond that line and
-cuts it back to it. The file therefore holds the first ``cap`` bytes, the line, and the last lines the rank
-wrote (a traceback at the end among them; the exception is also in ``errors/rank-N.json``), and the disk
-holds at most ``cap + TAIL`` of it, whatever a forgotten detached run prints for a week.
+cuts it back to it, all but its newest quarter, written back after the line (what the rank writes between
+that read and the cut, a few microseconds' worth, is dropped). The file therefore holds the first ``cap``
+bytes, the line, and the last lines the rank wrote (a traceback at the end among them; the exception is
+also in ``errors/rank-N.json``), and the disk holds at most ``cap + TAIL`` of it (and what a quarter second
+adds), whatever a forgotten detached run prints for a week.
 
 ``ranks/log-N.json`` (:meth:`nbddp.job.rundir.RunDir.rank_log_cap`) says where the kept head ends and about
 how much was dropped (bytes written between the size check and the cut are dropped uncounted): the follower
@@ -78,13 +80,26 @@ def _check(log: _Capped) -> None:
             os.write(1, line)
             log.kept, log.dropped = log.cap + len(line), length - log.cap
         elif log.kept is not None and length > log.kept + TAIL:
+            newest = _newest_lines(length, min(TAIL // 4, length - log.kept))
             os.ftruncate(1, log.kept)
-            log.dropped += length - log.kept
+            os.write(1, newest)  # what was just written stays: a rank that ends now keeps its last lines
+            log.dropped += length - log.kept - len(newest)
         else:
             return
         write_json(log.report, {"cap": log.cap, "kept": log.kept, "dropped": log.dropped})
     except OSError:
         pass  # a log that can't be looked at or cut is left as it is
+
+
+def _newest_lines(length: int, most: int) -> bytes:
+    """The log's last whole lines, ``most`` bytes at most (read through ``/proc``: fd 1 is write-only)."""
+    try:
+        with open("/proc/self/fd/1", "rb") as log:
+            log.seek(length - most)
+            data = log.read(most)
+    except OSError:
+        return b""
+    return data[data.find(b"\n") + 1:] if b"\n" in data else b""
 
 
 def _inode() -> tuple[int, int]:
