@@ -1,12 +1,15 @@
-"""The benchmark suite's harness, in its quick mode (CI checks that it runs and reports every figure,
-not the timings: those are in BENCHMARKS.md, from a full run)."""
+"""The benchmark suite's harness, in its quick mode: that it runs and reports every figure, not the timings
+(those are in BENCHMARKS.md, from a full run).
+
+It runs every benchmark once (about 25 real runs, 4 minutes), so it belongs with the benchmarks, not with
+every change: ``python3 -m pytest -m bench`` (before ``python -m benchmarks.suite``); ``.ci/run`` leaves it out.
+"""
 
 import pytest
 
 from benchmarks.suite import main
 
-#: Long, and asserts no timing (the figures are BENCHMARKS.md's): .ci/run runs it beside the rest.
-pytestmark = [pytest.mark.slow, pytest.mark.beside]
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 
 def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):

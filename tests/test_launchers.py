@@ -61,7 +61,7 @@ def test_one_machine_starts_its_ranks_directly_unless_it_restarts_them(tmp_path)
     assert launcher_for("torch", Nodes(2, 0, "h:1")).name == "torchrun"
     argv = direct.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py")
     assert argv == ["py", "-m", "nbddp.launchers.direct_main", "--nproc", "3", "--report", "/r/logs/launch.json",
-                    "/r/train.py"]
+                    "--", "/r/train.py"]
     run_dir = RunDir(tmp_path)
     env = direct.environment(run_dir)
     assert env["NBDDP_STORE"] == str(run_dir.store) and env["GLOO_SOCKET_IFNAME"] and run_dir.store.is_dir()

@@ -107,23 +107,26 @@ def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_pat
         kernel.close()
 
 
-def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, cli_run):
+@pytest.mark.parametrize("launcher, flags", [("nbddp.launchers.direct_main", []),
+                                             ("nbddp.launchers.torchrun_main", ["--max-restarts", "1"])],
+                         ids=["direct", "torchrun"])
+def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, cli_run, launcher, flags):
     """A rank asks to die with its launcher before it imports torch, and then checks that its launcher is still
     its parent: one killed in between (a kernel taken by the OOM killer while it forks) would never signal it.
     The window is made deterministic by a fault hook: a ``sitecustomize`` that holds each rank for 3 s before
     its first line (only the ranks: a process whose ``NBDDP_PARENT`` is its parent), while the test SIGKILLs
-    the launcher (torchrun's agent)."""
+    the launcher (nbddp's own starter, or torchrun's agent with --max-restarts)."""
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('NBDDP_PARENT') == str(os.getppid()):\n    time.sleep(3)\n")
     write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=300))])
-    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path,
+    run = cli_run(["run", "f.ipynb", "--cpu", *flags], tmp_path,
                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
     deadline = time.monotonic() + 60
     ranks: list[psutil.Process] = []
     while len(ranks) < 2 and time.monotonic() < deadline:
-        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, "nbddp.launchers.torchrun_main")]
+        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, launcher)]
         ranks = [child for agent in agents for child in agent.children() if _runs(child.pid, "train.py")]
         time.sleep(0.01)
     assert len(ranks) == 2, run.output

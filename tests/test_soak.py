@@ -1,5 +1,5 @@
 """The short soak: small 2-rank runs through `nbddp run`, `%%ddp_train` and `nbddp batch`, two jobs at
-once beside a CPU hog. A run whose ranks all finished must succeed, and nothing may be left or lost.
+once. A run whose ranks all finished must succeed, and nothing may be left or lost.
 
 The long version (`python -m benchmarks.soak --runs 200`) writes its figures to docs/reliability.md.
 """
@@ -14,8 +14,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_short_soak_under_contention(tmp_path):
     # Six runs: each front door's job once (`nbddp run`, three %%ddp_train cells, a two-run batch), two jobs at
-    # a time beside the hog. The 200-run soak (docs/reliability.md) is where the rare races are counted.
-    report = soak(tmp_path / "soak", runs=6, parallel=2, hogs=1, lines=30)
+    # a time on 2 cores (in .ci/run, beside the other lane: no CPU hog of its own). The 200-run soak
+    # (docs/reliability.md, with a hog) is where the rare races are counted.
+    report = soak(tmp_path / "soak", runs=6, parallel=2, hogs=0, lines=30)
     summary = report.markdown("tests/test_soak.py")
     assert len(report.runs) >= 6 and {r.front for r in report.runs} == set(FRONTS), summary
     assert not report.spurious_failures, summary

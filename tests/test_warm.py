@@ -323,7 +323,7 @@ def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so(kernel):
 
 
 def test_a_warm_rank_killed_mid_run_is_named_and_fresh_ranks_start_as_the_run_ends(kernel):
-    """A killed rank costs the pool (torchrun stops the others): fresh ranks start as the run ends, not when
+    """A killed rank costs the pool (its starter stops the others): fresh ranks start as the run ends, not when
     the cell runs again, and the next run on them gives a fresh run's weights."""
     first = pids(train(kernel))
     reference = weight(kernel)
@@ -359,8 +359,8 @@ def test_the_pool_folder_goes_although_its_killed_owner_keeps_signalling(tmp_pat
     (tmp_path / "rank.py").write_text(rank)
     env = {**os.environ, "READY": str(tmp_path / "ready-"), "TMPDIR": str(tmp_path)}  # torchelastic's folder too
     agent = subprocess.Popen(
-        [sys.executable, "-m", "nbddp.launchers.warm_agent", str(pool), "--nproc-per-node", "2", "--standalone",
-         "--monitor-interval", "0.1", str(tmp_path / "rank.py")],
+        [sys.executable, "-m", "nbddp.launchers.warm_agent", str(pool), "--nproc", "2", "--report",
+         str(tmp_path / "launch.json"), "--", str(tmp_path / "rank.py")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -245,6 +245,8 @@ class NotebookKernel:
             return cell
         self._pump.stop()  # this thread follows the job now
         self._client = client
+        if self.collector.output.text:  # what the ranks said while the kernel ran the cells before (papermill logs it)
+            client.on_rank_lines(self.collector.output.text)
         cell.outputs = [_note("training as a DDP job; every rank's log is in the run dir"), self.collector.output]
         self.on_training_start(cell, index)
         self.outcome = self.train(*self.training_deadline())

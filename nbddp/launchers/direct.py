@@ -21,21 +21,29 @@ from nbddp.launchers.base import TAIL_LINES, Launcher, LaunchReport
 LAUNCHER_MODULE = ("-m", "nbddp.launchers.direct_main")
 
 
+def starter_options(nproc: int, report: Path) -> list[str]:
+    """The starter's options, up to the program the ranks run (``--``, then a script or ``-m MODULE ARGS``)."""
+    return ["--nproc", str(nproc), "--report", str(report), "--"]
+
+
 class Direct(Launcher):
     name = "direct"
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
-        return [python, *LAUNCHER_MODULE, "--nproc", str(devices.nproc), "--report", str(run_dir.launch_report),
-                str(script)]
+        return [python, *LAUNCHER_MODULE, *starter_options(devices.nproc, run_dir.launch_report), str(script)]
 
     def environment(self, run_dir: RunDir) -> dict[str, str]:
         return private_rendezvous.environment(private_rendezvous.prepare(run_dir.store))
 
+    def launch_report(self, run_dir: RunDir) -> Path:
+        """Where the starter writes what it saw (:func:`starter_options`' ``--report``)."""
+        return run_dir.launch_report
+
     def observe(self, run_dir: RunDir, expired: bool = False) -> LaunchReport:
         """What the starter wrote (``logs/launch.json``: each rank's exit code, the first failure), and the tail of
         its log (the ranks' output before they open their own logs)."""
-        seen = read_json(run_dir.launch_report)
+        seen = read_json(self.launch_report(run_dir))
         seen = seen if isinstance(seen, dict) else {}
         return LaunchReport(rank_exit_codes={int(rank): int(code) for rank, code in (seen.get("exit_codes") or {}).items()},
                             root_cause=seen.get("root_cause"),

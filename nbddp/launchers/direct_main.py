@@ -1,5 +1,5 @@
-"""``python -m nbddp.launchers.direct_main --nproc N --report PATH SCRIPT``: start N ranks of SCRIPT on this
-machine, as torchrun would, without torchrun's agent.
+"""``python -m nbddp.launchers.direct_main --nproc N --report PATH -- SCRIPT`` (or ``-- -m MODULE ARGS``): start
+N ranks of SCRIPT on this machine, as torchrun would, without torchrun's agent.
 
 On one machine with no restarts to make, torchrun's agent only starts the ranks and watches them, and it
 costs every run what it costs to import torch and to meet in its rendezvous: about 2 s and 1.8 CPU-seconds
@@ -39,11 +39,12 @@ STOP_SECONDS = 5.0
 
 
 class Ranks:
-    def __init__(self, script: str, nproc: int) -> None:
+    def __init__(self, program: Sequence[str], nproc: int) -> None:
+        """``program``: what follows ``python -u`` for each rank (a script, or ``-m MODULE ARGS``)."""
         port = _free_port()  # nothing listens on it (the ranks meet in files): for libraries that read it
         base = dict(os.environ)
         base.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc))
-        self.procs = [subprocess.Popen([sys.executable, "-u", script], start_new_session=True, stdin=subprocess.DEVNULL,
+        self.procs = [subprocess.Popen([sys.executable, "-u", *program], start_new_session=True, stdin=subprocess.DEVNULL,
                                        env={**base, **torchrun_variables(rank, rank, nproc, master=(LOOPBACK, port),
                                                                          run_id=f"nbddp-{os.getpid()}")})
                       for rank in range(nproc)]
@@ -100,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description="Start SCRIPT's ranks on this machine, as torchrun would.")
     parser.add_argument("--nproc", type=int, required=True)
     parser.add_argument("--report", type=Path, required=True, help="where to write what was seen (JSON)")
-    parser.add_argument("script")
+    parser.add_argument("program", nargs=argparse.REMAINDER, help="-- SCRIPT, or -- -m MODULE ARGS")
     args = parser.parse_args(argv)
     launching_ranks()
-    ranks = Ranks(args.script, args.nproc)
+    ranks = Ranks(args.program[1:] if args.program[:1] == ["--"] else args.program, args.nproc)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, ranks.on_signal)
     try:

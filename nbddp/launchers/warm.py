@@ -3,8 +3,8 @@
 There is no launcher process per job: :meth:`WarmRanks.start` writes the job for the pool's ranks
 and returns a :class:`~nbddp.launchers.warm_pool.WarmRun` the job follows like any launch. The
 ranks' own error reports and done marks (written as by a fresh rank) are the evidence, which
-:func:`nbddp.job.outcome.judge` reads the same way; should a rank die, the pool's torchrun reports
-it in the pool's log, read here with torchrun's own parsers.
+:func:`nbddp.job.outcome.judge` reads the same way; should a rank die, the pool's starter reports
+it (its ``logs/launch.json``), read here as a fresh run's is.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from nbddp.launchers.base import Launch, read_report
-from nbddp.launchers.torchrun import Torchrun
+from nbddp.launchers.direct import Direct
 from nbddp.launchers.warm_pool import WarmPool
 from nbddp.job.rundir import RunDir
 
 
-class WarmRanks(Torchrun):
+class WarmRanks(Direct):
     name = "warm"
     supports_restarts = False
     exit_settle = 5.0
-    """A warm rank that died takes the pool's torchrun down with a report naming it; wait for that
-    report rather than blame a rank torchrun itself stopped in response."""
+    """A warm rank that died takes the pool's starter down with a report naming it; wait for that
+    report rather than blame a rank the starter itself stopped in response."""
 
     def __init__(self, pool: WarmPool) -> None:
         super().__init__()
@@ -37,3 +37,6 @@ class WarmRanks(Torchrun):
 
     def report(self, run_dir: RunDir) -> str:
         return read_report(self.pool.dir.launcher_log)
+
+    def launch_report(self, run_dir: RunDir) -> Path:
+        return self.pool.dir.launch_report

@@ -1,13 +1,13 @@
-"""``python -m nbddp.launchers.warm_agent POOL TORCHRUN_ARGS…``: torchrun for a warm pool, which
+"""``python -m nbddp.launchers.warm_agent POOL STARTER_ARGS…``: the ranks' starter for a warm pool, which
 removes the pool's folder once nobody can need it.
 
-torchrun itself runs here (its ``main``, as ``python -m torch.distributed.run`` would). When it
-ends, the folder goes if its ranks all left on their own (idle), if the pool's owner asked for
-the pool to stop for good, or if the owner is gone: a kernel killed outright (a restart, SIGKILL)
-can't remove its pool's folder, and this process outlives it by the moment torchrun takes to stop
-the ranks (parent-death signal, see :mod:`nbddp.rank_side.parent_death`). After a rank failed while
-its owner lives, the folder stays: the owner reads torchrun's report there to name the dead rank,
-then removes it.
+nbddp's own starter runs here (:mod:`nbddp.launchers.direct_main`, as for a fresh run on one machine: no
+torchrun agent to import torch and meet in a rendezvous first, 2 s). When it ends, the folder goes if its
+ranks all left on their own (idle), if the pool's owner asked for the pool to stop for good, or if the
+owner is gone: a kernel killed outright (a restart, SIGKILL) can't remove its pool's folder, and this
+process outlives it by the moment the starter takes to stop the ranks (parent-death signal, see
+:mod:`nbddp.rank_side.parent_death`). After a rank failed while its owner lives, the folder stays: the
+owner reads the starter's report there to name the dead rank, then removes it.
 """
 
 from __future__ import annotations
@@ -17,20 +17,16 @@ import shutil
 import signal
 import sys
 
-from nbddp.rank_side.parent_death import launching_ranks
+from nbddp.launchers import direct_main
 from nbddp.rank_side.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
 
 
 def main(argv: list[str]) -> None:
     pool = PoolDir(argv[0])
-    from torch.distributed.run import main as torchrun
-
-    launching_ranks()
     idle = False
     try:
-        torchrun(argv[1:])
-        idle = True  # every rank returned: none had a job for its idle limit
+        idle = direct_main.main(argv[1:]) == 0  # every rank returned: none had a job for its idle limit
     finally:
         for _ in range(3):  # a signal landing before they are all ignored interrupts this, once
             try:
@@ -47,7 +43,7 @@ def _ignore_stop_signals() -> None:
 
     A SIGKILLed owner can send more than one parent-death SIGTERM: Linux re-parents this process to
     another of the owner's threads while they die one by one, and each such parent's death signals
-    again. torchrun's handler turns each into an exception; one that lands inside ``rmtree`` left
+    again. Under torchrun's agent each became an exception, and one that landed inside ``rmtree`` left
     the folder half removed (seen in the full test tier, and reproduced on a loaded machine).
     """
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):

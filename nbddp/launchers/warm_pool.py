@@ -1,6 +1,7 @@
 """Warm ranks, the kernel's side: a pool of ranks kept between runs, and which runs they may serve.
 
-A pool is torchrun started once with :mod:`nbddp.rank_side.warm_loop` as its module: N spawned rank
+A pool is nbddp's rank starter (:mod:`nbddp.launchers.warm_agent`) started once with
+:mod:`nbddp.rank_side.warm_loop` as its module: N spawned rank
 processes (never forked, so CUDA in the kernel is no hazard) that import torch, join the process
 group and wait. Each run then hands its script to them (:meth:`WarmPool.submit`), which costs a
 file write instead of a process start. A run on warm ranks means what a fresh run means: the script
@@ -16,7 +17,7 @@ unless :meth:`WarmPool.why_not_kept` says why not). ``%%ddp_train`` keeps one po
 (:class:`KernelPool`); ``nbddp batch`` one per device slot (a :class:`PoolKeeper` each), which its
 runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
 
-The kernel's death takes the ranks with it (torchrun runs under
+The kernel's death takes the ranks with it (the starter runs under
 :mod:`nbddp.rank_side.parent_death`, and removes the pool's folder: :mod:`nbddp.launchers.warm_agent`);
 idle ranks exit after ``idle`` seconds. Nothing here imports torch.
 """
@@ -45,7 +46,7 @@ from nbddp.owned import touch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
 from nbddp.rank_side.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
-from nbddp.launchers.torchrun import torchrun_options
+from nbddp.launchers.direct import starter_options
 from nbddp.launchers.warm_departure import Departure
 from nbddp.options import DEFAULT_WARM_IDLE
 from nbddp.rank_side.env import RankEnv
@@ -109,11 +110,11 @@ def pool_key(devices: Devices, cwd: Path, collective_timeout: float | None,
 
 
 class WarmPool:
-    """N warm ranks under one torchrun, and the jobs handed to them in turn."""
+    """N warm ranks under one starter, and the jobs handed to them in turn."""
 
     def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_WARM_IDLE,
                  environ: Mapping[str, str] | None = None) -> None:
-        """Start the ranks: torchrun under :mod:`nbddp.rank_side.parent_death`, so they die with this process.
+        """Start the ranks: their starter under :mod:`nbddp.rank_side.parent_death`, so they die with this process.
 
         ``environ``: what the ranks inherit (this process's environment by default; a batch passes
         each device slot's own ``CUDA_VISIBLE_DEVICES``).
@@ -125,10 +126,8 @@ class WarmPool:
         self.lost = ""
         self.last_used = self.started = time.monotonic()
         store = private_rendezvous.prepare(self.dir.store)
-        options = torchrun_options(devices.nproc, max_restarts=0, monitor=True, log_dir=str(self.dir.torchrun_logs),
-                                   store=str(store))
-        argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir), *options,
-                "-m", "nbddp.rank_side.warm_loop", str(self.dir)]
+        argv = [key.python, "-m", "nbddp.launchers.warm_agent", str(self.dir),
+                *starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm_loop", str(self.dir)]
         environ = os.environ if environ is None else environ
         env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
                       warm_idle=idle, pool_owner=os.getpid()).to_environ(environ)
@@ -171,10 +170,10 @@ class WarmPool:
         return pool
 
     def alive(self) -> bool:
-        """Running and able to take a job: torchrun and every rank that started still there.
+        """Running and able to take a job: the starter and every rank that started still there.
 
-        Ranks that left on their own (idle) end before torchrun does, and torchrun's agent then
-        removes the folder: a pool whose folder is gone is not alive, even while torchrun finishes.
+        Ranks that left on their own (idle) end before their starter does, which then removes the
+        folder: a pool whose folder is gone is not alive, even while the starter finishes.
         """
         if self.stopped or self.launch.poll() is not None or not self.dir.description.exists():
             return False
@@ -304,13 +303,13 @@ class WarmPool:
         self.terminate(sig)
 
     def terminate(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every rank and torchrun (their reports stay readable until :meth:`stop`). Safe to call again."""
+        """Stop every rank and the starter (their reports stay readable until :meth:`stop`). Safe to call again."""
         self.stopped = True
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop(sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        """Stop every rank and torchrun, and remove the pool's folder (its torchrun removes it too, should
+        """Stop every rank and the starter, and remove the pool's folder (its starter removes it too, should
         this process be killed while waiting for it: see :mod:`nbddp.launchers.warm_agent`)."""
         try:
             touch(self.dir.stop_mark)
@@ -522,7 +521,7 @@ class KernelPool(PoolKeeper):
             return "no warm ranks: the next %%ddp_train starts them"
         state = "ready" if pool.ready() else "starting"
         lines = [f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
-                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; torchrun pid {pool.launch.pid}"]
+                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; starter pid {pool.launch.pid}"]
         for rank, report in enumerate(pool.kept() if pool.runs else []):
             lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
         return "\n".join(lines)

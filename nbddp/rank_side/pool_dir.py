@@ -23,8 +23,8 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
       forgot/K-R                    rank R dropped it, asked for the K-th time
       stop                          its owner is stopping it for good: the folder can go
       store/                        where torchrun's agent and the ranks meet (FileStores)
-      logs/launcher.log             torchrun's own output (its failure reports name a dead rank)
-      logs/torchrun/                torchrun's own folder
+      logs/launcher.log             the ranks' starter's output, and the ranks' before each job
+      logs/launch.json              what the starter saw when it ended: each rank's exit code, the first failure
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ class PoolDir:
         return RunDir(self.path).launcher_log
 
     @property
-    def torchrun_logs(self) -> Path:
-        return RunDir(self.path).torchrun_logs
+    def launch_report(self) -> Path:
+        return RunDir(self.path).launch_report
 
     @property
     def store(self) -> Path:

@@ -1,4 +1,4 @@
-"""A warm rank: started once by torchrun, it joins the process group and then runs job after job.
+"""A warm rank: started once (as torchrun starts a rank), it joins the process group and then runs job after job.
 
 What a fresh rank pays on every run (interpreter start, ``import torch``, device and gloo/NCCL
 initialisation, the rendezvous) is paid here once; each job still means what a fresh rank's run
@@ -15,7 +15,7 @@ imported until their files change), and the CUDA caching allocator is emptied be
 The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
 (:class:`~nbddp.rank_side.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
-kernel dies (parent-death signal, through torchrun).
+kernel dies (parent-death signal, through the pool's starter).
 
 A job that fails or is interrupted doesn't cost the ranks: the kernel marks the job stopped
 (``stopped/N``) and interrupts every rank still in it (SIGINT, which raises ``KeyboardInterrupt`` in
@@ -30,7 +30,9 @@ thread's Python stack to ``stacks/rank-R.txt`` (:mod:`faulthandler`, which runs 
 thread is doing), so that the kernel can say where such a rank was
 (:mod:`nbddp.launchers.warm_departure`).
 
-``python -m torch.distributed.run … -m nbddp.rank_side.warm_loop POOL`` starts one.
+``python -m nbddp.launchers.warm_agent POOL --nproc N --report R -- -m nbddp.rank_side.warm_loop POOL`` starts
+the pool's ranks (:class:`nbddp.launchers.warm_pool.WarmPool`); under ``torchrun … -m nbddp.rank_side.warm_loop
+POOL`` each would be the same rank.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from types import TracebackType
 
 from nbddp.rank_side.parent_death import die_with_parent
 
-die_with_parent()  # dies with the pool's torchrun, armed before torch is imported (seconds)
+die_with_parent()  # dies with the pool's starter, armed before torch is imported (seconds)
 
 import torch.distributed as dist  # noqa: E402
 
@@ -111,7 +113,7 @@ def main(folder: Path) -> int:
 
 
 def dist_store():
-    """The store of this rank's default group (torchrun's, under this attempt's prefix)."""
+    """The store of this rank's default group (a FileStore in the pool's private folder)."""
     return dist.distributed_c10d._get_default_store()
 
 
