@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from nbddp.atomic import write_json
+from nbddp.engines.torch import torchrun_variables
 from nbddp.job.rundir import RunDir
 from nbddp.job.status import signal_exit_code
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
@@ -407,11 +408,8 @@ def rank_plan(where: list[list[dict[str, Any]]], order: list[int], gpus: bool,
         visible = [g for a in actors for g in where[node][a]["gpus"]]
         for local, actor in enumerate(actors):
             rank = node_rank * nproc + local
-            env = {"OMP_NUM_THREADS": "", **forwarded, "RANK": str(rank), "WORLD_SIZE": str(nproc * nnodes),
-                   "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node_rank),
-                   "GROUP_WORLD_SIZE": str(nnodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc * nnodes),
-                   "MASTER_ADDR": master, "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
-                   "TORCHELASTIC_MAX_RESTARTS": "0", "PYTHONUNBUFFERED": "1",
+            env = {"OMP_NUM_THREADS": "", **forwarded,
+                   **torchrun_variables(rank, local, nproc, nnodes, node_rank, (master, port), run_id="nbddp-ray"),
                    **({"CUDA_VISIBLE_DEVICES": ",".join(visible)} if gpus else {})}
             plan.append((node, actor, rank, env))
     return plan
