@@ -32,18 +32,25 @@ def listeners(pids: set[int]) -> list[tuple[str, int, int]]:
             if c.status == psutil.CONN_LISTEN and c.pid in pids]
 
 
-def store_answers(port: int) -> str:
-    """What a torch ``TCPStore`` client reads on ``port`` (``""``: no store answered within 10 s). In a process
-    of its own: on a gloo pair's listener the client can wait for a reply that never comes, whatever its timeout."""
-    probe = ("import datetime, sys, torch.distributed as dist\n"
-             "store = dist.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, wait_for_workers=False,\n"
-             "                      timeout=datetime.timedelta(seconds=2))\n"
-             "print(store.num_keys(), 'keys')")
-    try:
-        answer = subprocess.run([sys.executable, "-c", probe, str(port)], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return ""
-    return answer.stdout.strip() if answer.returncode == 0 else ""
+def stores_answering(ports: list[int]) -> dict[int, str]:
+    """What a torch ``TCPStore`` client reads on each of ``ports`` (only those where a store answered within
+    5 s). One process of their own, a thread each: on a gloo pair's listener the client can wait for a reply that
+    never comes, whatever its timeout, so the process leaves without waiting for such threads."""
+    probe = ("import datetime, os, sys, threading, time, torch.distributed as dist\n"
+             "def ask(port):\n"
+             "    try:\n"
+             "        store = dist.TCPStore('127.0.0.1', port, is_master=False, wait_for_workers=False,\n"
+             "                              timeout=datetime.timedelta(seconds=2))\n"
+             "        print(port, store.num_keys(), 'keys', flush=True)\n"
+             "    except Exception:\n"
+             "        pass\n"
+             "for port in map(int, sys.argv[1:]):\n"
+             "    threading.Thread(target=ask, args=(port,), daemon=True).start()\n"
+             "time.sleep(5)\n"
+             "os._exit(0)")
+    answer = subprocess.run([sys.executable, "-c", probe, *map(str, ports)], capture_output=True, text=True,
+                            timeout=60)
+    return {int(line.split()[0]): line for line in answer.stdout.splitlines() if line.strip()}
 
 
 def as_nobody(*argv: str) -> subprocess.CompletedProcess:
@@ -62,8 +69,8 @@ def assert_private(folder: Path) -> None:
 def assert_unreachable(pids: set[int]) -> list[tuple[str, int, int]]:
     found = listeners(pids)
     assert all(address in LOOPBACK for address, _, _ in found), found
-    answered = {port: store_answers(port) for _, port, _ in found}
-    assert not any(answered.values()), answered  # gloo's pairs: no key to read, nothing to unpickle
+    answered = stores_answering([port for _, port, _ in found])
+    assert not answered, answered  # gloo's pairs: no key to read, nothing to unpickle
     return found
 
 
