@@ -3,11 +3,12 @@
 A rank's stdout and stderr are its file descriptors 1 and 2, pointed at ``logs/rank-N.log``
 (:func:`nbddp.rank_side.process.log_to_run_dir`): C code's output lands there too, and a flood can never
 block the rank on a full pipe. So the cap is kept beside the writes, not in their way: a daemon thread looks
-at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it cuts the file back to the cap and
-writes one line saying so; from then on it lets the file grow by at most :data:`TAIL` beyond that line and
-cuts it back to it, all but its newest quarter, written back after the line (what the rank writes between
-that read and the cut, a few microseconds' worth, is dropped). The file therefore holds the first ``cap``
-bytes, the line, and the last lines the rank wrote (a traceback at the end among them; the exception is
+at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it cuts the file back to the cap, the
+head's last bytes replaced by one line saying so; from then on it lets the file grow by at most :data:`TAIL`
+beyond that line and cuts it back to it, all but its newest quarter, written back after the line (what the
+rank writes between that read and the cut, a few microseconds' worth, is dropped). Both are written at their
+offsets, not appended: the rank goes on writing meanwhile. The file therefore holds the first ``cap`` bytes
+(the line last), and the last lines the rank wrote (a traceback at the end among them; the exception is
 also in ``errors/rank-N.json``), and the disk holds at most ``cap + TAIL`` of it (and what a quarter second
 adds), whatever a forgotten detached run prints for a week.
 
@@ -74,21 +75,32 @@ def _check(log: _Capped) -> None:
         if _inode() != log.inode:
             return  # fd 1 was pointed elsewhere without a new watch(): not this log any more
         if log.kept is None and length > log.cap:
-            os.ftruncate(1, log.cap)
             line = (f"\n[nbddp] this log reached its cap of {size(log.cap)} (--log-cap): from here on only "
                     "the rank's last lines are kept, below.\n").encode()
-            os.write(1, line)
-            log.kept, log.dropped = log.cap + len(line), length - log.cap
+            os.ftruncate(1, log.cap)
+            _write_at(log.cap - len(line), line)  # the head's last bytes: the rank may be appending already
+            log.kept, log.dropped = log.cap, length - log.cap
         elif log.kept is not None and length > log.kept + TAIL:
             newest = _newest_lines(length, min(TAIL // 4, length - log.kept))
-            os.ftruncate(1, log.kept)
-            os.write(1, newest)  # what was just written stays: a rank that ends now keeps its last lines
+            _write_at(log.kept, newest)  # what was just written stays: a rank that ends now keeps its last lines
+            os.ftruncate(1, log.kept + len(newest))
             log.dropped += length - log.kept - len(newest)
         else:
             return
         write_json(log.report, {"cap": log.cap, "kept": log.kept, "dropped": log.dropped})
     except OSError:
         pass  # a log that can't be looked at or cut is left as it is
+
+
+def _write_at(offset: int, data: bytes) -> None:
+    """``data`` at ``offset`` of the log, whatever the rank appends meanwhile. Not through fd 1: it appends
+    (O_APPEND, so that every write of the rank's lands at the end), and Linux's ``pwrite`` on such a descriptor
+    appends too: bytes the rank wrote between a cut and this write would come before ``data``."""
+    fd = os.open("/proc/self/fd/1", os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
 
 
 def _newest_lines(length: int, most: int) -> bytes:
