@@ -109,12 +109,12 @@ def no_processes_left(pids: set[int], within: float = 15.0) -> None:
     assert not running(), running()
 
 
-def start_training(notebook, lab) -> tuple[Path, set[int]]:
-    """Run All; once both ranks print: the run dir and the run's processes."""
+def start_training(notebook, lab, after: Path | None = None) -> tuple[Path, set[int]]:
+    """Run All; once both ranks print: the run dir (the one besides ``after``'s) and the run's processes."""
     notebook.run_all()
     notebook.page.wait_for_selector(VIEW, timeout=90_000)
     wait_for_both_ranks(notebook.page)
-    [run_dir] = run_dirs(lab.root, notebook.name)
+    [run_dir] = [d for d in run_dirs(lab.root, notebook.name) if d != after]
     pids = run_processes(run_dir)
     assert len(pids) >= 3, pids  # two ranks and their launcher
     return run_dir, pids
@@ -199,7 +199,9 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     assert page.evaluate("() => document.querySelector('.nbddp-snapshot img').naturalWidth") > 0
 
 
-def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, lab):
+def test_stop_button_interrupts_within_seconds_then_a_kernel_restart_mid_run_leaves_nothing_running(notebook, lab):
+    """Stop during a run: a short message within seconds, the warm ranks stay idle. Run All again, restart the
+    kernel mid-run: the view says so and nothing of the run is left (one kernel and pool for both)."""
     page = notebook.page
     run_dir, pids = start_training(notebook, lab)
     started = time.monotonic()
@@ -219,10 +221,8 @@ def test_stop_button_interrupts_within_seconds_with_a_short_message(notebook, la
     assert logged() == before and all(psutil.pid_exists(p) for p in pids)
     screenshot(page, "ddp_train_interrupted.png")
 
-
-def test_kernel_restart_mid_run_says_so_and_leaves_nothing_running(notebook, lab):
-    page = notebook.page
-    _, pids = start_training(notebook, lab)
+    notebook.wait_idle(60)
+    _, pids = start_training(notebook, lab, after=run_dir)
     notebook.restart_kernel()
     page.locator(f"{VIEW} .nbddp-gone").wait_for(state="visible", timeout=30_000)
     assert "the kernel restarted: this run was stopped" in page.inner_text(f"{VIEW} .nbddp-gone")

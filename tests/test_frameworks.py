@@ -252,6 +252,7 @@ def assert_weights(run_dir, expected: dict[str, torch.Tensor], engine: str) -> N
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=f"{engine}: {name}")
 
 
+@pytest.mark.beside  # long (each library's imports in a kernel and two ranks), asserts no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_weights(tmp_path, cli_run, engine,
@@ -273,6 +274,7 @@ def test_nbddp_run_trains_the_librarys_notebook_on_two_ranks_with_one_processs_w
         assert any(k in records[0] for k in ("train_loss", "loss"))
 
 
+@pytest.mark.beside  # (as above)
 @pytest.mark.slow
 def test_nbddp_run_trains_an_unmarked_accelerate_notebook_with_the_cells_nbddp_chose(tmp_path, cli_run, reference):
     """No cell marked: the cell calling notebook_launcher trains, cells 1-2 (imports, data, model, loop) are its

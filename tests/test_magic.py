@@ -57,10 +57,26 @@ def run_dirs(folder):
     return sorted((folder / "runs").iterdir()) if (folder / "runs").exists() else []
 
 
-def test_happy_path_weights_come_back_and_evaluate_on_the_cpu(tmp_path):
+def test_happy_path_weights_come_back_and_evaluate_on_the_cpu_and_every_ranks_lines_come_as_they_are_printed(tmp_path):
+    """The weights come back and the kernel evaluates them on the CPU. nbclient (papermill, ``jupyter execute``)
+    renders no widgets: the ranks' lines come as text outputs while the cell runs (a second run, on the warm
+    ranks), each line once, with an empty HTML part that front ends rendering HTML show as nothing."""
+    ticks = "%%ddp_train --cpu\nfor i in range(6):\n    print('tick', i, flush=True)\n    time.sleep(0.5)"
     nb = notebook(SETUP, "lr = 0.5\nepochs = 3\nbefore = model.weight.detach().clone()", TRAIN,
-                  "changed = not torch.equal(before, model.weight)\nprint('changed', changed, model.weight.device)")
-    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+                  "changed = not torch.equal(before, model.weight)\nprint('changed', changed, model.weight.device)", ticks)
+    seen: list[tuple[float, str]] = []
+    ended: dict[int, float] = {}
+
+    class Recording(NotebookClient):
+        def process_message(self, msg, cell, cell_index):  # noqa: ANN001, ANN201 - nbclient's hook
+            data = msg["content"].get("data", {})
+            if cell_index == 5 and msg["msg_type"] in ("stream", "display_data"):
+                seen.append((time.monotonic(), msg["content"].get("text") or data.get("text/plain", "")))
+            return super().process_message(msg, cell, cell_index)
+
+    Recording(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}},
+              on_cell_executed=lambda cell, cell_index, execute_reply: ended.setdefault(cell_index, time.monotonic())
+              ).execute()
     train_out = text_of(nb.cells[3])
     for rank in (0, 1):
         assert train_out.count(f"[rank {rank}] rank {rank} lr=0.5 epoch 2") == 1  # (as it came, and not again)
@@ -71,33 +87,15 @@ def test_happy_path_weights_come_back_and_evaluate_on_the_cpu(tmp_path):
     [view] = [o for o in nb.cells[3].outputs if "nbddp-snapshot" in o.get("data", {}).get("text/html", "")]
     assert "application/vnd.jupyter.widget-view+json" not in view["data"]
     assert 'class="nbddp-snapshot"' in view["data"]["text/html"] and "data:image/svg+xml;base64," in view["data"]["text/html"]
-    (run_dir,) = run_dirs(tmp_path)
+    run_dir = run_dirs(tmp_path)[0]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "succeeded" and result["parameters"] == {"lr": 0.5, "epochs": 3}
 
-
-def test_every_ranks_lines_reach_an_nbclient_cell_while_it_runs(tmp_path):
-    """nbclient (papermill, ``jupyter execute``) renders no widgets: the ranks' lines come as text outputs while
-    the cell runs, each line once, with an empty HTML part that front ends rendering HTML show as nothing."""
-    ticks = "%%ddp_train --cpu\nfor i in range(6):\n    print('tick', i, flush=True)\n    time.sleep(0.5)"
-    nb = notebook(SETUP, ticks)
-    seen: list[tuple[float, str]] = []
-    ended: list[float] = []
-
-    class Recording(NotebookClient):
-        def process_message(self, msg, cell, cell_index):  # noqa: ANN001, ANN201 - nbclient's hook
-            data = msg["content"].get("data", {})
-            if cell_index == 2 and msg["msg_type"] in ("stream", "display_data"):
-                seen.append((time.monotonic(), msg["content"].get("text") or data.get("text/plain", "")))
-            return super().process_message(msg, cell, cell_index)
-
-    Recording(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}},
-              on_cell_executed=lambda cell, cell_index, execute_reply: ended.append(time.monotonic())).execute()
     first_tick = next(at for at, text in seen if "[rank 1] tick 0" in text)
-    assert ended[2] - first_tick > 1.5, seen  # shown as it came, not when the cell ended
-    out = text_of(nb.cells[2])
+    assert ended[5] - first_tick > 1.5, seen  # shown as it came, not when the cell ended
+    out = text_of(nb.cells[5])
     assert all(out.count(f"[rank {r}] tick {i}") == 1 for r in (0, 1) for i in range(6)), out
-    mirrored = [o for o in nb.cells[2].outputs if "tick" in o.get("data", {}).get("text/plain", "")]
+    mirrored = [o for o in nb.cells[5].outputs if "tick" in o.get("data", {}).get("text/plain", "")]
     assert mirrored and all(o["data"]["text/html"] == '<div class="nbddp-text-copy"></div>' for o in mirrored)
 
 

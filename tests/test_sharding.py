@@ -379,11 +379,11 @@ MEMORY_SETUP = """#| ddp
 import torch, nbddp
 from torch import nn
 torch.manual_seed(0)
-model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(6)])  # 100.7M parameters"""
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(6)])  # 25.2M parameters: 0.4 GB of DDP state"""
 MEMORY_TRAIN = """#| ddp-train
 net = nbddp.prepare(model)
 opt = torch.optim.Adam(net.parameters(), lr=1e-4)
-loss = net(torch.randn(4, 4096)).square().mean()
+loss = net(torch.randn(4, 2048)).square().mean()
 loss.backward(); opt.step()
 local = lambda t: t.to_local() if hasattr(t, 'to_local') else t
 tensors = [local(p) for p in net.parameters()] + [local(p.grad) for p in net.parameters()]
@@ -394,7 +394,7 @@ print('RESIDENT', nbddp.rank(), sum(storages.values()), flush=True)"""
 
 @pytest.mark.slow
 def test_sharding_holds_at_most_six_tenths_of_ddps_state_per_rank(tmp_path, cli_run):
-    """~100M parameters with Adam on 2 CPU ranks: parameters, gradients and optimizer state, measured in the rank."""
+    """~25M parameters with Adam on 2 CPU ranks: parameters, gradients and optimizer state, measured in the rank."""
     write_notebook(tmp_path / "big.ipynb", [code(MEMORY_SETUP), code(MEMORY_TRAIN)])
     measured = {}
     for flag in ("", "--shard"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import StoppedLastCell, code, md, write_notebook
+from tests.conftest import CliRun, StoppedLastCell, code, kill_group, md, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
@@ -134,17 +134,6 @@ def test_an_outside_scancel_is_reported_as_such(tmp_path, cli_run, slurm_env):
     slurm_env.command(["scancel", job])
     assert run.wait(150) == 1, run.output
     assert f"Slurm: job {job} was cancelled outside nbddp" in run.output
-    assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
-
-
-def test_slurms_time_limit_is_reported_as_such(tmp_path, cli_run, slurm_env):
-    write_notebook(tmp_path / "long.ipynb", [code(SETUP), SLOW])
-    run = cli_run(["run", "long.ipynb", *CPU2, "--time", "1"], tmp_path)  # Slurm counts whole minutes
-    assert run.wait(300) == 1, run.output
-    assert "Slurm stopped job" in run.output and "at its time limit (00:01:00)" in run.output
-    assert "It was not requeued: the training saves no checkpoint to resume from" in run.output
-    result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
-    assert result["slurm_job"]["state"] == "TIMEOUT"
     assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
 
 
@@ -277,44 +266,6 @@ def test_a_preempted_job_stops_at_its_next_checkpoint_and_resumes_after_the_urge
     assert not run.leftovers() and not processes_of(run_dir)
 
 
-def test_near_its_time_limit_a_job_stops_at_a_checkpoint_requeues_itself_and_finishes(tmp_path, cli_run, slurm_env):
-    """--time 1: Slurm signals the job (B:USR2, 120 s before the limit: at once), every rank stops at its
-    next save, the job requeues itself; each attempt trains on until the weights are an uninterrupted run's."""
-    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 15)), code(EVALUATE)])
-    run = cli_run(["run", "fit.ipynb", *CPU2, "--time", "1"], tmp_path)
-    assert run.wait(420) == 0, run.output
-    output, run_dir = run.output, only_run_dir(tmp_path)
-    # Slurm signals within its next time-limit check (seconds to half a minute): after the first save or later
-    stopped = re.search(r"Slurm signalled the job \(time limit near, or preemption\): every rank saved at this "
-                        r"checkpoint \(epoch=(\d)\) and stops", output)
-    assert stopped, output
-    epoch = stopped.group(1)
-    assert f"requeued after Slurm's signal: every rank saved at its checkpoint (epoch={epoch}) → attempt 2" in output
-    assert f"[rank 1] [nbddp] attempt 2: resumed from resume.pt (epoch={epoch})" in output
-    assert_matches(run_dir / "weights.pt", batch=16)
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "succeeded" and result["slurm_job"]["state"] == "COMPLETED"
-    assert len(result["slurm_job"]["attempts"]) == result["restarts"] + 1 >= 2
-    assert "#SBATCH --signal=B:USR2@120" in (run_dir / "slurm" / "job.sbatch").read_text()
-    assert not run.leftovers() and not processes_of(run_dir)
-
-
-def test_the_requeue_bound_is_kept_and_the_run_fails_saying_so(tmp_path, cli_run, slurm_env):
-    """Ten 15-second epochs: no attempt of a 1-minute job gets through them, so the second stops too."""
-    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(resumable_train_cell(8, 15, epochs=10))])
-    run = cli_run(["run", "fit.ipynb", *CPU2, "--time", "1", "--max-requeues", "1"], tmp_path)
-    assert run.wait(300) == 1, run.output
-    run_dir = only_run_dir(tmp_path)
-    job = json.loads((run_dir / "slurm" / "job.json").read_text())
-    assert "→ attempt 2" in run.output and "→ attempt 3" not in run.output
-    assert (f"Slurm: job {job['job_id']} stopped at its checkpoint to be requeued, but it had been requeued 1 time, "
-            f"the bound (--max-requeues 1); its last checkpoint stays in {run_dir}") in run.output
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["status"] == "failed" and len(result["slurm_job"]["attempts"]) == 2
-    assert (run_dir / "resume.pt").exists()
-    assert not run.leftovers() and not processes_of(run_dir)
-
-
 def test_a_detached_slurm_run_outlives_its_killed_nbddp_run_and_is_attached_again(tmp_path, cli_run, slurm_env):
     """``--detach``: the job's watcher belongs to the run's supervisor, not to the terminal; a new ``nbddp attach``
     shows the whole run (the queue's lines too) and its ending."""
@@ -334,3 +285,72 @@ def test_a_detached_slurm_run_outlives_its_killed_nbddp_run_and_is_attached_agai
     assert_matches(run_dir / "weights.pt", batch=16)
     assert json.loads((run_dir / "result.json").read_text())["slurm_job"]["state"] == "COMPLETED"
     assert not processes_of(run_dir)
+
+
+# Slurm's time limits: three runs of 1-minute jobs, each waiting a minute or more for Slurm's time-limit check.
+# They are started together (the partition oversubscribes) by one fixture, the first of their tests to run, and
+# each test waits for its own: the three minutes pass once. They come last, after every test with a queue of its own.
+
+@pytest.fixture(scope="module")
+def time_limited(slurm, tmp_path_factory):
+    """``{name: (run, folder)}``: the three time-limited runs, started at once, with Slurm's commands in their env."""
+    runs = {}
+    notebooks = {"limit": [code(SETUP), SLOW],
+                 "near": [code(SETUP), code(resumable_train_cell(8, 15)), code(EVALUATE)],
+                 "bound": [code(SETUP), code(resumable_train_cell(8, 15, epochs=10))]}
+    flags = {"limit": [], "near": [], "bound": ["--max-requeues", "1"]}
+    for name, cells in notebooks.items():
+        folder = tmp_path_factory.mktemp(f"time-{name}")
+        write_notebook(folder / "fit.ipynb", cells)
+        runs[name] = (CliRun(["run", "fit.ipynb", *CPU2, "--time", "1", *flags[name]], folder, env=slurm.env), folder)
+    yield runs
+    for run, _ in runs.values():
+        kill_group(run.proc.pid)
+        run.leftovers(grace=0)
+    assert slurm.wait_until_empty(30) == [], "a time-limited run left a job in the queue"
+
+
+def test_slurms_time_limit_is_reported_as_such(time_limited):
+    run, folder = time_limited["limit"]  # Slurm counts whole minutes: --time 1
+    assert run.wait(300) == 1, run.output
+    assert "Slurm stopped job" in run.output and "at its time limit (00:01:00)" in run.output
+    assert "It was not requeued: the training saves no checkpoint to resume from" in run.output
+    result = json.loads((only_run_dir(folder) / "result.json").read_text())
+    assert result["slurm_job"]["state"] == "TIMEOUT"
+    assert not run.leftovers() and not processes_of(only_run_dir(folder))
+
+
+def test_near_its_time_limit_a_job_stops_at_a_checkpoint_requeues_itself_and_finishes(time_limited):
+    """--time 1: Slurm signals the job (B:USR2, 120 s before the limit: at once), every rank stops at its
+    next save, the job requeues itself; each attempt trains on until the weights are an uninterrupted run's."""
+    run, folder = time_limited["near"]
+    assert run.wait(420) == 0, run.output
+    output, run_dir = run.output, only_run_dir(folder)
+    # Slurm signals within its next time-limit check (seconds to half a minute): after the first save or later
+    stopped = re.search(r"Slurm signalled the job \(time limit near, or preemption\): every rank saved at this "
+                        r"checkpoint \(epoch=(\d)\) and stops", output)
+    assert stopped, output
+    epoch = stopped.group(1)
+    assert f"requeued after Slurm's signal: every rank saved at its checkpoint (epoch={epoch}) → attempt 2" in output
+    assert f"[rank 1] [nbddp] attempt 2: resumed from resume.pt (epoch={epoch})" in output
+    assert_matches(run_dir / "weights.pt", batch=16)
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "succeeded" and result["slurm_job"]["state"] == "COMPLETED"
+    assert len(result["slurm_job"]["attempts"]) == result["restarts"] + 1 >= 2
+    assert "#SBATCH --signal=B:USR2@120" in (run_dir / "slurm" / "job.sbatch").read_text()
+    assert not run.leftovers() and not processes_of(run_dir)
+
+
+def test_the_requeue_bound_is_kept_and_the_run_fails_saying_so(time_limited):
+    """Ten 15-second epochs: no attempt of a 1-minute job gets through them, so the second stops too."""
+    run, folder = time_limited["bound"]
+    assert run.wait(300) == 1, run.output
+    run_dir = only_run_dir(folder)
+    job = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert "→ attempt 2" in run.output and "→ attempt 3" not in run.output
+    assert (f"Slurm: job {job['job_id']} stopped at its checkpoint to be requeued, but it had been requeued 1 time, "
+            f"the bound (--max-requeues 1); its last checkpoint stays in {run_dir}") in run.output
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["status"] == "failed" and len(result["slurm_job"]["attempts"]) == 2
+    assert (run_dir / "resume.pt").exists()
+    assert not run.leftovers() and not processes_of(run_dir)

@@ -62,6 +62,8 @@ TRAIN = ("%%ddp_train --cpu{flags}\nddp = nbddp.prepare(model)\nopt = torch.opti
 
 
 def test_an_unchanged_setup_is_kept_and_an_edited_cell_runs_with_the_ones_after_it(kernel, tmp_path):
+    """After a 3 s setup cell, an unchanged training cell re-runs in a fraction of a second (3.3 s before) with the
+    first run's weights; a value only the training reads keeps the setup; an edited cell runs with the ones after it."""
     kernel.execute("lr = 0.1")  # a kernel value only the training reads
     kernel.execute(SLOW_SETUP, "slow")
     slow = cell_label(kernel)
@@ -74,6 +76,12 @@ def test_an_unchanged_setup_is_kept_and_an_edited_cell_runs_with_the_ones_after_
     again = kernel.execute(TRAIN.format(flags=""), "train")
     assert setup_line(again) == f"setup: {slow}, {model} kept" and "SETUP RAN" not in again, again
     assert weights(kernel) == reference and wall(tmp_path) < 1.5  # (3.3 s before; ~0.3 s on an idle machine)
+    walls = []  # the issue's figure (≤ 0.3 s wanted on an idle 2-core machine): the best of four more re-runs,
+    for _ in range(4):  # the whole cell as the kernel sees it, loosely bounded (the machine is shared)
+        started_at = time.monotonic()
+        kernel.execute(TRAIN.format(flags=""), "train")
+        walls.append(time.monotonic() - started_at)
+    assert min(walls) < 1.0 and weights(kernel) == reference, walls
 
     kernel.execute("lr = 0.2")  # read by the training only: the setup is kept
     assert setup_line(kernel.execute(TRAIN.format(flags=""), "train")) == f"setup: {slow}, {model} kept"
@@ -239,9 +247,11 @@ def test_a_setup_cell_that_failed_runs_again_and_the_cells_before_it_are_kept(ke
 
 def test_a_compiled_model_trains_again_without_compiling_again(kernel, tmp_path, monkeypatch):
     """``torch.compile`` in setup: the compiled model is kept, the re-run compiles nothing (dynamo's frame count
-    doesn't grow) and gives the first run's weights."""
+    doesn't grow) and gives the first run's weights. Dynamo's ``aot_eager`` backend traces forward and backward
+    as inductor does, without generating C++ (20 s of a 2-core machine); inductor on warm ranks is the gpu lane's
+    (tests/test_gpu.py)."""
     kernel.execute("#| ddp\nimport time, torch, nbddp\nfrom torch import nn\nfrom torch._dynamo.utils import counters\n"
-                   "torch.manual_seed(0)\nmodel = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))\n"
+                   "torch.manual_seed(0)\nmodel = torch.compile(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)), backend='aot_eager')\n"
                    "X = torch.randn(32, 8)\ny = X.sum(1, keepdim=True)", "setup")
     train = ("%%ddp_train --cpu\nddp = nbddp.prepare(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.01)\n"
              "for _ in range(5):\n    loss = nn.functional.mse_loss(ddp(X), y)\n    opt.zero_grad(); loss.backward(); opt.step()\n"
@@ -255,18 +265,3 @@ def test_a_compiled_model_trains_again_without_compiling_again(kernel, tmp_path,
     assert kernel.execute("print(float(model._orig_mod[0].weight.detach().sum()))") == reference
     walls = [json.loads((d / "result.json").read_text())["wall_time_s"] for d in run_dirs(tmp_path)]
     assert walls[1] < walls[0] / 3, walls
-
-
-def test_a_three_second_setup_reruns_in_a_fraction_of_a_second(kernel, tmp_path):
-    """The issue's figure (3.3 s before, ≤ 0.3 s wanted on an idle 2-core machine): the best of five re-runs
-    of an unchanged training cell after a 3 s setup cell, loosely bounded (the machine is shared)."""
-    kernel.execute("lr = 0.1")
-    kernel.execute(SLOW_SETUP, "slow")
-    kernel.execute(MODEL_CELL, "model")
-    kernel.execute(TRAIN.format(flags=""), "train")
-    walls = []
-    for _ in range(5):
-        started_at = time.monotonic()
-        kernel.execute(TRAIN.format(flags=""), "train")
-        walls.append(time.monotonic() - started_at)
-    assert min(walls) < 1.0, walls
