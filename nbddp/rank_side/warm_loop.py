@@ -60,6 +60,9 @@ from nbddp.rank_side.env import DEFAULT_WARM_IDLE, RankEnv
 from nbddp.rank_side.warm_state import Plan, WarmState, set_torch_settings, torch_settings
 
 POLL_SECONDS = 0.005
+#: An idle rank looks for its next job every POLL_SECONDS at first (a re-run right after a run starts at once),
+#: then less and less often, down to every IDLE_POLL_SECONDS: an idle pool's ranks took 3% of a core each.
+IDLE_POLL_SECONDS = 0.05
 
 
 def main(folder: Path) -> int:
@@ -189,6 +192,7 @@ def _next_job(pool: PoolDir, number: int, idle: float, state: WarmState, rank: i
     by stopping its processes). Meanwhile, a request to forget the kept setup is answered."""
     global _forgotten
     path, deadline = pool.job(number), time.monotonic() + idle
+    poll = POLL_SECONDS
     while time.monotonic() < deadline:
         try:
             return json.loads(path.read_text(encoding="utf-8"))
@@ -200,7 +204,8 @@ def _next_job(pool: PoolDir, number: int, idle: float, state: WarmState, rank: i
                 write_json(pool.kept(rank), {**state.report(), "job": number - 1})
                 pool.mark(pool.forgot(asked, rank))
                 _forgotten = asked
-            time.sleep(POLL_SECONDS)
+            time.sleep(poll)
+            poll = min(poll * 1.02, IDLE_POLL_SECONDS)  # 5 ms to 50 ms in about 2 s
     return None
 
 
