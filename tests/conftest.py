@@ -82,23 +82,26 @@ def group(tmp_path, as_cpu_rank):
 
 
 def descendants(pid: int) -> set[int]:
-    """PIDs of every live descendant of ``pid``, read from /proc (by PID, not by name)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
+    """PIDs of every live descendant of ``pid``, read from /proc (by PID, not by name): each process's
+    ``task/*/children`` (the subtree alone: a CliRun asks ten times a second, and reading every process's
+    ``stat`` took 4 ms of CPU a call on a busy machine)."""
     found, todo = set(), [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child not in found and alive(child):
+                    found.add(child)
+                    todo.append(child)
     return found
 
 
