@@ -7,7 +7,7 @@ are loaded on first use.
 
 from __future__ import annotations
 
-from typing import Any
+import typing as _typing
 
 from nbddp._version import __version__
 
@@ -21,7 +21,7 @@ _OPTIONS = ("LaunchOptions", "Nodes", "SlurmRequest", "RayRequest")
 __all__ = ["__version__", "load_ipython_extension", *_API, "RunResult", *_OPTIONS, *_RUNTIME]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name in _RUNTIME:
         from nbddp.rank_side import torch_engine
 
@@ -42,10 +42,12 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """What ``nbddp.`` offers (``dir(nbddp)``, a notebook's completion): the public names and the module's own
+    dunders, not what this file imports."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})
 
 
-def load_ipython_extension(ipython: Any) -> None:
+def load_ipython_extension(ipython: _typing.Any) -> None:
     """``%load_ext nbddp``: registers the ``%%ddp_train`` cell magic."""
     from nbddp.doors.jupyter.magics import load_ipython_extension as load
 

@@ -25,10 +25,10 @@ def missing_tools() -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a test's own server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback now (for a test's own server), below the ephemeral range (nbddp.ports)."""
+    from nbddp.ports import free_port as below_the_ephemeral_range
+
+    return below_the_ephemeral_range()
 
 
 class SlurmCluster:

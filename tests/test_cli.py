@@ -99,6 +99,14 @@ def test_import_nbddp_does_not_import_torch():
     assert "torch" not in modules and "IPython" not in modules and "ipywidgets" not in modules
 
 
+def test_dir_of_nbddp_lists_what_it_offers_and_nothing_it_imports():
+    import nbddp
+
+    public = [name for name in dir(nbddp) if not name.startswith("_")]
+    assert public == sorted(set(nbddp.__all__) - {"__version__"})
+    assert "Any" not in dir(nbddp) and "annotations" not in dir(nbddp) and "__version__" in dir(nbddp)
+
+
 def test_what_nbddp_run_takes_and_returns_imports_from_nbddp_without_torch():
     modules = _modules_after("from nbddp import LaunchOptions, Nodes, SlurmRequest, RayRequest, RunResult, BatchResult")
     assert "torch" not in modules and "nbddp.job.orchestrator" in modules

@@ -29,7 +29,7 @@ PACKAGE = Path(nbddp.__file__).parent
 
 #: Lowest first. A module belongs to the first layer with a pattern that matches its name.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("nbddp._version", "nbddp.errors", "nbddp.atomic", "nbddp.owned", "nbddp.devices", "nbddp.checkpoint",
+    ("leaves", ("nbddp._version", "nbddp.errors", "nbddp.atomic", "nbddp.owned", "nbddp.ports", "nbddp.devices", "nbddp.checkpoint",
                 "nbddp.job.status", "nbddp.job.rundir", "nbddp.job.metrics", "nbddp.job.rank_memory",
                 "nbddp.notebook.sourcemap", "nbddp.notebook.role_names", "nbddp.notebook.freevars")),
     ("rank side", ("nbddp.rank_side", "nbddp.rank_side.*", "nbddp.runtime", "nbddp.runtime_catalyst")),

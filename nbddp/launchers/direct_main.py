@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Sequence
 from nbddp.atomic import write_json
 from nbddp.engines.torch import LOOPBACK, torchrun_variables
 from nbddp.job.status import signal_exit_code
+from nbddp.ports import free_port
 from nbddp.rank_side.env import threads_per_rank
 from nbddp.rank_side.parent_death import launching_ranks
 
@@ -41,7 +41,7 @@ STOP_SECONDS = 5.0
 class Ranks:
     def __init__(self, program: Sequence[str], nproc: int) -> None:
         """``program``: what follows ``python -u`` for each rank (a script, or ``-m MODULE ARGS``)."""
-        port = _free_port()  # nothing listens on it (the ranks meet in files): for libraries that read it
+        port = free_port(LOOPBACK)  # nothing listens on it (the ranks meet in files): for libraries that read it
         base = dict(os.environ)
         base.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc))
         self.procs = [subprocess.Popen([sys.executable, "-u", *program], start_new_session=True, stdin=subprocess.DEVNULL,
@@ -88,12 +88,6 @@ class Ranks:
         if self.stopped_by is not None:
             return signal_exit_code(self.stopped_by)
         return 0 if all(code == 0 for code in self.codes.values()) else 1
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -63,13 +63,11 @@ class RankActor:
 
     def where(self, paths: list[str]) -> dict[str, Any]:
         """This actor's node, IP, GPUs, a free port, and which of ``paths`` it can't see."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        from nbddp.ports import free_port
+
+        port = free_port("")
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "port": port,
                 "missing": [p for p in paths if not os.path.exists(p)]}

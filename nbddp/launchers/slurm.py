@@ -245,7 +245,7 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         "set -euo pipefail",
         f"PYTHON={q(python)}",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "port=$(\"$PYTHON\" -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+        'port=$("$PYTHON" -m nbddp.ports "")  # below the ephemeral range: no connection is handed it meanwhile',
         'echo "nbddp: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous at $head:$port"',
     ]
     if requeue is not None:

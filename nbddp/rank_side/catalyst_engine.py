@@ -16,7 +16,6 @@ so three incompatibilities are handled here, deliberately and in one place:
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from datetime import timedelta
 from typing import Any, Sequence
@@ -25,6 +24,7 @@ import torch
 from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
+from nbddp.ports import free_port
 from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
 from nbddp.job.status import Status
@@ -38,13 +38,6 @@ def apply_compat_shims() -> None:
     from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
     apply_catalyst_shims()
-
-
-def free_port() -> int:
-    """A port the OS says is free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def requested_processes() -> tuple[int, bool]:
