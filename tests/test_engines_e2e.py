@@ -63,6 +63,7 @@ def test_torch_script_runs_under_torchrun_on_two_processes(tmp_path):
     assert accuracy(returns["model"], tmp_path) > 0.9
 
 
+@pytest.mark.beside  # long (Catalyst's imports in three processes), asserts no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 def test_catalyst_script_runs_with_python_on_two_processes(tmp_path):
     shutil.copy(EXAMPLES / "digits_catalyst.ipynb", tmp_path)

@@ -261,6 +261,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 train_loop = TrainLoop(model, loader, None, None, optimizer, nn.MSELoss(), gpu_mode='ddp')'''
 
 
+@pytest.mark.beside  # long (AIToolbox's imports on each rank), asserts no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 def test_aitoolboxs_ddp_train_loop_runs_on_nbddps_ranks(tmp_path, cli_run):
     """AIToolbox's ``gpu_mode='ddp'`` sets its own MASTER_PORT 8888 and spawns ``num_nodes * num_gpus`` processes
