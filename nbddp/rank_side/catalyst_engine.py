@@ -15,8 +15,11 @@ so three incompatibilities are handled here, deliberately and in one place:
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -68,6 +71,23 @@ def finish(namespace: dict[str, Any], returns: Sequence[str]) -> None:
     runtime.finish(namespace, returns, mark=False)  # runner.train never ran: save like the torch engine
 
 
+#: The longest temp folder path under which multiprocessing's sockets (``pymp-XXXXXXXX/listener-XXXXXXXX``)
+#: still fit in a Unix socket's 107 bytes.
+SOCKET_TEMP_ROOM = 70
+
+
+def _temp_dir_that_holds_sockets() -> None:
+    """torch.multiprocessing hands every tensor to Catalyst's spawned ranks through a Unix socket in
+    multiprocessing's temp folder, and a socket's path holds at most 107 bytes: under a long ``TMPDIR``
+    (JupyterHub's, a batch system's, a test's) pickling the loaders failed with "AF_UNIX path too long".
+    There, this launching process's temp folder is a private one in /tmp, removed when it exits."""
+    if len(tempfile.gettempdir()) <= SOCKET_TEMP_ROOM or not os.access("/tmp", os.W_OK | os.X_OK):
+        return
+    short = tempfile.mkdtemp(prefix=f"nbddp-catalyst-{os.getpid()}-", dir="/tmp")
+    atexit.register(shutil.rmtree, short, True)
+    tempfile.tempdir = short
+
+
 def trained() -> bool:
     """True once a patched ``runner.train`` finished in this (launching) process."""
     return _state["trained"]
@@ -79,6 +99,7 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
     def spawn(self, fn, *args, **kwargs):  # noqa: ANN001
         import torch.multiprocessing as mp
 
+        _temp_dir_that_holds_sockets()
         check_picklable(fn)
         launching_ranks()
         return mp.spawn(_rank_main, args=(fn, self._world_size, self._workers_global_rank),
