@@ -102,7 +102,7 @@ def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_pat
         assert "[rank 1] step 1 2.0" in out, out
         time.sleep(1)  # idle now: the ranks wait for their next job
         agent = [p for p in psutil.Process(kernel.km.provisioner.process.pid).children(recursive=True)
-                 if "nbddp.launchers.warm_agent" in " ".join(p.cmdline())]
+                 if _runs(p.pid, "nbddp.launchers.warm_agent") and not _runs(p.ppid(), "nbddp.launchers.warm_agent")]
         assert len(agent) == 1, agent
         pids = {agent[0].pid, *(c.pid for c in agent[0].children(recursive=True))}
         assert len(pids) == 3
@@ -121,19 +121,18 @@ def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, 
     """A rank asks to die with its launcher before it imports torch, and then checks that its launcher is still
     its parent: one killed in between (a kernel taken by the OOM killer while it forks) would never signal it.
     The window is made deterministic by a fault hook: a ``sitecustomize`` that holds each rank for 3 s before
-    its first line (only the ranks: a process whose ``NBDDP_PARENT`` is its parent), while the test SIGKILLs
-    the launcher (nbddp's own starter, or torchrun's agent with --max-restarts)."""
+    it arms (:data:`HOLD_EACH_RANK`), while the test SIGKILLs the launcher (nbddp's own starter, which forks its
+    ranks, or torchrun's agent with --max-restarts, which starts fresh interpreters)."""
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('NBDDP_PARENT') == str(os.getppid()):\n    time.sleep(3)\n")
+    (hook / "sitecustomize.py").write_text(HOLD_EACH_RANK)
     write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=300))])
     run = cli_run(["run", "f.ipynb", "--cpu", *flags], tmp_path,
                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
     deadline = time.monotonic() + 60
     ranks: list[psutil.Process] = []
     while len(ranks) < 2 and time.monotonic() < deadline:
-        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, launcher)]
+        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, launcher) and not _runs(_parent(pid), launcher)]
         ranks = [child for agent in agents for child in agent.children() if _runs(child.pid, "train.py")]
         time.sleep(0.01)
     assert len(ranks) == 2, run.output
@@ -144,6 +143,32 @@ def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, 
     assert not alive, "ranks outlived their launcher"
     assert run.wait(timeout=60) != 0
     assert not run.leftovers()
+
+
+#: The fault hook: each rank held for 3 s before it arms its death signal. torchrun's ranks are fresh interpreters
+#: (held before their first line: a process whose ``NBDDP_PARENT`` is its parent); nbddp's starter forks its ranks
+#: from itself (:mod:`nbddp.launchers.forked_rank`), so there the fork is held, in the child.
+HOLD_EACH_RANK = """
+import os, time
+if os.environ.get('NBDDP_PARENT') == str(os.getppid()):
+    time.sleep(3)
+with open('/proc/self/cmdline', 'rb') as cmdline:
+    if b'nbddp.launchers.direct_main' in cmdline.read():
+        _fork = os.fork
+        def _held_fork():
+            pid = _fork()
+            if pid == 0:
+                time.sleep(3)
+            return pid
+        os.fork = _held_fork
+"""
+
+
+def _parent(pid: int) -> int:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return 0
 
 
 def _runs(pid: int, what: str) -> bool:

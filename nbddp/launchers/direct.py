@@ -17,7 +17,7 @@ from nbddp.job.rundir import RunDir
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import TAIL_LINES, Launcher, LaunchReport
 
-#: What runs the ranks: nbddp's own starter, which imports no torch.
+#: What runs the ranks: nbddp's own starter, which imports torch once and forks them.
 LAUNCHER_MODULE = ("-m", "nbddp.launchers.direct_main")
 
 
