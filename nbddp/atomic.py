@@ -33,7 +33,10 @@ def replace_atomically(path: str | Path, write: Callable[[Path], object]) -> Pat
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_orphans(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=_SUFFIX, dir=path.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, ordinary_mode())  # mkstemp's 0600, else: the same file written with open() has the umask's
+    finally:
+        os.close(fd)
     try:
         write(Path(tmp))
         os.replace(tmp, path)
@@ -43,12 +46,13 @@ def replace_atomically(path: str | Path, write: Callable[[Path], object]) -> Pat
     return path
 
 
-def write_text(path: str | Path, text: str, mode: int = 0o600) -> Path:
-    """``text`` (UTF-8) to ``path``, atomically, with permissions ``mode``."""
+def write_text(path: str | Path, text: str, mode: int | None = None) -> Path:
+    """``text`` (UTF-8) to ``path``, atomically, with permissions ``mode`` (``None``: :func:`ordinary_mode`)."""
 
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
-        tmp.chmod(mode)
+        if mode is not None:
+            tmp.chmod(mode)
 
     return replace_atomically(path, write)
 
@@ -56,6 +60,24 @@ def write_text(path: str | Path, text: str, mode: int = 0o600) -> Path:
 def write_json(path: str | Path, data: Any, indent: int | None = None) -> Path:
     """``data`` as JSON (``repr`` for what JSON can't hold), atomically."""
     return write_text(path, json.dumps(data, indent=indent, default=repr))
+
+
+def ordinary_mode() -> int:
+    """The permissions ``open()`` gives a new file here: ``0o666`` less the process's umask.
+
+    Every file nbddp writes has them, whether written whole at once or not (``weights.pt``, ``result.json``,
+    ``output.ipynb`` and the logs alike); what must stay the user's alone is in a folder only they can
+    enter (a run dir, a warm pool's, the registry: ``0700``). The umask is read from ``/proc``: setting it
+    to learn it (``os.umask``) would change it for a moment under every other thread of a kernel.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
 
 
 def read_json(path: str | Path) -> Any:

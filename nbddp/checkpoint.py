@@ -45,9 +45,33 @@ def state_of(obj: Any) -> Any:
 
 
 def save_returns(values: dict[str, Any], path: str | Path, note: str = "") -> Path:
-    """Atomically write ``{name: state}`` to ``path``; returns the path."""
-    payload = {"nbddp": FORMAT, "note": note, "returns": {k: state_of(v) for k, v in values.items()}}
+    """Atomically write ``{name: state}`` to ``path``; returns the path.
+
+    What isn't weights or plain data (a ``DataLoader``, a dataset, a function) is left out, said in the note:
+    a checkpoint is read back with ``weights_only=True``, which refuses any other object, and one such value
+    must not cost the model that trained beside it."""
+    states = {name: state_of(value) for name, value in values.items()}
+    left_out = {name: type(values[name]).__name__ for name, state in states.items() if not _plain(state)}
+    if left_out:
+        said = ", ".join(f"{name} (a {kind})" for name, kind in left_out.items())
+        note = "; ".join(filter(None, [note, f"{said} didn't come back: only modules, optimizers, tensors and plain "
+                                             "values (numbers, text, lists and dicts of them) do"]))
+    payload = {"nbddp": FORMAT, "note": note, "returns": {k: v for k, v in states.items() if k not in left_out}}
     return save_atomic(payload, path)
+
+
+def _plain(state: Any) -> bool:
+    """``state`` is what ``torch.load(weights_only=True)`` reads back: tensors, numbers, text and containers of them."""
+    import torch
+
+    if state is None or isinstance(state, (bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
+                                           torch.device, torch.Size)):
+        return True
+    if isinstance(state, (list, tuple, set)) and type(state) in (list, tuple, set):
+        return all(_plain(item) for item in state)
+    if isinstance(state, dict) and type(state).__module__ in ("builtins", "collections"):
+        return all(_plain(key) and _plain(value) for key, value in state.items())
+    return False
 
 
 def save_atomic(payload: Any, path: str | Path) -> Path:
@@ -101,23 +125,24 @@ def load_returns(path: str | Path, mmap: bool = True) -> tuple[dict[str, Any], s
 def load_into(namespace: dict[str, Any], states: dict[str, Any]) -> list[str]:
     """Load each returned state into the object of the same name in ``namespace``.
 
-    Modules and optimizers get ``load_state_dict``; other values are assigned. Nothing loaded
-    shares memory with ``states`` (which may be pages of the checkpoint file, see
-    :func:`load_returns`): the file can then be replaced or removed. Returns the names loaded.
+    Modules and optimizers get ``load_state_dict``; other values are assigned, as is any state whose name the
+    namespace lacks (what only a training cell defined: a module's or an optimizer's comes back as its state
+    dict, said in the name returned). Nothing loaded shares memory with ``states`` (which may be pages of the
+    checkpoint file, see :func:`load_returns`): the file can then be replaced or removed. Returns the names loaded.
 
     Raises:
-        CheckpointError: a name is missing from the namespace, or the state
+        CheckpointError: the state
             doesn't fit the object (different architecture).
     """
     import torch
 
     loaded = []
     for name, state in states.items():
-        if name not in namespace:
-            raise CheckpointError(
-                f"the training returned {name!r} but the notebook has no variable {name!r} to load "
-                "it into. Define it in a 'ddp' cell (so the kernel has it too) or change --return."
-            )
+        if name not in namespace:  # (a training cell made it): it comes back as what was saved, said
+            namespace[name] = _owned(state)
+            loaded.append(f"{name} (as saved: the kernel had no {name} to load it into)"
+                          if isinstance(state, dict) else name)
+            continue
         target = namespace[name]
         try:
             if isinstance(target, torch.nn.Module):

@@ -86,7 +86,7 @@ def read_owned(path: Path, what: str) -> bytes:
 
 def touch(path: Path) -> None:
     """Create the mark ``path`` (or leave it as it is), never through a symbolic link planted there."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o666))
 
 
 def _judged(path: Path, info: os.stat_result, what: str, then: str = CHOOSE_ANOTHER) -> os.stat_result:

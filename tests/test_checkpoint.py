@@ -25,6 +25,18 @@ def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
     assert fresh["scale"] == 2.5
 
 
+def test_weights_pt_loads_as_the_readme_says_with_torch_alone(tmp_path):
+    """README, "Using weights.pt without nbddp": ``torch.load(..., weights_only=True)["returns"][NAME]``."""
+    model = torch.nn.Linear(3, 2)
+    save_returns({"model": torch.nn.DataParallel(model), "w_true": torch.ones(3)}, tmp_path / "weights.pt")
+    saved = torch.load(tmp_path / "weights.pt", map_location="cpu", weights_only=True)
+    assert saved["nbddp"] == 1 and set(saved["returns"]) == {"model", "w_true"}
+    plain = torch.nn.Linear(3, 2)
+    plain.load_state_dict(saved["returns"]["model"])  # no "module." prefix: a plain model takes it
+    torch.testing.assert_close(plain.weight, model.weight.detach())
+    torch.testing.assert_close(saved["returns"]["w_true"], torch.ones(3))
+
+
 def test_loaded_values_outlive_and_ignore_their_file(tmp_path):
     """Loading maps the file (mmap); what the kernel gets must not depend on it afterwards."""
     model, stats = torch.nn.Linear(3, 2), torch.arange(4.0)
@@ -49,12 +61,26 @@ def test_loaded_values_outlive_and_ignore_their_file(tmp_path):
     assert kernel["optimizer"].state_dict()["state"][0]["step"] == 2
 
 
-def test_missing_name_and_wrong_architecture_are_clear_errors(tmp_path):
-    states, _ = load_returns(save_returns({"model": torch.nn.Linear(3, 2)}, tmp_path / "w.pt"))
-    with pytest.raises(CheckpointError, match="no variable 'model'"):
-        load_into({}, states)
+def test_what_the_kernel_lacks_comes_back_as_saved_and_a_wrong_architecture_is_a_clear_error(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    states, _ = load_returns(save_returns({"model": model, "opt": opt, "w_true": torch.ones(2)}, tmp_path / "w.pt"))
+    kernel = {"model": torch.nn.Linear(3, 2)}  # opt and w_true: made by a training cell, which the kernel doesn't run
+    assert load_into(kernel, states) == ["model", "opt (as saved: the kernel had no opt to load it into)", "w_true"]
+    assert kernel["opt"]["param_groups"][0]["lr"] == 0.1 and torch.equal(kernel["w_true"], torch.ones(2))
     with pytest.raises(CheckpointError, match="don't fit the notebook's 'model'"):
         load_into({"model": torch.nn.Linear(5, 2)}, states)
+
+
+def test_what_isnt_weights_is_left_out_said_and_the_rest_comes_back(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 3)), batch_size=2)
+    path = save_returns({"model": model, "loader": loader, "history": {"loss": [0.5, 0.25], "best": None}},
+                        tmp_path / "w.pt", note="final")
+    states, note = load_returns(path)
+    assert set(states) == {"model", "history"}
+    assert note == ("final; loader (a DataLoader) didn't come back: only modules, optimizers, tensors and plain "
+                    "values (numbers, text, lists and dicts of them) do")
 
 
 def test_truncated_or_tampered_files_are_refused(tmp_path):

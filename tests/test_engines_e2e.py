@@ -7,6 +7,7 @@ GPUs too. Scripts that an earlier nbddp exported keep working.
 """
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from nbddp.checkpoint import load_returns
 from nbddp.doors.cli import main
-from tests.conftest import EXAMPLES, PYTHON, cpu_rank, kill_group, survivors
+from tests.conftest import EXAMPLES, PYTHON, code, cpu_rank, kill_group, survivors
 
 
 def run_in_own_group(argv, cwd, timeout=240, env=None):
@@ -61,6 +62,20 @@ def test_torch_script_runs_under_torchrun_on_two_processes(tmp_path):
     returns, _ = load_returns(tmp_path / "train.weights.pt")
     assert not any(k.startswith("module.") for k in returns["model"])  # DDP wrapper stripped
     assert accuracy(returns["model"], tmp_path) > 0.9
+
+
+def test_an_exported_script_run_by_hand_names_the_notebook_cell_in_its_traceback(tmp_path, notebook):
+    """Under a person's own launcher (here plain ``python``, one rank), the rank's traceback reads each frame of the
+    script back to the notebook from the map beside it; without the map, it is Python's own."""
+    path = notebook([code("import torch, nbddp\nscale = 2", "ddp"),
+                     code("#| ddp-train\nvalues = [scale]\n\nraise ValueError(f'bad batch {values}')")])
+    assert main(["export", str(path), "-o", str(tmp_path / "fail.py")]) == 0
+    proc, out = run_in_own_group([PYTHON, "fail.py"], tmp_path, env=cpu_rank(), timeout=60)
+    assert proc.returncode == 1 and "ValueError: bad batch [2]" in out, out
+    assert re.search(rf'File ".*fail.py", line \d+ \[{re.escape(str(path))}, cell 2, line 4\], in <module>', out), out
+    (tmp_path / "fail.py.map.json").unlink()
+    proc, out = run_in_own_group([PYTHON, "fail.py"], tmp_path, env=cpu_rank(), timeout=60)
+    assert proc.returncode == 1 and "ValueError: bad batch [2]" in out and "cell 2" not in out, out
 
 
 @pytest.mark.beside  # long (Catalyst's imports in three processes), asserts no timing: evens out .ci/run's lanes

@@ -231,6 +231,11 @@ def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, cli_run):
     assert run.wait(timeout=120) == 0, run.output
     assert "[rank 0] attempt 0 starts at epoch 0" in run.output
     assert "[rank 0] attempt 1 starts at epoch 2" in run.output and "resumed from resume.pt" in run.output
+    said = ("[launcher] restart 1 of 1 (--max-restarts): rank 1 raised RuntimeError: transient failure; every rank "
+            "starts its script again")
+    assert run.output.count(said) == 1, run.output  # as it happens, once
+    assert run.output.index("[rank 0] attempt 0") < run.output.index(said) < run.output.index("[rank 0] attempt 1")
+    assert re.search(r"nbddp: succeeded in [\d.]+s after 1 restart · ", run.output), run.output
     result = result_of(tmp_path)
     assert result["status"] == "succeeded" and result["restarts"] == 1 and result["final_metrics"]["epoch"] == 3
     assert not run.leftovers()

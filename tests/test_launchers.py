@@ -87,6 +87,12 @@ def test_torchrun_report_and_root_cause():
     torchrun = launcher_for("torch", max_restarts=1)
     assert torchrun.rank_exit_codes(TORCHRUN) == {1: -9, 0: 1}
     assert torchrun.root_cause(TORCHRUN) == 0 and torchrun.root_cause("nothing here") is None
+    attempts = ("E1127 07:40:01.123000 4242 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 17) "
+                "local_rank: 1 (pid: 4300) of binary: /usr/bin/python3\n"
+                "W1127 07:40:02.000000 4242 torch/distributed/elastic/agent/server/api.py:725] [default] Worker group "
+                "FAILED. 1/1 attempts left; will restart worker group\n")
+    assert torchrun.failed_attempt(attempts) == "local rank 1 exited with code 17"
+    assert torchrun.failed_attempt("nothing here") is None and launcher_for("torch").failed_attempt(attempts) is None
 
 
 def test_a_launcher_hands_up_what_it_observed_as_data(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 
 from nbddp.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
-from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters
+from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters, type_notices
 from tests.conftest import code
 
 
@@ -49,3 +49,17 @@ def test_an_annotation_alone_declares_a_parameter(notebook):
     nb = read_notebook(notebook([code("lr: float\nepochs = 2", "parameters"), code("#| ddp-train\npass")]))
     assert declared_parameters(nb) == {"lr": {"annotation": "float"}, "epochs": 2}
     assert check_overrides(nb, {"lr": 0.1})
+
+
+def test_an_override_whose_type_differs_from_its_default_is_said_once_each():
+    declared = {"lr": 0.05, "epochs": 3, "name": "x", "flag": True, "steps": {"expression": "epochs * 10"},
+                "seed": None, "sizes": [1, 2]}
+    assert type_notices(declared, {"lr": 1, "epochs": 2.5, "name": "y", "flag": False, "steps": "a", "seed": 3,
+                                   "sizes": [3]}) == ()  # numbers are numbers; an expression or None has no type
+    assert type_notices(declared, {"lr": "abc", "name": 3, "flag": 1, "sizes": "1,2"}) == (
+        "warning: -p lr 'abc' is text (it doesn't read as a Python literal), but the notebook's default 0.05 is a "
+        "number: the cells get 'abc' as it is.",
+        "warning: -p name 3 is a number, but the notebook's default 'x' is text: the cells get 3 as it is.",
+        "warning: -p flag 1 is a number, but the notebook's default True is a bool: the cells get 1 as it is.",
+        "warning: -p sizes '1,2' is text (it doesn't read as a Python literal), but the notebook's default [1, 2] "
+        "is a list: the cells get '1,2' as it is.")

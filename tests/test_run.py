@@ -7,12 +7,14 @@ import json
 import re
 import shutil
 import signal
+import stat
 import time
 
 import nbformat
 import pytest
 import torch
 
+from nbddp.atomic import ordinary_mode
 from nbddp.devices import resolve, visible_gpu_count
 from tests.conftest import EXAMPLES, code, md, write_notebook
 
@@ -116,13 +118,28 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
     (tmp_path / "data.txt").write_text("relative file ok")
     value = "it's \"q\"\\ é\nline2"
     write_notebook(tmp_path / "p.ipynb", [
-        code("tag = 'default'\nsteps = 1", "parameters"),
+        code("tag = 'default'\nsteps = 1\nscale = 0.5", "parameters"),
         code(SETUP + "\ncontent = open('data.txt').read()"),
-        code("#| ddp-train\nprint(f'rank {nbddp.rank()} tag={tag!r} steps={steps} content={content}')"),
-        code("print(f'kernel tag={tag!r} steps={steps}')"),
+        code("#| ddp-train\nprint(f'rank {nbddp.rank()} tag={tag!r} steps={steps} content={content}')\n"
+             "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nloader = torch.utils.data.DataLoader(range(4))"),
+        code("print(f'kernel tag={tag!r} steps={steps} scale={scale!r} opt lr={opt[\"param_groups\"][0][\"lr\"]}')"),
     ])
-    run = cli_run(["run", "p.ipynb", "--cpu", "-p", "tag", value, "-p", "steps", "3"], tmp_path)
+    run = cli_run(["run", "p.ipynb", "--cpu", "-p", "tag", value, "-p", "steps", "3", "-p", "scale", "0.5x",
+                   "--return", "model,opt,loader"], tmp_path)
     assert run.wait() == 0, run.output
+    # what only a training cell made comes back as saved; what isn't weights is left out, said, and costs nothing else
+    assert ("[nbddp] loaded the trained model, opt (as saved: the kernel had no opt to load it into) on the CPU from "
+            "weights.pt (loader (a DataLoader) didn't come back: only modules, optimizers, tensors and plain values") \
+        in run.output, run.output
+    assert "opt lr=0.1" in run.output
+    assert run.output.count("warning: -p") == 1, run.output  # a mistyped number is text: said before the run
+    assert ("nbddp: warning: -p scale '0.5x' is text (it doesn't read as a Python literal), but the notebook's "
+            "default 0.5 is a number: the cells get '0.5x' as it is.") in run.output
+    assert "kernel tag=" in run.output and "scale='0.5x'" in run.output
+    (run_dir,) = (tmp_path / "runs").iterdir()  # every file one mode, the umask's; the folder the user's alone
+    modes = {str(f.relative_to(run_dir)): oct(stat.S_IMODE(f.stat().st_mode)) for f in run_dir.rglob("*") if f.is_file()}
+    assert {"output.ipynb", "result.json", "weights.pt", "logs/rank-0.log", "logs/launcher.log"} <= set(modes), modes
+    assert set(modes.values()) == {oct(ordinary_mode())} and stat.S_IMODE(run_dir.stat().st_mode) == 0o700, modes
     for rank in (0, 1):
         assert f"[rank {rank}] rank {rank} tag={value!r} steps=3 content=relative file ok" in run.output
     assert f"kernel tag={value!r} steps=3" in run.output

@@ -299,6 +299,7 @@ def test_a_sharded_run_gives_ddps_weights_and_one_processs_and_the_kernel_evalua
     assert "peak memory" in sharded.output and not sharded.leftovers()
 
 
+@pytest.mark.beside  # long, asserting no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_world_size_one(tmp_path, cli_run):
     save = "nbddp.save_checkpoint(model=net, optimizer=opt, step=step)"

@@ -47,13 +47,16 @@ class Ending:
     """Each rank's peak memory in bytes (:mod:`nbddp.job.rank_memory`)."""
     dropped: dict[int, int] = field(default_factory=dict)
     """Bytes of each rank's output its log didn't keep beyond ``--log-cap`` (:mod:`nbddp.rank_side.log_cap`)."""
+    restarts: int = 0
+    """How often torchrun started the ranks again (``--max-restarts``)."""
 
     @property
     def succeeded(self) -> bool:
         return self.status == Status.SUCCEEDED
 
     def line(self) -> str:
-        parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"]
+        parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"
+                 + (f" after {self.restarts} restart{'s' * (self.restarts > 1)}" if self.restarts else "")]
         if self.reason:
             parts.append(self.reason)
         if self.weights:
@@ -81,7 +84,7 @@ def ending_of(result: "RunResult", reason: str = "") -> Ending:
     memory = {int(rank): peak for rank, peak in result.record.peak_memory.items()} if result.record else {}
     dropped = {int(rank): n for rank, n in result.record.dropped_output.items()} if result.record else {}
     return Ending(result.status, result.seconds, result.run_dir, weights_went(result.kernel), reason, metrics, memory,
-                  dropped)
+                  dropped, result.record.restarts if result.record else 0)
 
 
 def weights_went(kernel: "KernelResult") -> str:

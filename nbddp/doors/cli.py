@@ -98,6 +98,8 @@ def _export(args: argparse.Namespace) -> int:
     script = generate(notebook, options)
     if script.note:
         print(f"nbddp: {script.note}", file=sys.stderr)  # (also in the script's header)
+    for notice in script.notices:
+        print(f"nbddp: {notice}", file=sys.stderr)
     if to_stdout:
         sys.stdout.write(script.text)
         return 0

@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             write_json(paths.supervisor, {"pid": os.getpid(), "created": psutil.Process().create_time(),
                                           "started": time.time()})
-            log = os.open(paths.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            log = os.open(paths.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # (the umask applies)
             null = os.open(os.devnull, os.O_RDONLY)
             for fd, target in ((0, null), (1, log), (2, log)):
                 os.dup2(target, fd)

@@ -60,7 +60,7 @@ from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
 from nbddp.job.status import Status
 from nbddp.notebook.cells import INJECTED, PARAMETERS, directive, training_cells
-from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters
+from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters, type_notices
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
 from nbddp.notebook.freevars import check_defined
@@ -292,6 +292,8 @@ def _warn_unknown(notebook: Notebook, injected: dict[str, Any]) -> None:
         where = "the parameters cell doesn't define it" if declared else "the notebook has no parameters cell"
         _logger().warning(f"nbddp: -p {name}: {where} ({hint}injected anyway, as papermill does; the training "
                           f"uses it only if the code reads {name}).")
+    for notice in type_notices(declared, injected):
+        _logger().warning(f"nbddp: {notice}")
 
 
 def _notebook_name(input_path: Any) -> Path:

@@ -23,7 +23,7 @@ from nbddp.engines import spawns_its_own_ranks
 from nbddp.errors import UsageError
 from nbddp.launchers import launcher_for
 from nbddp.launchers.base import Launch, Launcher
-from nbddp.job.outcome import Evidence, JobOutcome, Status, judge
+from nbddp.job.outcome import PEER_GONE, Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
 from nbddp.rank_side.env import RankEnv
@@ -33,7 +33,7 @@ from nbddp.job.rundir import RunDir, rank_of
 from nbddp.job.spec import JobSpec
 from nbddp.job.torch_leftovers import TorchLeftovers
 from nbddp.notebook.script import write_script
-from nbddp.job.follow import RunFollower, Sink
+from nbddp.job.follow import LogLine, RunFollower, Sink
 
 POLL_SECONDS = 0.05
 #: Polls are this much closer during a job's first seconds: a warm re-run's whole job, and the first
@@ -62,6 +62,7 @@ class Job:
         self.deadline_name = "--timeout"
         self.idle_for: float | None = None
         self.rendezvous_expired = False
+        self.restarts_said = 0
         self.started_at, self.started_monotonic = time.time(), time.monotonic()
         self.follower = RunFollower(spec.run_dir, include_launcher=launcher.streams_launcher_log)
         self.quiet = QuietStream(spec.script.source_map, self.local_ranks())
@@ -130,6 +131,8 @@ class Job:
                     last_check = now
                     self.early_exit = self._rank_ended_early()
                     self.rendezvous_expired = self._rendezvous_expired()
+                    if self.spec.launch.max_restarts:
+                        self._say_restarts(sinks)
                 if timed_out or self.early_exit is not None or self.rendezvous_expired:
                     self.launch.stop(signal.SIGTERM)
                     break
@@ -142,6 +145,24 @@ class Job:
             self.launch.stop(signal.SIGTERM, reap=True)  # the launcher left stragglers behind
         self.pump(sinks, final=True)
         return self.outcome(timed_out=timed_out)
+
+    def _say_restarts(self, sinks: Sequence[Sink]) -> None:
+        """torchrun started the ranks again (``--max-restarts``): said as it happens, with why, on the launcher's
+        line; the ending and ``result.json`` count them too."""
+        attempt = self.paths.restarts()
+        if attempt <= self.restarts_said:
+            return
+        self.restarts_said = attempt
+        raised = [report for path in self.paths.error_reports()
+                  if isinstance(report := read_json(path), dict) and report.get("attempt") == attempt - 1]
+        first = [report for report in raised if not PEER_GONE.search(str(report.get("message", "")))]
+        raised = first or raised  # the rank that failed, not those its leaving broke
+        why = "; ".join(f"rank {r.get('rank')} raised {r.get('type')}: {str(r.get('message', '')).strip()[:160]}"
+                        for r in raised) or self.launcher.failed_attempt(self.launcher.report(self.paths))
+        line = (f"restart {attempt} of {self.spec.launch.max_restarts} (--max-restarts): {why or 'a rank failed'}; "
+                "every rank starts its script again (nbddp.restore() resumes from the last checkpoint)")
+        for sink in sinks:
+            sink(LogLine(None, line))
 
     def _rank_ended_early(self, despite_errors: bool = False, live: bool = True) -> int | None:
         """A rank whose process is gone with neither a 'done' mark nor an error report.

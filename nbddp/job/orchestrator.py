@@ -215,6 +215,8 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     started = time.monotonic()
     if request.script.note:
         say(request.script.note)  # no cell is marked: which cells nbddp chose
+    for notice in request.script.notices:
+        say(notice)
     devices = devices_for(launch, asked=request.script.processes)
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)

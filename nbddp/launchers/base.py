@@ -124,6 +124,10 @@ class Launcher:
         """The rank the launcher names as the first failure, if it names one."""
         return None
 
+    def failed_attempt(self, report: str) -> str | None:
+        """Why the launcher last restarted the ranks, in its words (``--max-restarts``), if it says."""
+        return None
+
     def rendezvous_failure(self, report: str, expired: bool = False) -> str | None:
         """Why the nodes of a multi-node run never all met, when that is what happened
         (``expired``: nbddp stopped waiting for them after ``--rdzv-timeout``)."""

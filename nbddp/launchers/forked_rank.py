@@ -107,17 +107,14 @@ def _become_fresh(env: Mapping[str, str]) -> None:
     os.environ.clear()
     os.environ.update(env)
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
-    for sig in signal.valid_signals():
-        if signal.getsignal(sig) not in (None, signal.SIG_DFL):
-            signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for ignored in ("SIGPIPE", "SIGXFSZ"):  # as CPython's start sets them
-        if hasattr(signal, ignored):
-            signal.signal(getattr(signal, ignored), signal.SIG_IGN)
+    for sig in signal.valid_signals():  # a handler the starter's code installed is not the program's: an exec
+        if callable(signal.getsignal(sig)):  # resets it; what was ignored stays ignored, as across an exec
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     for name, fd, mode in (("stdin", 0, "r"), ("stdout", 1, "w"), ("stderr", 2, "w")):
         old = getattr(sys, name)
-        stream = io.TextIOWrapper(io.FileIO(fd, mode, closefd=False), encoding=old.encoding, errors=old.errors,
-                                  write_through=mode == "w")
+        raw = io.FileIO(fd, mode, closefd=False)  # ``-u``: writes go straight to the descriptor
+        stream = io.TextIOWrapper(raw if mode == "w" else io.BufferedReader(raw), encoding=old.encoding,
+                                  errors=old.errors, write_through=mode == "w")
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     numpy = sys.modules.get("numpy")

@@ -22,6 +22,7 @@ from nbddp.job.rundir import RunDir
 #: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.
 LAUNCHER_MODULE = ("-m", "nbddp.launchers.torchrun_main")
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 _NODES_MISSING = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
 _NO_HOST = re.compile(r"timed out after \d+ms while trying to connect to \(([^,]+), (\d+)\)")
 _PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
@@ -62,6 +63,12 @@ class Torchrun(Launcher):
 
     def rank_exit_codes(self, report: str) -> dict[int, int]:
         return {int(rank): int(code) for rank, code in _FAILURE.findall(report)}
+
+    def failed_attempt(self, report: str) -> str | None:
+        """torchrun's agent logs each failed attempt before it restarts the ranks ("failed (exitcode: 17)
+        local_rank: 1 (pid: …)"): the last one, as ``local rank 1 exited with code 17``."""
+        found = _ATTEMPT_FAILED.findall(report)
+        return f"local rank {found[-1][1]} exited with code {found[-1][0]}" if found else None
 
     def root_cause(self, report: str) -> int | None:
         _, found, tail = report.rpartition("Root Cause (first observed failure)")

@@ -350,6 +350,7 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
     """
     from nbddp.errors import CellError
 
+    _check_returns(script)
     reads = executed_reads(script.text)
     missing = [name for name in free_names(script.text) if name in reads]
     if not missing:
@@ -363,6 +364,22 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
         "without a tag run only in the kernel, never in the ranks."
         + (" (No cell is marked, so nbddp chose them: a mark turns that off; mark the training cell "
            "'#| ddp-train' and its setup '#| ddp' too.)" if chosen else ""))
+
+
+def _check_returns(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Script
+    """Refuse a ``--return`` name the script never binds at its top level: rank 0 would find nothing to save once
+    the whole training had run."""
+    from nbddp.errors import UsageError
+
+    bound, _, star_import = _global_names(script.text, "<script>")
+    missing = [name for name in script.returns if name not in bound]
+    if not missing or star_import:
+        return
+    plural = "s" * (len(missing) > 1)
+    raise UsageError(f"--return {', '.join(missing)}: no exported cell defines {' or '.join(map(repr, missing))} at "
+                     f"its top level, so there would be nothing to return after the training. Return variable{plural} "
+                     "a '#| ddp' or '#| ddp-train' cell assigns (not inside a function), or leave --return out (the "
+                     "default returns model).")
 
 
 def global_reads(code: str) -> list[str]:

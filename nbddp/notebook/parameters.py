@@ -104,6 +104,32 @@ def _initials(name: str) -> str:
     return "".join(part[0] for part in parts) if len(parts) > 1 else ""
 
 
+def type_notices(declared: dict[str, Any], overrides: dict[str, Any]) -> tuple[str, ...]:
+    """One line for each override whose type differs from its literal default (``-p lr abc`` for ``lr = 0.05``).
+
+    ``-p`` reads a value as a Python literal, else as text, so a mistyped number arrives as a string and
+    fails deep inside the ranks, after the launch. An int for a float default (``-p lr 1``) and ``None`` either
+    way are what people mean; a default that isn't a literal has no type to compare with.
+    """
+    notices = []
+    for name, value in overrides.items():
+        default = declared.get(name)
+        if default is None or value is None or isinstance(default, dict) or _kind(value) == _kind(default):
+            continue
+        hint = " (it doesn't read as a Python literal)" if isinstance(value, str) else ""
+        notices.append(f"warning: -p {name} {value!r} is {_kind(value)}{hint}, but the notebook's default "
+                       f"{default!r} is {_kind(default)}: the cells get {value!r} as it is.")
+    return tuple(notices)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "text" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 def effective_parameters(declared: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Every parameter value a run uses: the declared defaults, then the overrides over them."""
     return {**declared, **overrides}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import tokenize
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -24,7 +24,7 @@ from nbddp.engines import catalyst, frameworks
 from nbddp.engines import torch as torch_engine
 from nbddp.errors import NbddpError, UsageError
 from nbddp.notebook.reader import Notebook
-from nbddp.notebook.parameters import check_overrides
+from nbddp.notebook.parameters import check_overrides, type_notices
 from nbddp.notebook.literals import assignments, check_name
 from nbddp.notebook.sourcemap import Segment, SourceMap
 from nbddp.job.rundir import SCRIPT_NAME
@@ -79,6 +79,9 @@ class Script:
     """The variables rank 0 saves for the kernel; ``()`` when no cell defines the default ``model``."""
     returns_note: str = ""
     """Why nothing comes back, when :attr:`returns` is empty (for the kernel and the ending)."""
+    notices: tuple[str, ...] = ()
+    """What the user must hear before anything runs (a ``-p`` value whose type differs from its default):
+    said by every door that runs or writes the script."""
 
     @property
     def training(self) -> tuple[int, ...]:
@@ -94,9 +97,10 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
             doesn't declare.
     """
     chosen = selection(notebook, options.returns)  # a cell that isn't valid Python is the error to report first
-    check_overrides(notebook, options.parameters)
+    declared = check_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
-    return render(chosen.cells, notebook.path, options, markdown, chosen.note)
+    script = render(chosen.cells, notebook.path, options, markdown, chosen.note)
+    return replace(script, notices=type_notices(declared, options.parameters))
 
 
 def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from nbddp.atomic import write_json
+from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
 from nbddp.errors import NbddpError
 from nbddp.rank_side import log_cap, memory
 from nbddp.rank_side.env import RankEnv
@@ -47,6 +48,7 @@ def become_rank(global_rank: int, size: int) -> None:
     guard_destroy()
     if not log_to_run_dir(global_rank):
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
+        map_tracebacks_to_the_notebook()
         return
     previous_hook = sys.excepthook
 
@@ -68,7 +70,7 @@ def log_to_run_dir(global_rank: int) -> bool:
     if directory is None:
         return False
     directory.logs.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(directory.rank_log(global_rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # (the umask applies)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -115,6 +117,27 @@ def skip_final_collection() -> None:
         import gc
 
         gc.freeze()
+
+
+def map_tracebacks_to_the_notebook() -> None:
+    """Outside nbddp (the exported script under a person's own torchrun or Slurm), the traceback a rank prints
+    names the notebook's cell and line beside each frame of the script (``line 49 [nb.ipynb, cell 3, line 2]``),
+    read from the source map beside it (``train.py.map.json``). Under nbddp the job translates them itself;
+    without the map (moved away, a script not nbddp's) tracebacks are Python's own."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        source_map = SourceMap.load(sourcemap_path(script)) if script else None
+    except (OSError, ValueError, KeyError, TypeError):
+        source_map = None
+    if source_map is None or sys.excepthook is not sys.__excepthook__:
+        return  # (a hook of the user's or a library's: theirs to print)
+
+    def mapped(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
+        text = "".join(traceback.format_exception(exc_type, exc, tb))
+        sys.stderr.write(source_map.translate_traceback(text))
+        sys.stderr.flush()
+
+    sys.excepthook = mapped
 
 
 def refuse(global_rank: int, error: NbddpError) -> NoReturn:

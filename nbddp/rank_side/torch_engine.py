@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from nbddp import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
-                                     mark_done, refuse, restart_count, run_dir, skip_final_collection,
-                                     use_notebook_folder)
+                                     map_tracebacks_to_the_notebook, mark_done, refuse, restart_count, run_dir,
+                                     skip_final_collection, use_notebook_folder)
 from nbddp.rank_side.env import RankEnv
 from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
 from nbddp.job.rundir import RunDir
@@ -47,6 +47,8 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
         raise NbddpError(f"this script was exported by an older nbddp for the {engine} engine; export it again "
                          "(nbddp export NOTEBOOK) or run the notebook with nbddp run.")
     use_notebook_folder()
+    if run_dir() is None:
+        map_tracebacks_to_the_notebook()  # run by hand (python, a person's torchrun): tracebacks name the cells
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         become_rank(rank(), world_size())
         if use_cuda():
