@@ -2,19 +2,29 @@
 
 GPUs are counted through NVML (the driver's own library, loaded with ctypes)
 narrowed by ``CUDA_VISIBLE_DEVICES``: importing torch only to count GPUs would
-cost the launcher a second or more on every run.
+cost the launcher a second or more on every run. On a shared GPU server, NVML also says which GPUs
+someone else is using (``--gpus free``, ``--wait``): :func:`gpu_usage`, judged by :meth:`GpuUse.busy`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from nbddp.errors import DeviceError, UsageError
 
 #: CPU processes (gloo) per node when neither ``--nproc`` nor GPUs say otherwise.
 CPU_PROCESSES = 2
+#: ``--gpus free``: every GPU nobody else is using.
+FREE = "free"
+#: A GPU with this share of its memory in use holds someone's work even when NVML lists no process on it
+#: (a process of another container, or of another user where the driver hides it).
+BUSY_MEMORY = 0.05
+#: How often ``--wait`` looks at the GPUs again, and how often it says what it is waiting for.
+WAIT_POLL_SECONDS, WAIT_SAY_SECONDS = 5.0, 60.0
 
 
 @dataclass(frozen=True)
@@ -24,10 +34,18 @@ class Devices:
     kind: str
     nproc: int
     note: str = ""
-    """One line for the user when the choice was made for them (no GPU visible)."""
+    """One line for the user when the choice was made for them (no GPU visible, the free GPUs chosen)."""
+    gpu_ids: tuple[str, ...] = ()
+    """The GPUs chosen by name (NVML's UUIDs), when not simply the first visible ones (``--gpus free``,
+    ``--wait``): the run's processes see only them (:meth:`environment`)."""
 
     def describe(self) -> str:
         return _gpus(self.nproc) if self.kind == "cuda" else f"{self.nproc} CPU processes (gloo)"
+
+    def environment(self) -> dict[str, str]:
+        """What the run's processes need to see exactly these devices: ``CUDA_VISIBLE_DEVICES`` when GPUs
+        were chosen, else nothing (they see what this process sees)."""
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpu_ids)} if self.gpu_ids else {}
 
 
 def visible_gpu_count(physical: int | None = None) -> int:
@@ -62,17 +80,17 @@ def _nvml_device_count() -> int:
 
 
 def requested_gpus(gpus: str | int) -> int | None:
-    """``--gpus`` as a count, ``None`` for ``all``.
+    """``--gpus`` as a count, ``None`` for ``all`` and ``free`` (as many as there are).
 
     Raises:
-        UsageError: neither a positive number nor ``all`` (exit 2).
+        UsageError: neither a positive number nor ``all`` nor ``free`` (exit 2).
     """
-    if str(gpus).lower() == "all":
+    if str(gpus).lower() in ("all", FREE):
         return None
     try:
         wanted = int(gpus)
     except ValueError:
-        raise UsageError(f"--gpus {gpus!r}: give a number or 'all'.") from None
+        raise UsageError(f"--gpus {gpus!r}: give a number, 'all' or 'free'.") from None
     if wanted < 1:
         raise UsageError(f"--gpus {wanted}: need at least 1 GPU (or --cpu).")
     return wanted
@@ -165,6 +183,8 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
         return Devices("cuda", nproc or visible)
     if nproc is not None:
         raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
+    if str(gpus).lower() == FREE:
+        return free_devices(None, gpu_usage())
     wanted = requested_gpus(gpus)
     if wanted is None:
         if visible == 0:
@@ -175,3 +195,131 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
         instead = f"Use --gpus {visible} or --cpu." if visible else "Use --cpu to run on the CPU."
         raise DeviceError(f"--gpus {wanted} asks for more GPUs than the {visible} visible{hint}. {instead}")
     return Devices("cuda", wanted)
+
+
+# ---------------------------------------------------------------- shared GPU servers: which GPUs are free
+
+
+@dataclass(frozen=True)
+class GpuUse:
+    """One GPU as NVML sees it now: who computes on it and how much of its memory is used."""
+
+    index: int
+    """NVML's index (the driver's order, which ``nvidia-smi`` shows)."""
+    uuid: str
+    processes: int
+    used: int
+    total: int
+
+    @property
+    def busy(self) -> bool:
+        """Someone computes on it, or holds more than :data:`BUSY_MEMORY` of its memory."""
+        return self.processes > 0 or (self.total > 0 and self.used > BUSY_MEMORY * self.total)
+
+    def describe(self) -> str:
+        processes = f"{self.processes} process{'es' * (self.processes != 1)}"
+        return f"GPU {self.index}: {processes}, {self.used / 2**30:.1f} of {self.total / 2**30:.1f} GiB used"
+
+
+def gpu_usage() -> list[GpuUse]:
+    """Every GPU of this machine as NVML sees it now (``[]`` without NVML): what ``--gpus free`` judges by."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+    found = []
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return []
+        count = ctypes.c_uint(0)
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0:
+            for index in range(count.value):
+                handle, memory = ctypes.c_void_p(), _Memory()
+                uuid, processes = ctypes.create_string_buffer(96), ctypes.c_uint(0)
+                if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
+                    continue
+                nvml.nvmlDeviceGetUUID(handle, uuid, 96)
+                nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))
+                # with no buffer, NVML answers "insufficient size" and the count of running compute processes
+                nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(processes), None)
+                found.append(GpuUse(index, uuid.value.decode(errors="replace"), processes.value, memory.used,
+                                    memory.total))
+        nvml.nvmlShutdown()
+    except AttributeError:
+        return []
+    return found
+
+
+def visible_usage(usage: Sequence[GpuUse], visible: str | None = None) -> list[GpuUse]:
+    """The GPUs of ``usage`` this process may use, in ``CUDA_VISIBLE_DEVICES``'s order (``visible``; by default
+    this process's): entries are NVML indices or UUIDs (a prefix is enough, as for CUDA); CUDA stops at the
+    first that names no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is None:
+        return list(usage)
+    chosen: list[GpuUse] = []
+    for entry in (e.strip() for e in visible.split(",") if e.strip()):
+        match = [u for u in usage if (entry.isdigit() and u.index == int(entry)) or
+                 (not entry.isdigit() and u.uuid.startswith(entry))]
+        if len(match) != 1 or match[0] in chosen:
+            break
+        chosen.append(match[0])
+    return chosen
+
+
+def free_devices(wanted: int | None, usage: Sequence[GpuUse], visible: str | None = None) -> Devices:
+    """``--gpus free`` (``wanted`` ``None``: every free GPU) or ``--gpus N --wait`` (the first ``wanted`` free ones),
+    from ``usage`` (:func:`gpu_usage`: tests hand in a machine of their own).
+
+    Raises:
+        DeviceError: no GPU visible, or fewer than ``wanted``; fewer free than ``wanted`` (at least one for
+            ``free``), naming who holds what and how to wait.
+    """
+    seen = visible_usage(usage, visible)
+    flag = f"--gpus {wanted}" if wanted is not None else f"--gpus {FREE}"
+    need = wanted or 1
+    if not seen:
+        raise DeviceError(f"{flag}: no GPU is visible here. Use --cpu --nproc N to run on the CPU.")
+    if need > len(seen):
+        raise DeviceError(f"{flag} asks for more GPUs than the {len(seen)} visible. Use --gpus {len(seen)} or --cpu.")
+    free = [u for u in seen if not u.busy]
+    if len(free) < need:
+        raise DeviceError(f"{flag}: {_free_of(seen)}. Wait for {_gpus(need)} to be free: "
+                          f"{'--gpus 1' if wanted is None else flag} --wait; or use --cpu.")
+    chosen = free[:wanted] if wanted is not None else free
+    busy = [u.describe() for u in seen if u.busy]
+    note = (f"training on the free GPU{'s' * (len(chosen) > 1)} {', '.join(str(u.index) for u in chosen)}"
+            + (f" (in use: {'; '.join(busy)})" if busy else ""))
+    return Devices("cuda", len(chosen), note=note, gpu_ids=tuple(u.uuid for u in chosen))
+
+
+def _free_of(seen: Sequence[GpuUse]) -> str:
+    """``1 of the 4 visible GPUs is free (GPU 0: 2 processes, 30.0 of 80.0 GiB used; …)``."""
+    free = sum(not u.busy for u in seen)
+    busy = "; ".join(u.describe() for u in seen if u.busy)
+    return f"{free} of the {len(seen)} visible GPUs {'is' if free == 1 else 'are'} free ({busy})"
+
+
+def wait_for_free(wanted: int | None, say: Callable[[str], None], usage: Callable[[], list[GpuUse]] = gpu_usage,
+                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Devices:
+    """``--wait``: :func:`free_devices` once enough GPUs are free, saying what it waits for at once and every
+    :data:`WAIT_SAY_SECONDS` (a Ctrl-C or a Stop ends the wait as it ends a run: nothing has started).
+
+    Raises:
+        DeviceError: as :func:`free_devices` for what waiting can't change: no GPU visible, fewer than ``wanted``.
+    """
+    said: float | None = None
+    while True:
+        now = usage()
+        seen = visible_usage(now)
+        if len(seen) < (wanted or 1) or sum(not u.busy for u in seen) >= (wanted or 1):
+            return free_devices(wanted, now)
+        moment = clock()
+        if said is None or moment - said >= WAIT_SAY_SECONDS:
+            said = moment
+            say(f"waiting for {_gpus(wanted or 1)} to be free (--wait): {_free_of(seen)}")
+        sleep(WAIT_POLL_SECONDS)

@@ -343,15 +343,19 @@ class LaunchOptions:
     shard: bool = option("--shard", group=_SCRIPT, default=False, action="store_true",
                          help="shard models with FSDP2: every nbddp.prepare(model) applies fully_shard instead of DDP "
                               "(torch engine)")
-    gpus: str | None = option("--gpus", group=_DEVICES, default=None, metavar="N|all", example=("2",),
-                              help="GPUs to use (default: all visible)", coerce=_text, accepts="int | str | None",
-                              check=_gpus)
-    """``N`` or ``all``; ``None``: every visible GPU, else the CPU."""
+    gpus: str | None = option("--gpus", group=_DEVICES, default=None, metavar="N|all|free", example=("2",),
+                              help="GPUs to use (default: all visible; free: those no other process is using)",
+                              coerce=_text, accepts="int | str | None", check=_gpus)
+    """``N``, ``all`` or ``free``; ``None``: every visible GPU, else the CPU."""
     cpu: bool = option("--cpu", group=_DEVICES, default=False, action="store_true",
                        help="run CPU processes with gloo, even with GPUs")
     nproc: int | None = option("--nproc", group=_DEVICES, default=None, type=int, example=("3",),
                                help=f"CPU processes (default {CPU_PROCESSES})",
                                check=_at_least(1, "need at least 1 process"))
+    wait: bool = option("--wait", group=_DEVICES, doors=frozenset({RUN, MAGIC}), default=False, action="store_true",
+                        example=("--gpus", "2"),
+                        help="with --gpus N or --gpus free: wait until that many GPUs are free of other processes "
+                             "(a shared server), saying what it waits for")
     oversubscribe: bool = option("--oversubscribe", group=_DEVICES, doors=_RUNS, default=False, action="store_true",
                                  help=f"start more CPU processes than {PROCESSES_PER_CPU} per CPU of this machine")
     run_dir: Path | None = option("--run-dir", group=_LIMITS, doors=_RUNS - {BATCH}, default=None, type=Path,
@@ -406,6 +410,8 @@ class LaunchOptions:
                 raise UsageError("--cpu and --gpus contradict each other: choose one.")
             if self.nproc is not None:
                 raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
+        if self.wait and (self.gpus is None or str(self.gpus).lower() == "all"):
+            raise UsageError("--wait waits for free GPUs: give --gpus N (or --gpus free) with it.")
         if self.shard and self.engine not in (None, "torch"):
             raise UsageError(shard_refusal(self.engine))
         if self.nproc is not None and not self.oversubscribe and self.slurm is None and self.ray is None:

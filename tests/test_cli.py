@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from nbddp.doors.cli import main
 from tests.conftest import code
 
@@ -194,3 +196,19 @@ def test_the_command_leaves_out_jsonschemas_slow_iri_checks(notebook):
              "print(code, 'nbformat.validator' in sys.modules, sys.modules.get('rfc3987_syntax', 'absent'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["0", "True", "None"], out.stdout + out.stderr
+
+
+def test_gpus_free_and_wait_are_refused_in_one_line_where_they_cant_work(notebook, capsys, tmp_path):
+    """This machine has no GPU (no NVML): ``--gpus free`` says so before anything starts (exit 3); ``--wait`` needs a
+    GPU count (exit 2). The choice among busy GPUs is tested with a fake NVML in tests/test_devices.py."""
+    from nbddp.devices import gpu_usage
+
+    path = notebook(TRAIN)
+    if gpu_usage():
+        pytest.skip("this machine has GPUs: --gpus free would train")
+    assert main(["run", str(path), "--gpus", "free"]) == 3
+    assert capsys.readouterr().err.strip().endswith("--gpus free: no GPU is visible here. Use --cpu --nproc N to run "
+                                                    "on the CPU.")
+    assert main(["run", str(path), "--wait"]) == 2
+    assert "--wait waits for free GPUs: give --gpus N (or --gpus free) with it." in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

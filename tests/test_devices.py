@@ -3,7 +3,7 @@ machine, so GPU counts are passed in (``visible=``) — the one place tests stan
 
 import pytest
 
-from nbddp.devices import Devices, rank_gpu, resolve, visible_gpu_count
+from nbddp.devices import Devices, GpuUse, free_devices, gpu_usage, rank_gpu, resolve, visible_gpu_count, wait_for_free
 from nbddp.errors import DeviceError, UsageError
 
 
@@ -42,7 +42,7 @@ def test_requests_this_machine_cannot_meet_exit_3(kwargs, message):
     "kwargs, message",
     [
         ({"gpus": "0", "visible": 2}, "at least 1 GPU"),
-        ({"gpus": "two", "visible": 2}, "give a number or 'all'"),
+        ({"gpus": "two", "visible": 2}, "give a number, 'all' or 'free'"),
         ({"cpu": True, "nproc": 0}, "need at least 1 process"),
         ({"nproc": 0, "visible": 0}, "need at least 1 process"),
         ({"cpu": True, "gpus": "1"}, "contradict"),
@@ -180,3 +180,66 @@ def test_the_refusal_names_the_narrowing_and_the_launchers_own_command(monkeypat
 @pytest.mark.parametrize("local_rank, visible", [(0, 1), (1, 2), (7, 8), (3, 8)])
 def test_a_rank_with_a_gpu_drives_its_local_rank(local_rank, visible):
     assert rank_gpu(local_rank, visible, visible) == local_rank
+
+
+# ---------------------------------------------------------------- --gpus free and --wait on a shared GPU server
+# A fake NVML: the policy is judged on machines of GpuUse rows (several GPUs, others' processes: none exist here).
+
+GiB = 2**30
+SHARED = [GpuUse(0, "GPU-0aa", 2, 30 * GiB, 80 * GiB),  # a colleague's training
+          GpuUse(1, "GPU-1bb", 0, 0, 80 * GiB),
+          GpuUse(2, "GPU-2cc", 0, 10 * GiB, 80 * GiB),  # memory held, no process NVML shows (another container)
+          GpuUse(3, "GPU-3dd", 0, 1 * GiB, 80 * GiB)]  # a driver context: free
+
+
+def test_gpus_free_takes_the_gpus_nobody_uses_by_name_and_says_which():
+    devices = free_devices(None, SHARED)
+    assert (devices.kind, devices.nproc, devices.gpu_ids) == ("cuda", 2, ("GPU-1bb", "GPU-3dd"))
+    assert devices.environment() == {"CUDA_VISIBLE_DEVICES": "GPU-1bb,GPU-3dd"}  # by name: CUDA's order can differ
+    assert devices.note == ("training on the free GPUs 1, 3 (in use: GPU 0: 2 processes, 30.0 of 80.0 GiB used; "
+                            "GPU 2: 0 processes, 10.0 of 80.0 GiB used)")
+    assert free_devices(1, SHARED, visible="3,1").gpu_ids == ("GPU-3dd",)  # CUDA_VISIBLE_DEVICES's order
+    assert free_devices(None, SHARED, visible="GPU-1").gpu_ids == ("GPU-1bb",)  # a UUID's prefix, as CUDA takes
+    assert Devices("cuda", 2).environment() == {}  # the first N visible: nothing to narrow
+
+
+@pytest.mark.parametrize("wanted, usage, visible, message", [
+    (None, SHARED, "0,2", "--gpus free: 0 of the 2 visible GPUs are free (GPU 0: 2 processes, 30.0 of 80.0 GiB used; "
+                          "GPU 2: 0 processes, 10.0 of 80.0 GiB used). Wait for 1 GPU to be free: --gpus 1 --wait; or "
+                          "use --cpu."),
+    (3, SHARED, None, "--gpus 3: 2 of the 4 visible GPUs are free (GPU 0: 2 processes, 30.0 of 80.0 GiB used; GPU 2: "
+                      "0 processes, 10.0 of 80.0 GiB used). Wait for 3 GPUs to be free: --gpus 3 --wait; or use --cpu."),
+    (5, SHARED, None, "--gpus 5 asks for more GPUs than the 4 visible. Use --gpus 4 or --cpu."),
+    (None, [], None, "--gpus free: no GPU is visible here. Use --cpu --nproc N to run on the CPU."),
+])
+def test_fewer_free_gpus_than_asked_is_one_line_naming_who_holds_what_and_how_to_wait_exit_3(wanted, usage, visible,
+                                                                                            message):
+    with pytest.raises(DeviceError) as refused:
+        free_devices(wanted, usage, visible)
+    assert str(refused.value) == message and refused.value.exit_code == 3
+
+
+def test_wait_says_what_it_waits_for_then_takes_the_gpus_freed(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    freed = [GpuUse(0, "GPU-0aa", 0, 0, 80 * GiB), *SHARED[1:]]
+    machines = iter([SHARED, SHARED, SHARED, freed])
+    said, slept, now = [], [], iter([0.0, 10.0, 70.0])
+    devices = wait_for_free(3, said.append, usage=lambda: next(machines), sleep=slept.append, clock=lambda: next(now))
+    assert devices.gpu_ids == ("GPU-0aa", "GPU-1bb", "GPU-3dd")
+    assert said == ["waiting for 3 GPUs to be free (--wait): 2 of the 4 visible GPUs are free (GPU 0: 2 processes, "
+                    "30.0 of 80.0 GiB used; GPU 2: 0 processes, 10.0 of 80.0 GiB used)"] * 2  # at once, then a minute on
+    assert slept == [5.0, 5.0, 5.0]
+    with pytest.raises(DeviceError, match="asks for more GPUs than the 4 visible"):  # waiting can't help: said at once
+        wait_for_free(5, said.append, usage=lambda: SHARED)
+
+
+def test_wait_needs_a_gpu_count_and_gpus_free_reaches_nvml_here(tmp_path):
+    from nbddp.options import LaunchOptions
+
+    with pytest.raises(UsageError, match="--wait waits for free GPUs: give --gpus N"):
+        LaunchOptions(wait=True)
+    with pytest.raises(UsageError, match="--wait waits for free GPUs"):
+        LaunchOptions(wait=True, gpus="all")
+    if not gpu_usage():  # this machine: no NVML, so no GPU; one line, exit 3 (on a GPU machine: its free GPUs)
+        with pytest.raises(DeviceError, match="^--gpus free: no GPU is visible here"):
+            resolve("free")

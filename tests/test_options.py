@@ -29,7 +29,7 @@ def test_defaults_live_in_one_place():
 @pytest.mark.parametrize("argv, message", [
     (["--nproc", "0"], "--nproc 0: need at least 1 process"),
     (["--gpus", "0"], "--gpus 0: need at least 1 GPU"),
-    (["--gpus", "two"], "--gpus 'two': give a number or 'all'"),
+    (["--gpus", "two"], "--gpus 'two': give a number, 'all' or 'free'"),
     (["--cpu", "--gpus", "1"], "--cpu and --gpus contradict"),
     (["--timeout", "-1"], "--timeout -1: give a positive number of seconds"),
     (["--idle-timeout", "0"], "--idle-timeout 0: give a positive number of seconds"),

@@ -81,6 +81,7 @@ class Job:
         paths.logs.mkdir(exist_ok=True)
         rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
                            spec.launch.collective_timeout, log_cap=spec.launch.log_cap).variables()
+        rank_env |= spec.devices.environment()  # the GPUs chosen by name (--gpus free, --wait)
         launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)

@@ -217,7 +217,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         say(request.script.note)  # no cell is marked: which cells nbddp chose
     for notice in request.script.notices:
         say(notice)
-    devices = devices_for(launch, asked=request.script.processes)
+    devices = devices_for(launch, asked=request.script.processes, say=say)
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)

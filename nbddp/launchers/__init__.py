@@ -28,9 +28,9 @@ use this to watch every front door's runs go through the seam.
 from __future__ import annotations
 
 from importlib import import_module
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from nbddp.devices import Devices, notebook_devices, resolve
+from nbddp.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
 
@@ -49,11 +49,14 @@ BUILTIN = {
 }
 
 
-def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None) -> Devices:
+def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None,
+                say: Callable[[str], None] | None = None) -> Devices:
     """The devices of one node of the run: this machine's, or what a Slurm job or Ray run asks for per node.
 
     ``asked``: the process count the notebook asks its library for (``Script.processes``), the run's
-    when no launch option counts the devices (:func:`nbddp.devices.notebook_devices`).
+    when no launch option counts the devices (:func:`nbddp.devices.notebook_devices`). ``say``: where
+    ``--wait`` says what it waits for; without it (a door checking the options before it starts), ``--wait``
+    doesn't wait: the run will.
 
     Raises:
         UsageError, DeviceError: before anything starts.
@@ -66,6 +69,10 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
         from nbddp.launchers.ray import ray_devices
 
         return ray_devices(launch.ray, launch.cpu, launch.nproc)
+    if launch.wait and say is not None:
+        return wait_for_free(requested_gpus(launch.gpus), say)
+    if launch.wait:
+        return Devices("cuda", requested_gpus(launch.gpus) or 1)  # (checked as the run starts, and waited for)
     if asked is None or launch.nproc is not None or launch.gpus is not None:
         return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
     return notebook_devices(asked, launch.cpu, visible)

@@ -119,7 +119,7 @@ class WarmPool:
         ``environ``: what the ranks inherit (this process's environment by default; a batch passes
         each device slot's own ``CUDA_VISIBLE_DEVICES``).
         """
-        self.key, self.devices, self.idle = key, devices, idle
+        self.key, self.devices, self.idle, self.environ = key, devices, idle, environ
         self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.runs = 0
         self.stopped = False
@@ -161,7 +161,7 @@ class WarmPool:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{folder}: not a warm pool ({exc})") from None
         pool = cls.__new__(cls)
-        pool.key, pool.devices, pool.idle, pool.dir = key, devices, idle, directory
+        pool.key, pool.devices, pool.idle, pool.dir, pool.environ = key, devices, idle, directory, None
         pool.runs = directory.jobs_handed_out()
         pool.stopped = False
         pool.lost = ""
@@ -441,9 +441,10 @@ class PoolKeeper:
         self.replaced = ""
         """Why its ranks could not be kept, when they couldn't."""
 
-    def pool_with(self, key: PoolKey, devices: Devices) -> tuple[WarmPool, str]:
+    def pool_with(self, key: PoolKey, devices: Devices,
+                  environ: Mapping[str, str] | None = None) -> tuple[WarmPool, str]:
         """The warm ranks for a run that wants ``key``, and a line to say how it got them, when there is
-        something to say.
+        something to say. ``environ``: what new ranks inherit, when not the keeper's (the GPUs a run chose).
 
         Raises:
             OSError: the ranks could not be started.
@@ -462,11 +463,11 @@ class PoolKeeper:
             self.stop()
         elif replaced:
             why = f"{last_run} and its warm ranks could not be kept ({replaced})"
-        self.pool = self._start(key, devices)
+        self.pool = self._start(key, devices, environ)
         return self.pool, f"starting fresh warm ranks: {why}" if why else ""
 
-    def _start(self, key: PoolKey, devices: Devices) -> WarmPool:
-        return WarmPool(key, devices, self.idle, environ=self.environ)
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ)
 
     def ended(self, pool: WarmPool, status: Status) -> None:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
@@ -478,7 +479,7 @@ class PoolKeeper:
         if self.replaced:
             self.stop()
             if self.replace_at_once:
-                self.pool = self._start(pool.key, pool.devices)
+                self.pool = self._start(pool.key, pool.devices, pool.environ)
 
     def stop(self) -> bool:
         """Stop the warm ranks; ``False`` if there were none. (Forgotten only once stopped, so that an
@@ -503,10 +504,11 @@ class KernelPool(PoolKeeper):
 
     def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
-        return self.pool_with(pool_key(devices, cwd, collective_timeout), devices)
+        environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
+        return self.pool_with(pool_key(devices, cwd, collective_timeout, environ), devices, environ)
 
-    def _start(self, key: PoolKey, devices: Devices) -> WarmPool:
-        pool = super()._start(key, devices)
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        pool = super()._start(key, devices, environ)
         if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
             import atexit
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.atomic import read_json
-from nbddp.devices import requested_gpus, resolve, visible_gpu_count
+from nbddp.devices import FREE, free_devices, gpu_usage, requested_gpus, resolve, visible_gpu_count
 from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.owned import private_folder
 from nbddp.launchers import devices_for
@@ -326,7 +326,11 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
     # Ray places each run's ranks; one at a time unless --parallel (a run the cluster can't place in --rdzv-timeout fails)
     if options.launch.ray is not None:
         return [() for _ in range(options.parallel or 1)], options.launch.nproc or 0, "ray"
-    gpus = 0 if options.launch.cpu else visible_gpu_count()
+    free = str(options.launch.gpus or "").lower() == FREE
+    chosen = free_devices(None, gpu_usage()) if free else None  # (each run then gets its slot's GPUs by name)
+    gpus = 0 if options.launch.cpu else chosen.nproc if chosen else visible_gpu_count()
+    if chosen is not None:
+        say(f"nbddp: --gpus free: {chosen.note}")
     if gpus == 0:
         if options.per_run_gpus:
             raise DeviceError(f"--gpus-per-run {options.per_run_gpus}: no GPU is visible. Use --cpu --nproc N.")
@@ -338,7 +342,8 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
     if per_run > gpus:
         raise DeviceError(f"--gpus-per-run {per_run} asks for more GPUs than the {gpus} visible.")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [i.strip() for i in visible.split(",")][:gpus] if visible else [str(i) for i in range(gpus)]
+    ids = list(chosen.gpu_ids) if chosen else [i.strip() for i in visible.split(",")][:gpus] if visible else [
+        str(i) for i in range(gpus)]
     slots = [tuple(ids[i * per_run:(i + 1) * per_run]) for i in range(gpus // per_run)]
     if options.parallel:
         slots = slots[: options.parallel]
