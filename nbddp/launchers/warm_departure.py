@@ -12,9 +12,12 @@ clean up. So the ranks are judged by **progress**, not by a clock (:class:`Depar
 * a rank in the job that heard the interrupt (its SIGINT handler ran: it is in Python, on its way
   out) or that is paused (SIGSTOP, a debugger) is responsive: it is waited for, up to
   :data:`LEAVE_SECONDS`;
-* otherwise the ranks still leaving must show progress: CPU time spent, or another rank heard the
-  interrupt, ended the job or freed its group. After :data:`SETTLE_SECONDS` without any, they are
-  stuck (a rank blocked in C code where no interrupt reaches it, and its peers waiting for it).
+* otherwise the ranks still leaving must show progress: another rank heard the interrupt, ended the
+  job or freed its group, or a rank spent CPU time *and its Python stack moved* between two of its stack
+  dumps (:data:`STACK_SAMPLE_SECONDS` apart). CPU time alone is no sign: a rank stuck in a CUDA call
+  spins on the CPU (``cudaDeviceSynchronize``) as a busy loop does, at the same line all along. After
+  :data:`SETTLE_SECONDS` without any progress, they are stuck (a rank blocked in C code where no interrupt
+  reaches it, and its peers waiting for it).
 
 A rank that can't leave is named with where it was: its Python stack, which it writes on SIGUSR1
 (:mod:`faulthandler`, see :mod:`nbddp.rank_side.warm_loop`), translated to the notebook's cell and line.
@@ -60,6 +63,8 @@ LEAVE_SECONDS = 30.0
 CPU_PROGRESS = 0.05
 #: How long a rank gets to write its stacks once asked.
 STACK_SECONDS = 2.0
+#: How often a rank that spends CPU time while it should be leaving has its stack looked at (is it moving?).
+STACK_SAMPLE_SECONDS = 0.5
 
 
 class Departure:
@@ -69,6 +74,7 @@ class Departure:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
+        self._stack_seen: dict[int, tuple[float, list[list]]] = {}
         self._events = -1
 
     def check(self) -> str | None:
@@ -114,7 +120,7 @@ class Departure:
 
     def _progress(self, states: dict[int, str]) -> bool:
         """Anything moved since the last look: a rank heard the interrupt, ended the job or freed its group,
-        or one still leaving spent :data:`CPU_PROGRESS` of CPU time."""
+        or one still leaving spent :data:`CPU_PROGRESS` of CPU time somewhere else in its code (:meth:`_moved`)."""
         directory = self.pool.dir
         events = sum((state in ("out", "releasing")) + directory.heard(self.number, rank).exists()
                      + directory.released(self.number, rank).exists() for rank, state in states.items())
@@ -128,9 +134,22 @@ class Departure:
             except psutil.Error:
                 continue
             spent = times.user + times.system
-            if spent >= self._cpu.setdefault(rank, spent) + CPU_PROGRESS:
+            if spent >= self._cpu.setdefault(rank, spent) + CPU_PROGRESS and self._moved(rank):
                 self._cpu[rank], moved = spent, True
         return moved
+
+    def _moved(self, rank: int) -> bool:
+        """Its Python stack differs from the one seen :data:`STACK_SAMPLE_SECONDS` or more ago (the first look
+        is a baseline, not a move): a rank spinning in one C call (CUDA's synchronize) or one loop stays put."""
+        now = time.monotonic()
+        seen = self._stack_seen.get(rank)
+        if seen is not None and now - seen[0] < STACK_SAMPLE_SECONDS:
+            return False
+        frames = self._stacks([rank]).get(rank)
+        if frames is None:  # no dump came: nothing to tell a move by
+            return False
+        self._stack_seen[rank] = (now, frames)
+        return seen is not None and frames != seen[1]
 
     def _responsive(self, states: dict[int, str]) -> bool:
         """A rank still leaving heard the interrupt (it runs Python, on its way out), or is paused (SIGSTOP,
