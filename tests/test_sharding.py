@@ -20,6 +20,10 @@ from nbddp.errors import NbddpError, UsageError
 from nbddp.rank_side import sharding
 from tests.conftest import code, write_notebook
 
+#: FSDP2 on CPU ranks needs torch 2.6 (nbddp.rank_side.sharding.cpu_shards): older torch refuses --shard there.
+needs_cpu_shards = pytest.mark.skipif(not sharding.cpu_shards(), reason="FSDP2 on CPU ranks needs torch 2.6")
+
+
 STEPS = 5
 SETUP = """#| ddp
 import torch, nbddp
@@ -115,6 +119,7 @@ def test_an_optimizers_state_by_name_becomes_its_state_by_position():
 
 
 
+@needs_cpu_shards
 def test_an_optimizer_built_before_sharding_is_named_at_its_first_step(group):
     import nbddp
 
@@ -142,6 +147,7 @@ def stepped_sharded_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+@needs_cpu_shards
 def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_plain_ones(group, tmp_path):
     """``--return model,opt``: what ``finish`` saves loads into the kernel's plain model and optimizer."""
     import nbddp
@@ -167,6 +173,7 @@ def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_pl
         nbddp.restore(tmp_path / "resume.pt", model=model)
 
 
+@needs_cpu_shards
 def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_group(group, tmp_path):
     """The kernel's case: DCP reads the shards into a model that was never sharded, with no group."""
     import nbddp
@@ -272,6 +279,7 @@ def test_the_sharding_section_says_each_figure_and_what_sharding_bought():
 # ---------------------------------------------------------------- real runs
 
 
+@needs_cpu_shards
 @pytest.mark.slow
 def test_a_sharded_run_gives_ddps_weights_and_one_processs_and_the_kernel_evaluates(tmp_path, cli_run):
     write_notebook(tmp_path / "s.ipynb", training())
@@ -299,6 +307,7 @@ def test_a_sharded_run_gives_ddps_weights_and_one_processs_and_the_kernel_evalua
     assert "peak memory" in sharded.output and not sharded.leftovers()
 
 
+@needs_cpu_shards
 @pytest.mark.beside  # long, asserting no timing: evens out .ci/run's lanes
 @pytest.mark.slow
 def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_world_size_one(tmp_path, cli_run):
@@ -332,6 +341,7 @@ def test_a_killed_rank_resumes_from_the_sharded_checkpoint_and_it_restores_at_wo
     assert not run.leftovers()
 
 
+@needs_cpu_shards
 @pytest.mark.slow
 def test_two_nodes_over_loopback_train_sharded(tmp_path, cli_run):
     from tests.test_nodes import free_port, node_args, only_run_dir, two_folders
@@ -349,6 +359,7 @@ def test_two_nodes_over_loopback_train_sharded(tmp_path, cli_run):
     assert not main.leftovers() and not other.leftovers()
 
 
+@needs_cpu_shards
 @pytest.mark.slow
 def test_warm_ranks_switch_between_sharded_and_ddp_runs_with_fresh_run_weights(tmp_path):
     from tests.test_magic import ProtocolKernel
@@ -393,6 +404,7 @@ storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t i
 print('RESIDENT', nbddp.rank(), sum(storages.values()), flush=True)"""
 
 
+@needs_cpu_shards
 @pytest.mark.slow
 def test_sharding_holds_at_most_six_tenths_of_ddps_state_per_rank(tmp_path, cli_run):
     """~25M parameters with Adam on 2 CPU ranks: parameters, gradients and optimizer state, measured in the rank."""
@@ -410,3 +422,14 @@ def test_sharding_holds_at_most_six_tenths_of_ddps_state_per_rank(tmp_path, cli_
     ddp_peak = json.loads((ddp_dir / "result.json").read_text())["peak_memory"]
     shard_peak = json.loads((shard_dir / "result.json").read_text())["peak_memory"]
     assert all(shard_peak[r] < ddp_peak[r] for r in ("0", "1")), (shard_peak, ddp_peak)
+
+
+def test_shard_on_cpu_ranks_before_torch_2_6_is_refused_in_one_line(monkeypatch):
+    """torch 2.4's FSDP2 calls into CUDA even for CPU shards (a CUDA error on a machine without a GPU): refused,
+    saying what to do, instead of that error from deep inside torch."""
+    monkeypatch.setattr(torch, "__version__", "2.4.1+cpu")
+    assert not sharding.cpu_shards()
+    with pytest.raises(NbddpError, match=r"^--shard on CPU ranks needs torch 2.6 or newer \(this is torch 2.4.1\+cpu"):
+        sharding.shard(nn.Linear(2, 2), torch.device("cpu"))
+    monkeypatch.setattr(torch, "__version__", "2.6.0")
+    assert sharding.cpu_shards()

@@ -74,7 +74,9 @@ class Departure:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
-        self._stack_seen: dict[int, tuple[float, list[list]]] = {}
+        self._asked: dict[int, tuple[float, int]] = {}
+        """Each rank asked for a stack dump: when, and its stack file's size then (a dump grows it)."""
+        self._stack_seen: dict[int, list[list]] = {}
         self._events = -1
 
     def check(self) -> str | None:
@@ -139,17 +141,29 @@ class Departure:
         return moved
 
     def _moved(self, rank: int) -> bool:
-        """Its Python stack differs from the one seen :data:`STACK_SAMPLE_SECONDS` or more ago (the first look
-        is a baseline, not a move): a rank spinning in one C call (CUDA's synchronize) or one loop stays put."""
+        """Its Python stack moved: the dump it wrote when last asked (SIGUSR1, at most every
+        :data:`STACK_SAMPLE_SECONDS`, never waited for) differs from the one before. A rank spinning in one C call
+        (CUDA's synchronize) stays put; one that writes no dump can't be told by its stack, so its CPU time counts.
+        Between samples, nothing new is known: no move."""
         now = time.monotonic()
-        seen = self._stack_seen.get(rank)
-        if seen is not None and now - seen[0] < STACK_SAMPLE_SECONDS:
+        asked = self._asked.get(rank)
+        if asked is not None and now - asked[0] < STACK_SAMPLE_SECONDS:
             return False
-        frames = self._stacks([rank]).get(rank)
-        if frames is None:  # no dump came: nothing to tell a move by
-            return False
-        self._stack_seen[rank] = (now, frames)
-        return seen is not None and frames != seen[1]
+        moved = True  # (the first look, and a rank that wrote no dump: its CPU time is the only sign there is)
+        path = self.pool.dir.stack(rank)
+        if asked is not None and _size(path) > asked[1]:
+            frames = main_thread_frames(path.read_text(errors="replace"))
+            previous = self._stack_seen.get(rank)
+            self._stack_seen[rank] = frames
+            moved = previous is not None and frames != previous  # (the first dump: the baseline)
+        pid = self.pool.rank_pids().get(rank)
+        self._asked[rank] = (now, _size(path))
+        if pid:
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except OSError:
+                pass
+        return moved
 
     def _responsive(self, states: dict[int, str]) -> bool:
         """A rank still leaving heard the interrupt (it runs Python, on its way out), or is paused (SIGSTOP,

@@ -49,11 +49,27 @@ def is_sharded(obj: Any) -> bool:
     Importing FSDP takes about a second: a process that never loaded it (every DDP run) shards nothing,
     and asking must not cost a DDP run's end that second.
     """
-    if "torch.distributed.fsdp" not in sys.modules:
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed._composable.fsdp" not in sys.modules:
         return False
-    from torch.distributed.fsdp import FSDPModule
+    return isinstance(obj, fsdp2().FSDPModule)
 
-    return isinstance(obj, FSDPModule)
+
+def cpu_shards() -> bool:
+    """FSDP2 shards on CPU ranks (gloo) from torch 2.6; torch 2.4's calls into CUDA on the way (seen: "CUDA driver
+    version is insufficient" on a machine without a GPU). 2.5 was not tried: refused with 2.4."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+
+
+def fsdp2() -> Any:
+    """FSDP2's module (``fully_shard``, ``FSDPModule``, the policies): ``torch.distributed.fsdp`` from torch 2.6,
+    ``torch.distributed._composable.fsdp`` in 2.4 and 2.5 (nbddp's oldest torch)."""
+    from torch.distributed import fsdp
+
+    if hasattr(fsdp, "fully_shard"):
+        return fsdp
+    from torch.distributed._composable import fsdp as composable
+
+    return composable
 
 
 def holds_shards(obj: Any) -> bool:
@@ -64,9 +80,12 @@ def holds_shards(obj: Any) -> bool:
 
 
 def _is_dtensor(tensor: Any) -> bool:
-    if "torch.distributed.tensor" not in sys.modules:
+    if "torch.distributed.tensor" not in sys.modules and "torch.distributed._tensor" not in sys.modules:
         return False
-    from torch.distributed.tensor import DTensor
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor import DTensor
 
     return isinstance(tensor, DTensor)
 
@@ -138,8 +157,12 @@ def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
     (pytorch#132471). Returns the same module object, now an ``FSDPModule``.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    if device.type == "cpu" and not cpu_shards():
+        raise NbddpError(f"--shard on CPU ranks needs torch 2.6 or newer (this is torch {torch.__version__}, whose "
+                         "FSDP2 calls into CUDA even for CPU shards): upgrade torch, train on GPUs, or drop --shard.")
+    fsdp = fsdp2()
+    MixedPrecisionPolicy, fully_shard = fsdp.MixedPrecisionPolicy, fsdp.fully_shard
     if is_sharded(model):
         raise NbddpError("nbddp.prepare(model, shard=True): this model is sharded already; prepare it once.")
     # No model.to(device): fully_shard moves one block at a time to the mesh's device and shards it there,
@@ -150,7 +173,7 @@ def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
         options["mp_policy"] = (mixed_precision if isinstance(mixed_precision, MixedPrecisionPolicy)
                                 else MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32))
     if offload and device.type != "cpu":
-        options["offload_policy"] = CPUOffloadPolicy()
+        options["offload_policy"] = fsdp.CPUOffloadPolicy()
     if device.type == "cpu":
         _return_freed_buffers()
     before = list(model.parameters())
