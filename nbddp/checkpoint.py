@@ -61,15 +61,20 @@ def save_returns(values: dict[str, Any], path: str | Path, note: str = "") -> Pa
 
 
 def _plain(state: Any) -> bool:
-    """``state`` is what ``torch.load(weights_only=True)`` reads back: tensors, numbers, text and containers of them."""
+    """``state`` is what ``torch.load(weights_only=True)`` reads back, on every torch nbddp supports: tensors,
+    numbers, text, ``None`` and lists, tuples and dicts of them. Exact types: a NumPy float or an enum is a
+    subclass of ``float``/``int`` but is pickled as its own class, which that load refuses, and so is a
+    ``defaultdict`` (only ``dict`` and ``OrderedDict`` are read)."""
+    import collections
+
     import torch
 
-    if state is None or isinstance(state, (bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype,
-                                           torch.device, torch.Size)):
+    if state is None or type(state) in (bool, int, float, str) or isinstance(state, (torch.Tensor, torch.dtype,
+                                                                                   torch.device, torch.Size)):
         return True
-    if isinstance(state, (list, tuple, set)) and type(state) in (list, tuple, set):
+    if type(state) in (list, tuple):
         return all(_plain(item) for item in state)
-    if isinstance(state, dict) and type(state).__module__ in ("builtins", "collections"):
+    if type(state) in (dict, collections.OrderedDict):
         return all(_plain(key) and _plain(value) for key, value in state.items())
     return False
 

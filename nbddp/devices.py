@@ -160,7 +160,7 @@ def rank_gpu(local_rank: int, visible: int, per_node: int | None = None,
 
 
 def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None = None,
-            visible: int | None = None) -> Devices:
+            visible: int | None = None, ours: Sequence[str] = ()) -> Devices:
     """Turn ``--gpus/--cpu/--nproc`` into :class:`Devices`, or raise before anything starts.
 
     Raises:
@@ -184,7 +184,7 @@ def resolve(gpus: str | int | None = None, cpu: bool = False, nproc: int | None 
     if nproc is not None:
         raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
     if str(gpus).lower() == FREE:
-        return free_devices(None, gpu_usage())
+        return free_devices(None, gpu_usage(), ours=ours)
     wanted = requested_gpus(gpus)
     if wanted is None:
         if visible == 0:
@@ -208,50 +208,73 @@ class GpuUse:
     """NVML's index (the driver's order, which ``nvidia-smi`` shows)."""
     uuid: str
     processes: int
+    """Compute processes on it; -1 where NVML won't count them."""
     used: int
     total: int
 
     @property
     def busy(self) -> bool:
-        """Someone computes on it, or holds more than :data:`BUSY_MEMORY` of its memory."""
-        return self.processes > 0 or (self.total > 0 and self.used > BUSY_MEMORY * self.total)
+        """Someone computes on it (or NVML won't say), or holds more than :data:`BUSY_MEMORY` of its memory."""
+        return self.processes != 0 or (self.total > 0 and self.used > BUSY_MEMORY * self.total)
 
     def describe(self) -> str:
-        processes = f"{self.processes} process{'es' * (self.processes != 1)}"
+        processes = (f"{self.processes} process{'es' * (self.processes != 1)}" if self.processes >= 0
+                     else "processes unknown")
         return f"GPU {self.index}: {processes}, {self.used / 2**30:.1f} of {self.total / 2**30:.1f} GiB used"
 
 
 def gpu_usage() -> list[GpuUse]:
-    """Every GPU of this machine as NVML sees it now (``[]`` without NVML): what ``--gpus free`` judges by."""
+    """Every GPU of this machine as NVML sees it now (``[]`` without NVML): what ``--gpus free`` judges by.
+
+    A GPU whose UUID or memory NVML won't give is left out; one whose processes it won't count (a MIG parent
+    without the privilege to ask, a driver error) is counted busy (``processes`` -1). Older drivers lack the
+    newest names of the calls: the older ones are used there (with no buffer, their layouts don't matter).
+    """
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
         return []
 
-    class _Memory(ctypes.Structure):
+    class _Memory(ctypes.Structure):  # nvmlMemory_t
         _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
+    if _nvml(nvml, ("nvmlInit_v2", "nvmlInit")) != _NVML_SUCCESS:
+        return []
     found = []
     try:
-        if nvml.nvmlInit_v2() != 0:
-            return []
         count = ctypes.c_uint(0)
-        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) == 0:
-            for index in range(count.value):
-                handle, memory = ctypes.c_void_p(), _Memory()
-                uuid, processes = ctypes.create_string_buffer(96), ctypes.c_uint(0)
-                if nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0:
-                    continue
-                nvml.nvmlDeviceGetUUID(handle, uuid, 96)
-                nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory))
-                # with no buffer, NVML answers "insufficient size" and the count of running compute processes
-                nvml.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(processes), None)
-                found.append(GpuUse(index, uuid.value.decode(errors="replace"), processes.value, memory.used,
-                                    memory.total))
-        nvml.nvmlShutdown()
-    except AttributeError:
-        return []
+        if _nvml(nvml, ("nvmlDeviceGetCount_v2", "nvmlDeviceGetCount"), ctypes.byref(count)) != _NVML_SUCCESS:
+            return []
+        for index in range(count.value):
+            handle, memory = ctypes.c_void_p(), _Memory()
+            uuid, processes = ctypes.create_string_buffer(96), ctypes.c_uint(0)
+            if (_nvml(nvml, ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex"), index,
+                      ctypes.byref(handle)) != _NVML_SUCCESS
+                    or _nvml(nvml, ("nvmlDeviceGetUUID",), handle, uuid, 96) != _NVML_SUCCESS
+                    or _nvml(nvml, ("nvmlDeviceGetMemoryInfo",), handle, ctypes.byref(memory)) != _NVML_SUCCESS):
+                continue
+            # no buffer: NVML answers "insufficient size" (or success, when none runs) with the count set
+            answer = _nvml(nvml, ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
+                                  "nvmlDeviceGetComputeRunningProcesses"), handle, ctypes.byref(processes), None)
+            running = processes.value if answer in (_NVML_SUCCESS, _NVML_INSUFFICIENT_SIZE) else -1
+            found.append(GpuUse(index, uuid.value.decode(errors="replace"), running, memory.used, memory.total))
+    finally:
+        _nvml(nvml, ("nvmlShutdown",))
     return found
+
+
+_NVML_SUCCESS, _NVML_INSUFFICIENT_SIZE = 0, 7
+
+
+def _nvml(nvml: ctypes.CDLL, names: tuple[str, ...], *args: object) -> int:
+    """Call the first of ``names`` this driver's NVML has; its return code (``-1``: none of them)."""
+    for name in names:
+        try:
+            function = getattr(nvml, name)
+        except AttributeError:
+            continue
+        return int(function(*args))
+    return -1
 
 
 def visible_usage(usage: Sequence[GpuUse], visible: str | None = None) -> list[GpuUse]:
@@ -271,15 +294,17 @@ def visible_usage(usage: Sequence[GpuUse], visible: str | None = None) -> list[G
     return chosen
 
 
-def free_devices(wanted: int | None, usage: Sequence[GpuUse], visible: str | None = None) -> Devices:
+def free_devices(wanted: int | None, usage: Sequence[GpuUse], visible: str | None = None,
+                 ours: Sequence[str] = ()) -> Devices:
     """``--gpus free`` (``wanted`` ``None``: every free GPU) or ``--gpus N --wait`` (the first ``wanted`` free ones),
-    from ``usage`` (:func:`gpu_usage`: tests hand in a machine of their own).
+    from ``usage`` (:func:`gpu_usage`: tests hand in a machine of their own). ``ours``: the UUIDs of GPUs the
+    caller's own warm ranks hold, free to it whatever NVML shows on them.
 
     Raises:
         DeviceError: no GPU visible, or fewer than ``wanted``; fewer free than ``wanted`` (at least one for
             ``free``), naming who holds what and how to wait.
     """
-    seen = visible_usage(usage, visible)
+    seen = [u if u.uuid not in ours else GpuUse(u.index, u.uuid, 0, 0, u.total) for u in visible_usage(usage, visible)]
     flag = f"--gpus {wanted}" if wanted is not None else f"--gpus {FREE}"
     need = wanted or 1
     if not seen:
@@ -305,7 +330,8 @@ def _free_of(seen: Sequence[GpuUse]) -> str:
 
 
 def wait_for_free(wanted: int | None, say: Callable[[str], None], usage: Callable[[], list[GpuUse]] = gpu_usage,
-                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Devices:
+                  sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                  ours: Sequence[str] = ()) -> Devices:
     """``--wait``: :func:`free_devices` once enough GPUs are free, saying what it waits for at once and every
     :data:`WAIT_SAY_SECONDS` (a Ctrl-C or a Stop ends the wait as it ends a run: nothing has started).
 
@@ -316,8 +342,8 @@ def wait_for_free(wanted: int | None, say: Callable[[str], None], usage: Callabl
     while True:
         now = usage()
         seen = visible_usage(now)
-        if len(seen) < (wanted or 1) or sum(not u.busy for u in seen) >= (wanted or 1):
-            return free_devices(wanted, now)
+        if len(seen) < (wanted or 1) or sum(not u.busy or u.uuid in ours for u in seen) >= (wanted or 1):
+            return free_devices(wanted, now, ours=ours)
         moment = clock()
         if said is None or moment - said >= WAIT_SAY_SECONDS:
             said = moment

@@ -75,12 +75,17 @@ def test_what_the_kernel_lacks_comes_back_as_saved_and_a_wrong_architecture_is_a
 def test_what_isnt_weights_is_left_out_said_and_the_rest_comes_back(tmp_path):
     model = torch.nn.Linear(3, 2)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 3)), batch_size=2)
-    path = save_returns({"model": model, "loader": loader, "history": {"loss": [0.5, 0.25], "best": None}},
+    import collections
+
+    import numpy
+
+    path = save_returns({"model": model, "loader": loader, "history": {"loss": [0.5, 0.25], "best": None},
+                         "counts": collections.defaultdict(list), "best": numpy.float64(0.25)},
                         tmp_path / "w.pt", note="final")
-    states, note = load_returns(path)
-    assert set(states) == {"model", "history"}
-    assert note == ("final; loader (a DataLoader) didn't come back: only modules, optimizers, tensors and plain "
-                    "values (numbers, text, lists and dicts of them) do")
+    states, note = load_returns(path)  # (a NumPy float saved would make the whole file refused)
+    assert set(states) == {"model", "history", "counts"} and states["counts"] == {}  # a dict's state: a dict
+    assert note == ("final; loader (a DataLoader), best (a float64) didn't come back: only modules, optimizers, "
+                    "tensors and plain values (numbers, text, lists and dicts of them) do")
 
 
 def test_truncated_or_tampered_files_are_refused(tmp_path):

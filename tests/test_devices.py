@@ -201,6 +201,11 @@ def test_gpus_free_takes_the_gpus_nobody_uses_by_name_and_says_which():
     assert free_devices(1, SHARED, visible="3,1").gpu_ids == ("GPU-3dd",)  # CUDA_VISIBLE_DEVICES's order
     assert free_devices(None, SHARED, visible="GPU-1").gpu_ids == ("GPU-1bb",)  # a UUID's prefix, as CUDA takes
     assert Devices("cuda", 2).environment() == {}  # the first N visible: nothing to narrow
+    # the kernel's own warm ranks on GPU 0 (a run before chose it): free to this kernel, though NVML lists them
+    assert free_devices(None, SHARED, ours=("GPU-0aa",)).gpu_ids == ("GPU-0aa", "GPU-1bb", "GPU-3dd")
+    unknown = [GpuUse(0, "GPU-0aa", -1, 0, 80 * GiB)]  # NVML wouldn't count its processes (a MIG parent): busy
+    with pytest.raises(DeviceError, match=r"\(GPU 0: processes unknown, 0.0 of 80.0 GiB used\)"):
+        free_devices(None, unknown)
 
 
 @pytest.mark.parametrize("wanted, usage, visible, message", [

@@ -35,7 +35,11 @@ PROBE = textwrap.dedent('''
             "stderr": [type(sys.stderr.buffer).__name__, sys.stderr.write_through],
             "threads": torch.get_num_threads(), "tasks": len(os.listdir("/proc/self/task")),
             "random": random.random(), "numpy": float(numpy.random.rand()),
+            "annotations": repr(typed.__annotations__), "builtins": type(__builtins__).__name__,
         }
+
+    def typed(x: int) -> "list":  # no __future__ import: evaluated, as in a fresh interpreter
+        return [x]
 
     mode = os.environ.get("MODE", "observe")
     if mode == "observe":

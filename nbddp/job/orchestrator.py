@@ -55,6 +55,10 @@ class WarmSource(Protocol):
     def ended(self, pool: Any, status: Status) -> None:
         """The run on ``pool`` ended with ``status`` (ranks whose run did not succeed can't be trusted)."""
 
+    def held_gpus(self) -> tuple[str, ...]:
+        """The GPUs (NVML UUIDs) its live ranks hold, when they were chosen by name: free to this door's runs
+        (``--gpus free``, ``--wait``), though NVML shows the ranks on them."""
+
 
 @dataclass(frozen=True)
 class RunRequest:
@@ -217,7 +221,8 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         say(request.script.note)  # no cell is marked: which cells nbddp chose
     for notice in request.script.notices:
         say(notice)
-    devices = devices_for(launch, asked=request.script.processes, say=say)
+    ours = request.warm.held_gpus() if request.warm is not None else ()
+    devices = devices_for(launch, asked=request.script.processes, say=say, ours=ours)
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)

@@ -50,13 +50,13 @@ BUILTIN = {
 
 
 def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int | None = None,
-                say: Callable[[str], None] | None = None) -> Devices:
+                say: Callable[[str], None] | None = None, ours: tuple[str, ...] = ()) -> Devices:
     """The devices of one node of the run: this machine's, or what a Slurm job or Ray run asks for per node.
 
     ``asked``: the process count the notebook asks its library for (``Script.processes``), the run's
     when no launch option counts the devices (:func:`nbddp.devices.notebook_devices`). ``say``: where
     ``--wait`` says what it waits for; without it (a door checking the options before it starts), ``--wait``
-    doesn't wait: the run will.
+    doesn't wait: the run will. ``ours``: GPUs the door's own warm ranks hold (free to it: ``--gpus free``).
 
     Raises:
         UsageError, DeviceError: before anything starts.
@@ -70,11 +70,11 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
 
         return ray_devices(launch.ray, launch.cpu, launch.nproc)
     if launch.wait and say is not None:
-        return wait_for_free(requested_gpus(launch.gpus), say)
+        return wait_for_free(requested_gpus(launch.gpus), say, ours=ours)
     if launch.wait:
         return Devices("cuda", requested_gpus(launch.gpus) or 1)  # (checked as the run starts, and waited for)
     if asked is None or launch.nproc is not None or launch.gpus is not None:
-        return resolve(launch.gpus, launch.cpu, launch.nproc, visible)
+        return resolve(launch.gpus, launch.cpu, launch.nproc, visible, ours=ours)
     return notebook_devices(asked, launch.cpu, visible)
 
 

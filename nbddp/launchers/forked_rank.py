@@ -15,16 +15,18 @@ reseeded here), and an exit that waits for non-daemon threads, runs ``atexit`` h
 exception, ``SystemExit`` or Ctrl-C as the interpreter does. What stays the starter's: the hash seed (set
 iteration order) and ``sys.orig_argv``.
 
-Why a fork is safe here: the starter is single-threaded when it forks (``OMP_NUM_THREADS`` is set before
-torch is imported, so no OpenMP/BLAS pool is started), it never initialises CUDA (torch's CUDA is lazy:
-a rank initialises its own), and it forks before it installs signal handlers or opens anything but
-inherited descriptors. Elsewhere than Linux (macOS's system libraries are not fork-safe) the ranks are
+Why a fork is safe here: the starter runs no Python thread when it forks (where one runs, ranks start as
+fresh interpreters), ``OMP_NUM_THREADS`` is set before torch is imported (torch's OpenMP pool starts on first
+use, never here; OpenBLAS, where NumPy's starts one, stops it across a fork), it never initialises CUDA
+(torch's CUDA is lazy: a rank initialises its own), and it forks before it installs signal handlers or opens
+anything but inherited descriptors. Elsewhere than Linux (macOS's system libraries are not fork-safe) the ranks are
 started as fresh interpreters.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import io
 import os
 import signal
@@ -50,7 +52,7 @@ def preload(threads: str) -> None:
         return
     try:
         import torch  # noqa: F401
-    except ImportError:  # the ranks will say so, as fresh interpreters would
+    except Exception:  # noqa: BLE001 - not installed, or broken (a CUDA library): each rank says so, as it would
         return
     import gc
 
@@ -79,7 +81,7 @@ class ForkedRank:
 def start(program: Sequence[str], env: Mapping[str, str]) -> "ForkedRank | subprocess.Popen":
     """Start ``python -u *program`` (a script and its arguments, or ``-m MODULE ARGS``) with ``env``: forked
     from this process where :data:`FORKS`, else a fresh interpreter."""
-    if not FORKS:
+    if not FORKS or threading.active_count() > 1:  # (a Python thread may hold a lock a fork would keep held)
         return subprocess.Popen([sys.executable, "-u", *program], start_new_session=True,
                                 stdin=subprocess.DEVNULL, env=dict(env))
     sys.stdout.flush()
@@ -93,7 +95,7 @@ def start(program: Sequence[str], env: Mapping[str, str]) -> "ForkedRank | subpr
     except BaseException:  # noqa: BLE001 - nothing may return into the starter's code from here
         traceback.print_exc()
         code = 1
-    os._exit(code)
+    os._exit(code & 0xFF)  # (as the C library's exit() keeps it)
 
 
 def _become_fresh(env: Mapping[str, str]) -> None:
@@ -146,21 +148,28 @@ def _run_main(program: list[str]) -> None:
         import runpy
 
         sys.argv = ["-m", *program[2:]]
-        sys.path[0] = os.getcwd()
+        _first_path(os.getcwd())
         runpy._run_module_as_main(program[1], alter_argv=True)  # type: ignore[attr-defined] - what ``-m`` calls
         return
     from importlib.machinery import SourceFileLoader
 
     script = program[0]
     sys.argv = list(program)
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    _first_path(os.path.dirname(os.path.realpath(script)))
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=os.path.abspath(script), __cached__=None, __builtins__=__builtins__,
+    main.__dict__.update(__file__=os.path.abspath(script), __cached__=None, __builtins__=builtins,
                          __loader__=SourceFileLoader("__main__", script))
     sys.modules["__main__"] = main
     with io.open_code(script) as source:
-        code = compile(source.read(), script, "exec")
+        code = compile(source.read(), script, "exec", dont_inherit=True)  # (not this module's __future__ flags)
     exec(code, main.__dict__)
+
+
+def _first_path(folder: str) -> None:
+    """``sys.path[0]`` as the interpreter sets it for the program (the starter's own was set for the starter);
+    under ``PYTHONSAFEPATH`` neither got one, and ``sys.path[0]`` is a real entry."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = folder
 
 
 def _from_the_program(frames: types.TracebackType | None) -> types.TracebackType | None:
@@ -189,3 +198,9 @@ def _finish() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    try:  # what C code printed through stdio (an extension's printf): exit() flushes it, os._exit doesn't
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass

@@ -158,11 +158,11 @@ class Departure:
             moved = previous is not None and frames != previous  # (the first dump: the baseline)
         pid = self.pool.rank_pids().get(rank)
         self._asked[rank] = (now, _size(path))
-        if pid:
-            try:
+        try:  # only to the pool's own rank: SIGUSR1 would end a process that took a dead rank's pid
+            if pid and psutil.Process(pid).ppid() == self.pool.launch.pid:
                 os.kill(pid, signal.SIGUSR1)
-            except OSError:
-                pass
+        except (OSError, psutil.Error):
+            pass
         return moved
 
     def _responsive(self, states: dict[int, str]) -> bool:

@@ -516,6 +516,10 @@ class KernelPool(PoolKeeper):
             self._at_exit = True
         return pool
 
+    def held_gpus(self) -> tuple[str, ...]:
+        """The GPUs this kernel's live warm ranks hold, where a run chose them by name (``--gpus free``)."""
+        return self.pool.devices.gpu_ids if self.pool is not None and self.pool.alive() else ()
+
     def describe(self) -> str:
         """What ``%ddp_ranks`` says about the warm ranks, and what each keeps of the setup."""
         pool = self.pool
