@@ -54,6 +54,10 @@ class BatchSlotPool:
     def ended(self, pool: Any, status: Status) -> None:
         """The batch, which owns the pool, replaces it after a run that did not succeed."""
 
+    def held_gpus(self) -> tuple[str, ...]:
+        """None by name: a batch run gets its slot's GPUs as numbers (``--gpus N``), never ``--gpus free``."""
+        return ()
+
 
 def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: Callable[[str], None] | None = None,
                  notebook: Notebook | None = None, on_start: Callable[[Any], Any] | None = None) -> orchestrator.RunResult:
