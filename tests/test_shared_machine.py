@@ -132,7 +132,8 @@ def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, 
     deadline = time.monotonic() + 60
     ranks: list[psutil.Process] = []
     while len(ranks) < 2 and time.monotonic() < deadline:
-        agents = [psutil.Process(pid) for pid in run.seen if _runs(pid, launcher) and not _runs(_parent(pid), launcher)]
+        seen = list(run.seen)  # (one C call: the watcher thread adds to the set meanwhile)
+        agents = [psutil.Process(pid) for pid in seen if _runs(pid, launcher) and not _runs(_parent(pid), launcher)]
         ranks = [child for agent in agents for child in agent.children() if _runs(child.pid, "train.py")]
         time.sleep(0.01)
     assert len(ranks) == 2, run.output

@@ -12,12 +12,9 @@ clean up. So the ranks are judged by **progress**, not by a clock (:class:`Depar
 * a rank in the job that heard the interrupt (its SIGINT handler ran: it is in Python, on its way
   out) or that is paused (SIGSTOP, a debugger) is responsive: it is waited for, up to
   :data:`LEAVE_SECONDS`;
-* otherwise the ranks still leaving must show progress: another rank heard the interrupt, ended the
-  job or freed its group, or a rank spent CPU time *and its Python stack moved* between two of its stack
-  dumps (:data:`STACK_SAMPLE_SECONDS` apart). CPU time alone is no sign: a rank stuck in a CUDA call
-  spins on the CPU (``cudaDeviceSynchronize``) as a busy loop does, at the same line all along. After
-  :data:`SETTLE_SECONDS` without any progress, they are stuck (a rank blocked in C code where no interrupt
-  reaches it, and its peers waiting for it).
+* otherwise the ranks still leaving must show progress: CPU time spent, or another rank heard the
+  interrupt, ended the job or freed its group. After :data:`SETTLE_SECONDS` without any, they are
+  stuck (a rank blocked in C code where no interrupt reaches it, and its peers waiting for it).
 
 A rank that can't leave is named with where it was: its Python stack, which it writes on SIGUSR1
 (:mod:`faulthandler`, see :mod:`nbddp.rank_side.warm_loop`), translated to the notebook's cell and line.
@@ -63,8 +60,6 @@ LEAVE_SECONDS = 30.0
 CPU_PROGRESS = 0.05
 #: How long a rank gets to write its stacks once asked.
 STACK_SECONDS = 2.0
-#: How often a rank that spends CPU time while it should be leaving has its stack looked at (is it moving?).
-STACK_SAMPLE_SECONDS = 0.5
 
 
 class Departure:
@@ -74,9 +69,6 @@ class Departure:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
-        self._asked: dict[int, tuple[float, int]] = {}
-        """Each rank asked for a stack dump: when, and its stack file's size then (a dump grows it)."""
-        self._stack_seen: dict[int, list[list]] = {}
         self._events = -1
 
     def check(self) -> str | None:
@@ -122,7 +114,7 @@ class Departure:
 
     def _progress(self, states: dict[int, str]) -> bool:
         """Anything moved since the last look: a rank heard the interrupt, ended the job or freed its group,
-        or one still leaving spent :data:`CPU_PROGRESS` of CPU time somewhere else in its code (:meth:`_moved`)."""
+        or one still leaving spent :data:`CPU_PROGRESS` of CPU time."""
         directory = self.pool.dir
         events = sum((state in ("out", "releasing")) + directory.heard(self.number, rank).exists()
                      + directory.released(self.number, rank).exists() for rank, state in states.items())
@@ -136,33 +128,8 @@ class Departure:
             except psutil.Error:
                 continue
             spent = times.user + times.system
-            if spent >= self._cpu.setdefault(rank, spent) + CPU_PROGRESS and self._moved(rank):
+            if spent >= self._cpu.setdefault(rank, spent) + CPU_PROGRESS:
                 self._cpu[rank], moved = spent, True
-        return moved
-
-    def _moved(self, rank: int) -> bool:
-        """Its Python stack moved: the dump it wrote when last asked (SIGUSR1, at most every
-        :data:`STACK_SAMPLE_SECONDS`, never waited for) differs from the one before. A rank spinning in one C call
-        (CUDA's synchronize) stays put; one that writes no dump can't be told by its stack, so its CPU time counts.
-        Between samples, nothing new is known: no move."""
-        now = time.monotonic()
-        asked = self._asked.get(rank)
-        if asked is not None and now - asked[0] < STACK_SAMPLE_SECONDS:
-            return False
-        moved = True  # (the first look, and a rank that wrote no dump: its CPU time is the only sign there is)
-        path = self.pool.dir.stack(rank)
-        if asked is not None and _size(path) > asked[1]:
-            frames = main_thread_frames(path.read_text(errors="replace"))
-            previous = self._stack_seen.get(rank)
-            self._stack_seen[rank] = frames
-            moved = previous is not None and frames != previous  # (the first dump: the baseline)
-        pid = self.pool.rank_pids().get(rank)
-        self._asked[rank] = (now, _size(path))
-        try:  # only to the pool's own rank: SIGUSR1 would end a process that took a dead rank's pid
-            if pid and psutil.Process(pid).ppid() == self.pool.launch.pid:
-                os.kill(pid, signal.SIGUSR1)
-        except (OSError, psutil.Error):
-            pass
         return moved
 
     def _responsive(self, states: dict[int, str]) -> bool:
