@@ -154,12 +154,10 @@ class Job:
         if attempt <= self.restarts_said:
             return
         self.restarts_said = attempt
-        raised = [report for path in self.paths.error_reports()
-                  if isinstance(report := read_json(path), dict) and report.get("attempt") == attempt - 1]
-        first = [report for report in raised if not PEER_GONE.search(str(report.get("message", "")))]
-        raised = first or raised  # the rank that failed, not those its leaving broke
-        why = "; ".join(f"rank {r.get('rank')} raised {r.get('type')}: {str(r.get('message', '')).strip()[:160]}"
-                        for r in raised) or self.launcher.failed_attempt(self.launcher.report(self.paths))
+        raised = [error for error in rank_errors(self.run_dir, self.script.source_map) if error.attempt == attempt - 1]
+        raised = [error for error in raised if not PEER_GONE.search(error.message)] or raised  # not those it broke
+        why = "; ".join(f"rank {error.rank} raised {error.type}: {error.message.strip()[:160]}" for error in raised
+                        ) or self.launcher.failed_attempt(self.launcher.report(self.paths))
         line = (f"restart {attempt} of {self.spec.launch.max_restarts} (--max-restarts): {why or 'a rank failed'}; "
                 "every rank starts its script again (nbddp.restore() resumes from the last checkpoint)")
         for sink in sinks:
