@@ -57,7 +57,9 @@ def is_sharded(obj: Any) -> bool:
 def cpu_shards() -> bool:
     """FSDP2 shards on CPU ranks (gloo) from torch 2.6; torch 2.4's calls into CUDA on the way (seen: "CUDA driver
     version is insufficient" on a machine without a GPU). 2.5 was not tried: refused with 2.4."""
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__) >= (2, 6)
 
 
 def fsdp2() -> Any:
