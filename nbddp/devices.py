@@ -304,7 +304,7 @@ def free_devices(wanted: int | None, usage: Sequence[GpuUse], visible: str | Non
         DeviceError: no GPU visible, or fewer than ``wanted``; fewer free than ``wanted`` (at least one for
             ``free``), naming who holds what and how to wait.
     """
-    seen = [u if u.uuid not in ours else GpuUse(u.index, u.uuid, 0, 0, u.total) for u in visible_usage(usage, visible)]
+    seen = _judged(usage, visible, ours)
     flag = f"--gpus {wanted}" if wanted is not None else f"--gpus {FREE}"
     need = wanted or 1
     if not seen:
@@ -316,17 +316,26 @@ def free_devices(wanted: int | None, usage: Sequence[GpuUse], visible: str | Non
         raise DeviceError(f"{flag}: {_free_of(seen)}. Wait for {_gpus(need)} to be free: "
                           f"{'--gpus 1' if wanted is None else flag} --wait; or use --cpu.")
     chosen = free[:wanted] if wanted is not None else free
-    busy = [u.describe() for u in seen if u.busy]
+    busy = _in_use(seen)
     note = (f"training on the free GPU{'s' * (len(chosen) > 1)} {', '.join(str(u.index) for u in chosen)}"
-            + (f" (in use: {'; '.join(busy)})" if busy else ""))
+            + (f" (in use: {busy})" if busy else ""))
     return Devices("cuda", len(chosen), note=note, gpu_ids=tuple(u.uuid for u in chosen))
+
+
+def _judged(usage: Sequence[GpuUse], visible: str | None, ours: Sequence[str]) -> list[GpuUse]:
+    """The visible GPUs (:func:`visible_usage`), those the caller's own warm ranks hold counted free."""
+    return [u if u.uuid not in ours else GpuUse(u.index, u.uuid, 0, 0, u.total) for u in visible_usage(usage, visible)]
+
+
+def _in_use(seen: Sequence[GpuUse]) -> str:
+    """``GPU 0: 2 processes, 30.0 of 80.0 GiB used; …`` for the busy ones."""
+    return "; ".join(u.describe() for u in seen if u.busy)
 
 
 def _free_of(seen: Sequence[GpuUse]) -> str:
     """``1 of the 4 visible GPUs is free (GPU 0: 2 processes, 30.0 of 80.0 GiB used; …)``."""
     free = sum(not u.busy for u in seen)
-    busy = "; ".join(u.describe() for u in seen if u.busy)
-    return f"{free} of the {len(seen)} visible GPUs {'is' if free == 1 else 'are'} free ({busy})"
+    return f"{free} of the {len(seen)} visible GPUs {'is' if free == 1 else 'are'} free ({_in_use(seen)})"
 
 
 def wait_for_free(wanted: int | None, say: Callable[[str], None], usage: Callable[[], list[GpuUse]] = gpu_usage,
@@ -341,8 +350,8 @@ def wait_for_free(wanted: int | None, say: Callable[[str], None], usage: Callabl
     said: float | None = None
     while True:
         now = usage()
-        seen = visible_usage(now)
-        if len(seen) < (wanted or 1) or sum(not u.busy or u.uuid in ours for u in seen) >= (wanted or 1):
+        seen = _judged(now, None, ours)
+        if len(seen) < (wanted or 1) or sum(not u.busy for u in seen) >= (wanted or 1):
             return free_devices(wanted, now, ours=ours)
         moment = clock()
         if said is None or moment - said >= WAIT_SAY_SECONDS:
