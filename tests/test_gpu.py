@@ -156,7 +156,8 @@ def test_an_nccl_rank_that_cant_leave_within_3s_is_replaced_as_the_run_ends(kern
     kernel.km.interrupt_kernel()
     out = kernel.finish_execute()
     assert "the run was interrupted after" in out, out
-    assert time.monotonic() - interrupted_at < 30, out  # 3 s to leave the job, then its pool is stopped
+    # CUDA's synchronize spins on the CPU: judged by its stack, which doesn't move (3 s), not by its CPU time (30 s)
+    assert time.monotonic() - interrupted_at < 5, out
     described = kernel.execute("%ddp_ranks")
     assert "0 run(s)" in described, described  # the replacements, started as the run ended
     again = train(kernel)

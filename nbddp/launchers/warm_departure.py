@@ -15,6 +15,13 @@ clean up. So the ranks are judged by **progress**, not by a clock (:class:`Depar
 * otherwise the ranks still leaving must show progress: CPU time spent, or another rank heard the
   interrupt, ended the job or freed its group. After :data:`SETTLE_SECONDS` without any, they are
   stuck (a rank blocked in C code where no interrupt reaches it, and its peers waiting for it).
+* CPU time is no progress from a rank that took the job and hasn't heard the interrupt unless its
+  Python stack moved between two dumps :data:`SAMPLE_SECONDS` apart: such a rank is inside one native
+  call (hearing is a Python handler, run between bytecodes), and spinning there is no sign of leaving:
+  a rank in CUDA's ``cudaDeviceSynchronize`` spins on the CPU for a kernel that may never end. A rank
+  whose library took SIGINT over runs Python, so its stack moves. Only such ranks are sampled; a rank
+  that heard the interrupt is left alone. A native call still running 3 s after Stop costs the warm
+  ranks, not the user's wait (it was up to :data:`LEAVE_SECONDS`).
 
 A rank that can't leave is named with where it was: its Python stack, which it writes on SIGUSR1
 (:mod:`faulthandler`, see :mod:`nbddp.rank_side.warm_loop`), translated to the notebook's cell and line.
@@ -60,6 +67,8 @@ LEAVE_SECONDS = 30.0
 CPU_PROGRESS = 0.05
 #: How long a rank gets to write its stacks once asked.
 STACK_SECONDS = 2.0
+#: How often a rank spending CPU time without having heard the interrupt has its stack looked at (did it move?).
+SAMPLE_SECONDS = 0.5
 
 
 class Departure:
@@ -69,6 +78,7 @@ class Departure:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
+        self._samples: dict[int, tuple[float, list[list] | None]] = {}
         self._events = -1
 
     def check(self) -> str | None:
@@ -129,8 +139,21 @@ class Departure:
                 continue
             spent = times.user + times.system
             if spent >= self._cpu.setdefault(rank, spent) + CPU_PROGRESS:
-                self._cpu[rank], moved = spent, True
+                self._cpu[rank] = spent
+                native = state == "in" and self._heard(rank) is None  # (in one native call, or its library's SIGINT)
+                moved = moved or not native or self._stack_moved(rank)
         return moved
+
+    def _stack_moved(self, rank: int) -> bool:
+        """The rank's Python stack differs from its last dump, taken :data:`SAMPLE_SECONDS` or more ago (a dump is
+        asked of it at most that often; the first is only a baseline): a rank spinning in one native call stays put."""
+        now = time.monotonic()
+        last = self._samples.get(rank)
+        if last is not None and now - last[0] < SAMPLE_SECONDS:
+            return False
+        frames = self._stacks([rank], wait=SAMPLE_SECONDS).get(rank)
+        self._samples[rank] = (now, frames)
+        return frames is not None and last is not None and last[1] is not None and frames != last[1]
 
     def _responsive(self, states: dict[int, str]) -> bool:
         """A rank still leaving heard the interrupt (it runs Python, on its way out), or is paused (SIGSTOP,
@@ -167,8 +190,9 @@ class Departure:
             _to_run_log(job, rank, f"rank {rank} {doing} after the interrupt", frames)
         return "; ".join(said)
 
-    def _stacks(self, ranks: list[int]) -> dict[int, list[list]]:
-        """Each of ``ranks``' main thread's Python frames, outermost first, as it writes them on SIGUSR1."""
+    def _stacks(self, ranks: list[int], wait: float = STACK_SECONDS) -> dict[int, list[list]]:
+        """Each of ``ranks``' main thread's Python frames, outermost first, as it writes them on SIGUSR1 (those
+        written within ``wait`` seconds)."""
         pids, sizes = self.pool.rank_pids(), {}
         for rank in ranks:
             sizes[rank] = _size(self.pool.dir.stack(rank))
@@ -178,7 +202,7 @@ class Departure:
                 except OSError:
                     pass
         found: dict[int, list[list]] = {}
-        deadline = time.monotonic() + STACK_SECONDS
+        deadline = time.monotonic() + wait
         while len(found) < len(ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
             for rank in ranks:
