@@ -118,6 +118,41 @@ def test_a_rank_that_heard_the_interrupt_or_is_paused_is_responsive_not_stuck(tm
     assert answer_within(heard, 1.2) is None  # it runs Python, on its way out: waited for (up to LEAVE_SECONDS)
 
 
+#: A rank that writes its stacks on SIGUSR1 (as warm ranks do) and then runs ``sys.argv[2]``.
+DUMPING = ("import faulthandler, signal, sys, threading\n"
+           "stacks = open(sys.argv[1], 'w')\n"
+           "stacks.write(f'main thread 0x{threading.main_thread().ident:016x}\\n'); stacks.flush()\n"
+           "faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)\n"
+           "exec(sys.argv[2])\n")
+#: On the CPU in one native call that never returns to Python, as a rank in CUDA's synchronize is.
+SPIN_IN_C = "import hashlib; hashlib.pbkdf2_hmac('sha256', b'p', b's', (1 << 31) - 1)"
+#: On the CPU in Python whose stack moves (a library that took SIGINT over, still unwinding): calls of random depth.
+SPIN_IN_PYTHON = ("import random, time\n"
+                  "def deeper(n):\n    return deeper(n - 1) if n else sum(range(100_000))\n"
+                  "while True:\n    deeper(random.randrange(10))\n")
+
+
+def test_a_rank_spinning_in_one_native_call_is_stuck_though_it_spends_cpu_time(tmp_path, ranks, monkeypatch):
+    """CPU time alone is no progress from a rank that took the job and hasn't heard the interrupt: it counts only
+    where the rank's stack moved between two dumps (the GPU case: tests/test_gpu.py)."""
+    monkeypatch.setattr(warm_departure, "SAMPLE_SECONDS", 0.1)  # (SETTLE_SECONDS, 0.6 here, is 6 samples still)
+    def dumping_rank(folder: Path, code: str) -> WarmPool:
+        stacks = PoolDir(folder / "pool").stack(0)
+        stacks.parent.mkdir(parents=True)
+        rank = ranks([sys.executable, "-c", DUMPING, str(stacks), code])
+        while not stacks.exists() or not stacks.stat().st_size:  # (its handler registered once the line is there)
+            time.sleep(0.02)
+        pool = pool_of(folder, rank)
+        take(pool, 0)
+        return pool
+
+    pool, started = dumping_rank(tmp_path / "native", SPIN_IN_C), time.monotonic()
+    assert answer_within(Departure(pool, 0), 3.0) == "rank 0 couldn't leave the job: in <module> at <string>:1"
+    assert time.monotonic() - started < 2.0  # SETTLE_SECONDS (0.6 here) from the interrupt, and the dumps
+    pool = dumping_rank(tmp_path / "python", SPIN_IN_PYTHON)
+    assert answer_within(Departure(pool, 0), 2.0) is None  # its stack moves: waited for
+
+
 def test_ranks_that_have_not_taken_a_stopped_job_are_not_waited_for(tmp_path, ranks):
     pool = pool_of(tmp_path, ranks(BLOCKED), ranks(BLOCKED))
     end(pool, 0)

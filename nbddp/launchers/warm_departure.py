@@ -78,7 +78,8 @@ class Departure:
         self.pool, self.number = pool, number
         self.started = self.progressed = time.monotonic()
         self._cpu: dict[int, float] = {}
-        self._samples: dict[int, tuple[float, list[list] | None]] = {}
+        self._samples: dict[int, tuple[float, list[list]]] = {}
+        self._deaf: set[int] = set()
         self._events = -1
 
     def check(self) -> str | None:
@@ -146,14 +147,20 @@ class Departure:
 
     def _stack_moved(self, rank: int) -> bool:
         """The rank's Python stack differs from its last dump, taken :data:`SAMPLE_SECONDS` or more ago (a dump is
-        asked of it at most that often; the first is only a baseline): a rank spinning in one native call stays put."""
+        asked of it at most that often; the first is only a baseline): a rank spinning in one native call stays put.
+        A rank that writes no dump (its SIGUSR1 taken over) can't be told apart: its CPU time counts, as it did."""
+        if rank in self._deaf:
+            return True
         now = time.monotonic()
         last = self._samples.get(rank)
         if last is not None and now - last[0] < SAMPLE_SECONDS:
             return False
-        frames = self._stacks([rank], wait=SAMPLE_SECONDS).get(rank)
+        frames = self._stacks([rank]).get(rank)
+        if frames is None:
+            self._deaf.add(rank)
+            return True
         self._samples[rank] = (now, frames)
-        return frames is not None and last is not None and last[1] is not None and frames != last[1]
+        return last is not None and frames != last[1]
 
     def _responsive(self, states: dict[int, str]) -> bool:
         """A rank still leaving heard the interrupt (it runs Python, on its way out), or is paused (SIGSTOP,
@@ -190,9 +197,8 @@ class Departure:
             _to_run_log(job, rank, f"rank {rank} {doing} after the interrupt", frames)
         return "; ".join(said)
 
-    def _stacks(self, ranks: list[int], wait: float = STACK_SECONDS) -> dict[int, list[list]]:
-        """Each of ``ranks``' main thread's Python frames, outermost first, as it writes them on SIGUSR1 (those
-        written within ``wait`` seconds)."""
+    def _stacks(self, ranks: list[int]) -> dict[int, list[list]]:
+        """Each of ``ranks``' main thread's Python frames, outermost first, as it writes them on SIGUSR1."""
         pids, sizes = self.pool.rank_pids(), {}
         for rank in ranks:
             sizes[rank] = _size(self.pool.dir.stack(rank))
@@ -202,7 +208,7 @@ class Departure:
                 except OSError:
                     pass
         found: dict[int, list[list]] = {}
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + STACK_SECONDS
         while len(found) < len(ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
             for rank in ranks:
