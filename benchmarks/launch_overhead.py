@@ -92,7 +92,7 @@ def _own_share(work: Path, epochs: int) -> dict[str, float]:
     start = time.perf_counter()
     from nbddp.job import lifecycle as job_module
     from nbddp.doors import notebook_run as run_module
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     marks: dict[str, float] = {}
     original_init, original_wait = job_module.Launch.__init__, job_module.Job.wait

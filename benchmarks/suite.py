@@ -366,7 +366,7 @@ def _latency(seen: dict[int, tuple[float, float]], paced: int, burst: int) -> di
 RETURN = """
 import resource, sys, time, torch
 from torch import nn
-from nbddp import checkpoint
+from nbddp.contracts import checkpoint
 params, how, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 width = int((params / 4) ** 0.5)
 make = lambda: nn.Sequential(nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width))

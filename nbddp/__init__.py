@@ -14,7 +14,7 @@ from nbddp._version import __version__
 #: The API of training cells (:mod:`nbddp.rank_side.torch_engine`).
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",
             "save_checkpoint", "restore", "restart_count")
-#: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take (:mod:`nbddp.options`) and
+#: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take (:mod:`nbddp.plan.options`) and
 #: what they return.
 _API = ("run", "batch", "BatchResult")
 _OPTIONS = ("LaunchOptions", "Nodes", "SlurmRequest", "RayRequest")
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> _typing.Any:
 
         return getattr(api, name)
     if name in _OPTIONS:
-        from nbddp import options
+        from nbddp.plan import options
 
         return getattr(options, name)
     if name == "RunResult":

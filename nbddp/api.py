@@ -2,7 +2,7 @@
 
 The same front doors as ``nbddp run`` and ``nbddp batch``: each launch option that the command takes
 is a typed keyword argument of its own (derived from the option's one declaration in
-:mod:`nbddp.options`), and the keywords build the same :class:`~nbddp.options.LaunchOptions`,
+:mod:`nbddp.plan.options`), and the keywords build the same :class:`~nbddp.plan.options.LaunchOptions`,
 validated the same way. ``import nbddp`` loads this module on first use only.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbddp.option_fields import takes_options
-from nbddp.options import BATCH, RUN, LaunchOptions
+from nbddp.plan.option_fields import takes_options
+from nbddp.plan.options import BATCH, RUN, LaunchOptions
 
 if TYPE_CHECKING:
     from nbddp.job.orchestrator import RunResult

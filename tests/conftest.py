@@ -57,7 +57,7 @@ def notebook(tmp_path):
 def cpu_rank(nproc: int | None = None) -> dict[str, str]:
     """The variables that make a process one of ``--cpu``'s ranks (``NBDDP_DEVICE=cpu``, and ``NBDDP_NPROC``
     for an engine that spawns its own): it runs on the CPU, with gloo, on a machine with GPUs too."""
-    from nbddp.rank_side.env import RankEnv
+    from nbddp.contracts.rank_env import RankEnv
 
     return RankEnv(device="cpu", nproc=nproc).variables()
 
@@ -243,7 +243,7 @@ def _why_no_gpu() -> str:
     if not _cuda_missing:
         import torch
 
-        from nbddp.devices import visible_gpu_count
+        from nbddp.contracts.devices import visible_gpu_count
 
         _cuda_missing.append(
             "" if torch.cuda.is_available() and visible_gpu_count() else

@@ -25,8 +25,8 @@ def missing_tools() -> list[str]:
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now (for a test's own server), below the ephemeral range (nbddp.ports)."""
-    from nbddp.ports import free_port as below_the_ephemeral_range
+    """A TCP port free on loopback now (for a test's own server), below the ephemeral range (nbddp.contracts.ports)."""
+    from nbddp.contracts.ports import free_port as below_the_ephemeral_range
 
     return below_the_ephemeral_range()
 

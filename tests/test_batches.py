@@ -10,7 +10,7 @@ import time
 import pytest
 
 from nbddp.doors.batch.schedule import load_grid, plan
-from nbddp.errors import ParameterError
+from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
 from tests.conftest import code, write_notebook
 
@@ -228,7 +228,7 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
     """Simulated: this machine has no GPU, so the count is patched; the slot arithmetic is real."""
     from nbddp.doors.batch import schedule as batches
     from nbddp.doors.batch.schedule import BatchOptions, device_slots
-    from nbddp.errors import DeviceError
+    from nbddp.contracts.errors import DeviceError
 
     monkeypatch.setattr(batches, "visible_gpu_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6")
@@ -245,8 +245,8 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
 def test_gpus_per_run_is_refused_where_a_cluster_places_the_runs(cluster):
     """--gpus-per-run counts this machine's GPUs, as --gpus does: refused with --slurm/--ray in the same words."""
     from nbddp.doors.batch.schedule import BatchOptions
-    from nbddp.errors import UsageError
-    from nbddp.options import LaunchOptions, RayRequest, SlurmRequest
+    from nbddp.contracts.errors import UsageError
+    from nbddp.plan.options import LaunchOptions, RayRequest, SlurmRequest
 
     launch = LaunchOptions(**{cluster: SlurmRequest() if cluster == "slurm" else RayRequest()})
     with pytest.raises(UsageError, match=f"--gpus-per-run counts this machine's GPUs; with --{cluster} say "
@@ -293,10 +293,10 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     import sys
     from dataclasses import asdict
 
-    from nbddp.devices import resolve
-    from nbddp.rank_side.pool_dir import PoolDir
+    from nbddp.contracts.devices import resolve
+    from nbddp.contracts.pool_dir import PoolDir
     from nbddp.launchers.warm_pool import POOL_ENV, adopt_batch_pool, pool_key, why_not_warm
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions, Nodes
 
     devices = resolve(cpu=True, nproc=2)
     monkeypatch.setenv(POOL_ENV, str(tmp_path / "gone"))
@@ -318,7 +318,7 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     # The one rule: what warm ranks can't serve at all is never offered a pool (the batch sets none for it).
     assert "spawns its own ranks" in why_not_warm("catalyst", LaunchOptions())
     assert why_not_warm("lightning", LaunchOptions()) == ""  # torchrun starts its ranks: warm ones serve it
-    assert "one machine" in why_not_warm("torch", LaunchOptions(nodes=__import__("nbddp.options").options.Nodes(2, 0, "h:1")))
+    assert "one machine" in why_not_warm("torch", LaunchOptions(nodes=Nodes(2, 0, "h:1")))
     assert "--max-restarts" in why_not_warm("torch", LaunchOptions(max_restarts=1))
     assert why_not_warm("torch", LaunchOptions()) == ""
 
@@ -326,8 +326,8 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
 def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
     """The batch hands out no job itself (its runs do): a run killed mid-job leaves its ranks busy, and
     the batch must see it (``sound()`` false: the slot's next run gets fresh ranks) from the folder."""
-    from nbddp.devices import resolve
-    from nbddp.rank_side.pool_dir import PoolDir
+    from nbddp.contracts.devices import resolve
+    from nbddp.contracts.pool_dir import PoolDir
     from nbddp.launchers.warm_pool import WarmPool
 
     pool = WarmPool.__new__(WarmPool)  # the batch's own view of its pool: it started it, handed out nothing

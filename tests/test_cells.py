@@ -3,7 +3,7 @@
 import pytest
 
 from nbddp.notebook.cells import cell_role, export_cell, select_cells
-from nbddp.errors import CellError, NotebookError
+from nbddp.contracts.errors import CellError, NotebookError
 from nbddp.notebook.reader import Cell, read_notebook
 from tests.conftest import code, md
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from nbddp.checkpoint import load_into, load_returns, save_returns
-from nbddp.errors import CheckpointError
+from nbddp.contracts.checkpoint import load_into, load_returns, save_returns
+from nbddp.contracts.errors import CheckpointError
 
 
 def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
@@ -111,7 +111,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     path = save_returns({"model": torch.nn.Linear(2, 2)}, tmp_path / "w.pt")
     before = path.read_bytes()
     script = (
-        "import resource, torch\nfrom nbddp.checkpoint import save_returns\n"
+        "import resource, torch\nfrom nbddp.contracts.checkpoint import save_returns\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
         f"save_returns({{'model': torch.nn.Linear(500, 500)}}, {str(path)!r})\n"
     )
@@ -132,7 +132,7 @@ def test_dying_mid_save_keeps_the_previous_checkpoint(tmp_path):
 
     path = tmp_path / "w.pt"
     writer = (
-        "import torch, itertools\nfrom nbddp.checkpoint import save_returns\n"
+        "import torch, itertools\nfrom nbddp.contracts.checkpoint import save_returns\n"
         "for i in itertools.count():\n"
         f"    save_returns({{'model': {{'w': torch.full((2000, 2000), float(i))}}}}, {str(path)!r}, note=str(i))\n"
     )

@@ -122,7 +122,7 @@ def test_dir_of_nbddp_lists_what_it_offers_and_nothing_it_imports():
 def test_what_nbddp_run_takes_and_returns_imports_from_nbddp_without_torch():
     modules = _modules_after("from nbddp import LaunchOptions, Nodes, SlurmRequest, RayRequest, RunResult, BatchResult")
     assert "torch" not in modules and "nbddp.job.orchestrator" in modules
-    assert "nbddp.options" not in _modules_after("import nbddp")  # (on first use only)
+    assert "nbddp.plan.options" not in _modules_after("import nbddp")  # (on first use only)
 
 
 def test_help_does_not_import_torch():
@@ -201,7 +201,7 @@ def test_the_command_leaves_out_jsonschemas_slow_iri_checks(notebook):
 def test_gpus_free_and_wait_are_refused_in_one_line_where_they_cant_work(notebook, capsys, tmp_path):
     """This machine has no GPU (no NVML): ``--gpus free`` says so before anything starts (exit 3); ``--wait`` needs a
     GPU count (exit 2). The choice among busy GPUs is tested with a fake NVML in tests/test_devices.py."""
-    from nbddp.devices import gpu_usage
+    from nbddp.contracts.devices import gpu_usage
 
     path = notebook(TRAIN)
     if gpu_usage():

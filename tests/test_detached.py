@@ -15,10 +15,10 @@ import psutil
 import pytest
 import torch
 
-from nbddp.atomic import write_json
+from nbddp.contracts.atomic import write_json
 from nbddp.doors import detached
-from nbddp.errors import RunFailed, UsageError
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.errors import RunFailed, UsageError
+from nbddp.contracts.rundir import RunDir
 from tests.conftest import alive, code, write_notebook
 from tests.linear_fit import EPOCHS, EVALUATE, SETUP, reference, train_cell
 
@@ -131,7 +131,7 @@ def test_a_supervisor_gone_without_a_result_is_said_not_waited_for(tmp_path):
 def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
     """A real supervisor, whose notebook is gone by the time it runs: it records why, and exits."""
     from nbddp.doors.notebook_run import RunOptions
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     run_dir = tmp_path / "runs" / "gone-1"
     run_dir.mkdir(parents=True)
@@ -148,11 +148,11 @@ def test_the_request_and_the_error_cross_as_data_and_come_back_equal(tmp_path):
     run's judged error, written and read back as plain data (no pickle a planted file could make run code)."""
     from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
     from nbddp.doors.notebook_run import RunOptions
-    from nbddp.errors import RunTimeout
+    from nbddp.contracts.errors import RunTimeout
     from nbddp.job.orchestrator import RunRequest
     from nbddp.notebook.reader import read_notebook
     from nbddp.notebook.script import generate
-    from nbddp.options import LaunchOptions, SlurmRequest
+    from nbddp.plan.options import LaunchOptions, SlurmRequest
 
     paths = RunDir(tmp_path)
     paths.detached.mkdir()
@@ -185,7 +185,7 @@ def test_a_planted_request_error_or_link_is_refused_and_another_users_run_is_nam
     file), a request or error file swapped in by another user, a detached run in a shared folder attached to."""
     from nbddp.doors.detached_record import read_error, read_request, write_request
     from nbddp.doors.notebook_run import RunOptions
-    from nbddp.owned import NotYours
+    from nbddp.contracts.owned import NotYours
 
     project = tmp_path / "project"
     paths = RunDir(project / "runs" / "nb-1")

@@ -3,8 +3,8 @@ machine, so GPU counts are passed in (``visible=``) — the one place tests stan
 
 import pytest
 
-from nbddp.devices import Devices, GpuUse, free_devices, gpu_usage, rank_gpu, resolve, visible_gpu_count, wait_for_free
-from nbddp.errors import DeviceError, UsageError
+from nbddp.contracts.devices import Devices, GpuUse, free_devices, gpu_usage, rank_gpu, resolve, visible_gpu_count, wait_for_free
+from nbddp.contracts.errors import DeviceError, UsageError
 
 
 def test_no_gpu_defaults_to_two_cpu_processes_and_says_so():
@@ -78,7 +78,7 @@ def test_cuda_visible_devices_narrows_a_simulated_count(monkeypatch, value, coun
 def test_a_notebooks_process_count_runs_as_shipped_on_any_machine(visible, asked):
     """On the CPU the literal is the CPU process count; on GPUs one process per GPU, at most every visible one."""
     from nbddp.launchers import devices_for
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     devices = devices_for(LaunchOptions(), visible=visible, asked=asked)
     if visible == 0:
@@ -99,7 +99,7 @@ def test_a_notebooks_process_count_runs_as_shipped_on_any_machine(visible, asked
 @pytest.mark.parametrize("visible", [1, 2, 4])
 def test_an_explicit_count_beyond_the_visible_gpus_stays_an_error_exit_3(visible):
     from nbddp.launchers import devices_for
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     for launch, said in ((LaunchOptions(gpus=str(visible * 2)), f"--gpus {visible * 2}"),
                          (LaunchOptions(nproc=visible * 2), f"--nproc {visible * 2}")):
@@ -121,7 +121,7 @@ def test_an_explicit_count_beyond_the_visible_gpus_stays_an_error_exit_3(visible
 def test_every_rank_of_every_node_drives_a_gpu_of_its_own(per_node, nnodes):
     from nbddp.launchers import devices_for
     from nbddp.launchers.torchrun import torchrun_options
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     devices = devices_for(LaunchOptions(), visible=per_node)  # what each node runs: all its GPUs
     assert devices == Devices("cuda", per_node)
@@ -239,7 +239,7 @@ def test_wait_says_what_it_waits_for_then_takes_the_gpus_freed(monkeypatch):
 
 
 def test_wait_needs_a_gpu_count_and_gpus_free_reaches_nvml_here(tmp_path):
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     with pytest.raises(UsageError, match="--wait waits for free GPUs: give --gpus N"):
         LaunchOptions(wait=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nbddp.checkpoint import load_returns
+from nbddp.contracts.checkpoint import load_returns
 from nbddp.doors.cli import main
 from tests.conftest import EXAMPLES, PYTHON, code, cpu_rank, kill_group, survivors
 

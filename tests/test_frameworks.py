@@ -22,14 +22,14 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
-from nbddp.devices import Devices
+from nbddp.contracts.devices import Devices
 from nbddp.engines import detect_engine, processes_asked, shard_refusal, training_launch
-from nbddp.errors import DeviceError, NbddpError, UsageError
+from nbddp.contracts.errors import DeviceError, NbddpError, UsageError
 from nbddp.launchers import devices_for
 from nbddp.notebook.cells import select_cells
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
-from nbddp.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions
 from tests.conftest import code, write_notebook
 from tests.framework_notebooks import NOTEBOOKS, weights_sum
 
@@ -128,8 +128,8 @@ def test_shard_is_refused_for_a_library_engine_saying_what_shards_there(tmp_path
 
 
 def test_a_training_function_defined_only_in_an_untagged_cell_is_refused_naming_the_cell(tmp_path):
-    from nbddp.errors import CellError
-    from nbddp.notebook.freevars import check_defined
+    from nbddp.contracts.errors import CellError
+    from nbddp.contracts.freevars import check_defined
 
     setup, function = NOTEBOOKS["accelerate"].setup.split("\ndef training_loop", 1)
     cells = [code("#| ddp\n" + setup), code("def training_loop" + function),  # (no directive: the kernel's only)

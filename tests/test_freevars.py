@@ -1,6 +1,6 @@
 """Names a script reads but never defines, and which of those reads run with the script."""
 
-from nbddp.notebook.freevars import cell_names, executed_reads, free_names
+from nbddp.contracts.freevars import cell_names, executed_reads, free_names
 
 
 def test_free_names_skip_builtins_imports_and_definitions():

@@ -1,9 +1,9 @@
 """Judging a job's outcome from what its processes did (real processes, no ranks needed)."""
 
-from nbddp.devices import Devices
+from nbddp.contracts.devices import Devices
 from nbddp.job.lifecycle import Job, JobSpec
 from nbddp.notebook.script import Script
-from nbddp.notebook.sourcemap import SourceMap
+from nbddp.contracts.sourcemap import SourceMap
 from tests.conftest import alive
 
 

@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.devices import Devices
-from nbddp.errors import UsageError
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.errors import UsageError
 
 from nbddp.job.lifecycle import node_gone
 from nbddp.job.lifecycle import JobSpec
 from nbddp.launchers import launcher_for as launcher_for_spec
 from nbddp.notebook.script import Script
-from nbddp.notebook.sourcemap import SourceMap
+from nbddp.contracts.sourcemap import SourceMap
 from nbddp.launchers.slurm import Slurm, sbatch_script
 from nbddp.launchers.slurm_watch import filesystem_type
-from nbddp.options import LaunchOptions, Nodes, SlurmRequest
-from nbddp.job.rundir import RunDir
+from nbddp.plan.options import LaunchOptions, Nodes, SlurmRequest
+from nbddp.contracts.rundir import RunDir
 
 def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0, max_restarts=0):
     """The seam's choice for a job of ``engine`` (a spec with an empty script)."""

@@ -222,7 +222,7 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
     assert _gone_within(pids, 10), {p for p in pids if alive(p)}
     thread.join(60)  # nbclient's liveness poll ends the waiting cell (DeadKernelError)
     assert not thread.is_alive() and errors and type(errors[0]).__name__ == "DeadKernelError", errors
-    from nbddp.rank_side.pool_dir import FOLDER_PREFIX
+    from nbddp.contracts.pool_dir import FOLDER_PREFIX
 
     deadline = time.monotonic() + 10
     while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \

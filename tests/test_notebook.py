@@ -6,7 +6,7 @@ import re
 import pytest
 
 from nbddp.doors.cli import main
-from nbddp.errors import NotebookError
+from nbddp.contracts.errors import NotebookError
 from nbddp.notebook.reader import read_notebook
 from tests.conftest import code, md
 

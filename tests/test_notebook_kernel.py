@@ -3,7 +3,7 @@
 import pytest
 
 from nbddp.doors.notebook_kernel import cell_line, raise_code
-from nbddp.errors import RunFailed, RunTimeout
+from nbddp.contracts.errors import RunFailed, RunTimeout
 
 # IPython's traceback of In[7] calling a function defined in In[3], as the kernel sends it (with its colours).
 TRACEBACK = ("\x1b[0;31mAssertionError\x1b[0m                            Traceback (most recent call last)\n"

@@ -58,22 +58,22 @@ def test_every_nbddp_variable_is_spelled_in_one_module():
             if value is not None and re.fullmatch(r"NBDDP_[A-Z_]+", value):
                 spelled[value].add(module)
     assert spelled and {name: modules for name, modules in spelled.items() if len(modules) > 1} == {}
-    assert {name for name, modules in spelled.items() if modules == {"rank_side/env.py"}} >= {
+    assert {name for name, modules in spelled.items() if modules == {"contracts/rank_env.py"}} >= {
         "NBDDP_RUN_DIR", "NBDDP_DEVICE", "NBDDP_NPROC", "NBDDP_WARM"}
 
 
 def test_exit_codes_have_one_owner():
-    assert _where(lambda t: t.type == tokenize.NUMBER and t.string in ("124", "128", "130")) == {"job/status.py"}
+    assert _where(lambda t: t.type == tokenize.NUMBER and t.string in ("124", "128", "130")) == {"contracts/status.py"}
 
 
 def test_the_run_dirs_script_name_has_one_owner():
-    assert _where(lambda t: _string(t) == "train.py") == {"job/rundir.py"}
+    assert _where(lambda t: _string(t) == "train.py") == {"contracts/rundir.py"}
 
 
 def test_the_run_dirs_file_patterns_have_one_owner():
     """Which files a run dir holds of each kind (every rank's report, mark, error, log): found through ``RunDir``."""
     patterns = ("rank-*.json", "rank-*.done", "memory-*.json", "node-*.log", "rank-*.log", "*/result.json")
-    assert _where(lambda t: any(p in (_string(t) or "") for p in patterns)) == {"job/rundir.py"}
+    assert _where(lambda t: any(p in (_string(t) or "") for p in patterns)) == {"contracts/rundir.py"}
 
 
 def test_torchruns_command_line_is_written_once():
@@ -85,12 +85,12 @@ def test_torchruns_command_line_is_written_once():
 def test_files_other_processes_read_are_written_whole_in_one_place():
     renames = _where(lambda t: t.type == tokenize.NAME and t.string == "replace") & _where(
         lambda t: t.type == tokenize.NAME and t.string == "os")
-    assert "atomic.py" in renames
-    assert {m for m in renames if "os.replace(" in (PACKAGE / m).read_text()} == {"atomic.py"}
-    assert _where(lambda t: ".partial" in (_string(t) or "")) <= {"atomic.py"}
+    assert "contracts/atomic.py" in renames
+    assert {m for m in renames if "os.replace(" in (PACKAGE / m).read_text()} == {"contracts/atomic.py"}
+    assert _where(lambda t: ".partial" in (_string(t) or "")) <= {"contracts/atomic.py"}
 
 
 def test_metric_counters_have_one_owner():
     """The list of keys that count rather than measure (the live view and the terminal read epoch/epochs
     for their progress bars, which is what those keys mean, not a second list)."""
-    assert _where(lambda t: _string(t) == "epoch") & _where(lambda t: _string(t) == "step") == {"job/metrics.py"}
+    assert _where(lambda t: _string(t) == "epoch") & _where(lambda t: _string(t) == "step") == {"contracts/metrics.py"}

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from nbddp.errors import UsageError
-from nbddp.options import (PROCESSES_PER_CPU, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options,
+from nbddp.contracts.errors import UsageError
+from nbddp.plan.options import (PROCESSES_PER_CPU, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options,
                            parse_line)
 
 CPUS = len(os.sched_getaffinity(0))
@@ -75,7 +75,7 @@ def test_help_in_a_magic_is_shown_not_an_error(capsys):
 
 
 def test_several_nodes_and_slurm_round_trip_through_argv():
-    from nbddp.options import Nodes, SlurmRequest
+    from nbddp.plan.options import Nodes, SlurmRequest
 
     options = LaunchOptions(cpu=True, nproc=2, nodes=Nodes(2, 1, "node0:29500"), rdzv_timeout=30.0)
     assert parse(options.to_argv()) == options
@@ -87,7 +87,7 @@ def test_several_nodes_and_slurm_round_trip_through_argv():
 
 
 def test_ray_options_round_trip_and_mean_what_they_mean_for_slurm(monkeypatch):
-    from nbddp.options import RayRequest
+    from nbddp.plan.options import RayRequest
 
     assert parse(["--ray"]).ray == RayRequest("auto")
     assert parse(["--ray", "10.0.0.1:6379", "--nodes", "2", "--gpus-per-node", "4"]).ray == RayRequest("10.0.0.1:6379", 2, 4)
@@ -154,7 +154,7 @@ def _door_parsers():
     from nbddp.doors.cli import build_parser
     from nbddp.doors.jupyter.magics import _PARSER
     from nbddp.doors.papermill import options_parser
-    from nbddp.options import BATCH, EXPORT, MAGIC, PAPERMILL, RUN
+    from nbddp.plan.options import BATCH, EXPORT, MAGIC, PAPERMILL, RUN
 
     cli = build_parser()
     return {RUN: (cli, ["run", "nb.ipynb"]), BATCH: (cli, ["batch", "nb.ipynb", "--grid", "g.yaml"]),
@@ -172,8 +172,8 @@ def _flags(parser, prefix):
 def _example(declaration):
     """Arguments that give ``declaration`` its example value: with the option it belongs to, or the others that
     make it (``--nnodes`` needs ``--node-rank`` and ``--rdzv-endpoint``)."""
-    from nbddp.option_fields import declared
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.option_fields import declared
+    from nbddp.plan.options import LaunchOptions
 
     def words(d):
         return [d.option.flags[0], *d.option.example]
@@ -193,8 +193,8 @@ def test_every_option_appears_in_every_rendering():
     import inspect
 
     import nbddp
-    from nbddp.option_fields import declared, fields_of, takes
-    from nbddp.options import BATCH, DOORS, RUN, LaunchOptions, options_table
+    from nbddp.plan.option_fields import declared, fields_of, takes
+    from nbddp.plan.options import BATCH, DOORS, RUN, LaunchOptions, options_table
 
     parsers = _door_parsers()
     table = options_table()
@@ -225,13 +225,13 @@ def test_every_option_appears_in_every_rendering():
 def test_the_readme_table_is_the_declarations():
     from pathlib import Path
 
-    from nbddp.options import options_table
+    from nbddp.plan.options import options_table
 
     readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
     start = readme.index("\n", readme.index("<!-- launch options:")) + 1
     written = readme[start:readme.index("<!-- end of launch options -->")].strip()
     assert written == options_table(), ("README.md's table of launch options is out of date: paste the output of "
-                                        "python -c 'from nbddp.options import options_table; print(options_table())'")
+                                        "python -c 'from nbddp.plan.options import options_table; print(options_table())'")
 
 
 def test_python_values_become_what_the_command_line_gives():

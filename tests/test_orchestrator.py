@@ -129,7 +129,7 @@ def test_nbddp_run_takes_every_launch_option_as_a_typed_keyword():
     from dataclasses import fields
 
     import nbddp
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
     options = {f.name for f in fields(LaunchOptions)}
     for function, not_there in ((nbddp.run, set()), (nbddp.batch, {"run_dir", "nodes", "rdzv_timeout", "wait"})):
@@ -141,10 +141,10 @@ def test_nbddp_run_takes_every_launch_option_as_a_typed_keyword():
 
 # ---------------------------------------------------------------- how a run's ending is concluded (no processes)
 
-from nbddp.errors import CheckpointError, RunFailed, RunInterrupted, RunTimeout  # noqa: E402
+from nbddp.contracts.errors import CheckpointError, RunFailed, RunInterrupted, RunTimeout  # noqa: E402
 from nbddp.job.orchestrator import KernelResult, RunResult, _conclude  # noqa: E402
 from nbddp.job.outcome import JobOutcome  # noqa: E402
-from nbddp.job.status import Status  # noqa: E402
+from nbddp.contracts.status import Status  # noqa: E402
 
 
 def _result(job: Status, kernel: KernelResult, interrupted_by=None) -> RunResult:

@@ -7,7 +7,7 @@ import pytest
 
 from nbddp.job.outcome import Evidence, Status, judge
 from nbddp.job.record import RankError
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 RUN = RunDir(Path("/runs/r1"))
 
@@ -106,7 +106,7 @@ def test_success_fills_in_every_rank_and_status_carries_its_exit_code():
 def test_the_exception_of_a_failed_run_carries_its_outcome_and_pickles():
     import pickle
 
-    from nbddp.errors import RunFailed, RunInterrupted, RunTimeout
+    from nbddp.contracts.errors import RunFailed, RunInterrupted, RunTimeout
     from nbddp.job.outcome import run_error
 
     failed = run_error(judge(evidence(errors=(error(),), launcher_exit=1)), RUN)

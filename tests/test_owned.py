@@ -1,4 +1,4 @@
-"""What nbddp trusts on disk is the user's own (nbddp/owned.py): folders it creates are private, a folder or file
+"""What nbddp trusts on disk is the user's own (nbddp/contracts/owned.py): folders it creates are private, a folder or file
 another user owns or can write is refused in one line saying whose it is, and nothing follows a planted link.
 
 Real files; "another user" is uid 65534 (``nobody``), given the files with ``chown`` (the suite runs as root in CI;
@@ -12,7 +12,7 @@ import stat
 
 import pytest
 
-from nbddp.owned import NotYours, check_owned, private_folder, read_owned, touch
+from nbddp.contracts.owned import NotYours, check_owned, private_folder, read_owned, touch
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

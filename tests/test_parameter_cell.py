@@ -2,7 +2,7 @@
 
 import pytest
 
-from nbddp.errors import ParameterError
+from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters, type_notices
 from tests.conftest import code

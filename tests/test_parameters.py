@@ -4,7 +4,7 @@ import ast
 
 import pytest
 
-from nbddp.errors import ParameterError
+from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.literals import assignments, check_name, parse_pairs, parse_value, to_literal
 
 

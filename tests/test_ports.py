@@ -1,11 +1,11 @@
-"""nbddp/ports.py: a free port comes from below the kernel's ephemeral range (never handed to an outgoing
+"""nbddp/contracts/ports.py: a free port comes from below the kernel's ephemeral range (never handed to an outgoing
 connection between the check and the bind), and from the OS where there is no room below it."""
 
 import socket
 import subprocess
 import sys
 
-from nbddp import ports
+from nbddp.contracts import ports
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_free():
@@ -26,5 +26,5 @@ def test_with_no_room_below_the_range_the_os_chooses(monkeypatch):
 
 
 def test_a_batch_scripts_shell_gets_one_for_every_interface():
-    out = subprocess.run([sys.executable, "-m", "nbddp.ports", ""], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "nbddp.contracts.ports", ""], capture_output=True, text=True, check=True)
     assert out.stdout.strip().isdigit() and int(out.stdout) < ports._ephemeral_low()

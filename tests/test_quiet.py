@@ -1,7 +1,7 @@
 """QuietStream: tracebacks once and in notebook terms, a peer's consequent failure folded, warnings once."""
 
 from nbddp.job.rank_output import QuietStream
-from nbddp.notebook.sourcemap import Segment, SourceMap
+from nbddp.contracts.sourcemap import Segment, SourceMap
 from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
 from tests.test_stream import GLUED, append
 

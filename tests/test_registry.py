@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from nbddp.atomic import write_json
+from nbddp.contracts.atomic import write_json
 from nbddp.job import registry
 
 

@@ -14,8 +14,8 @@ import nbformat
 import pytest
 import torch
 
-from nbddp.atomic import ordinary_mode
-from nbddp.devices import resolve, visible_gpu_count
+from nbddp.contracts.atomic import ordinary_mode
+from nbddp.contracts.devices import resolve, visible_gpu_count
 from tests.conftest import EXAMPLES, code, md, write_notebook
 
 pytestmark = pytest.mark.slow
@@ -188,7 +188,7 @@ def test_a_kernel_cell_failing_after_training_raises_with_its_cell_and_line(tmp_
     import pickle
 
     import nbddp
-    from nbddp.errors import RunFailed
+    from nbddp.contracts.errors import RunFailed
 
     write_notebook(tmp_path / "regress.ipynb", [
         code("threshold = 0.5", "parameters"), md("# training"), code(SETUP),

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from nbddp.errors import NbddpError
+from nbddp.contracts.errors import NbddpError
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate, indent_code, write_script
-from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
+from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 from tests.conftest import code, md
 
 
@@ -91,7 +91,7 @@ def test_command_line_parameters_follow_papermill_cells_and_win(notebook):
 def test_parameters_without_a_parameters_cell_go_first(notebook):
     """As the magic writes values from the kernel; a notebook's -p needs a parameters cell."""
     from nbddp.notebook.cells import select_cells
-    from nbddp.errors import ParameterError
+    from nbddp.contracts.errors import ParameterError
     from nbddp.notebook.script import render
 
     nb = read_notebook(notebook([code("#| ddp\ny = x + 1"), code("#| ddp-train\npass")]))

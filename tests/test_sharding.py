@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nbddp.errors import NbddpError, UsageError
+from nbddp.contracts.errors import NbddpError, UsageError
 from nbddp.rank_side import sharding
 from tests.conftest import code, write_notebook
 
@@ -151,7 +151,7 @@ def stepped_sharded_model() -> tuple[nn.Module, torch.optim.Optimizer]:
 def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_plain_ones(group, tmp_path):
     """``--return model,opt``: what ``finish`` saves loads into the kernel's plain model and optimizer."""
     import nbddp
-    from nbddp import checkpoint
+    from nbddp.contracts import checkpoint
     from nbddp.rank_side import torch_engine
 
     model, opt = stepped_sharded_model()
@@ -177,7 +177,7 @@ def test_returned_sharded_models_and_optimizers_come_back_whole_and_load_into_pl
 def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_group(group, tmp_path):
     """The kernel's case: DCP reads the shards into a model that was never sharded, with no group."""
     import nbddp
-    from nbddp.job.rundir import RunDir
+    from nbddp.contracts.rundir import RunDir
     from nbddp.rank_side import sharded_checkpoint
 
     model, opt = stepped_sharded_model()
@@ -199,7 +199,7 @@ def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_grou
             nbddp.restore(tmp_path / "elsewhere", model=plain)
         # DCP unpickles a save's .metadata: one another user wrote, or could change, is refused before torch reads it
         if os.geteuid() == 0:
-            from nbddp.owned import NotYours
+            from nbddp.contracts.owned import NotYours
 
             metadata = tmp_path / "resume.dcp" / saves[1] / ".metadata"
             os.chown(metadata, 65534, 65534)
@@ -216,7 +216,7 @@ def test_a_sharded_checkpoint_restores_into_a_plain_model_without_a_process_grou
 def test_shard_is_a_launch_option_the_torch_engine_takes_and_catalyst_refuses(tmp_path):
     from nbddp.notebook.reader import read_notebook
     from nbddp.notebook.script import ExportOptions, generate
-    from nbddp.options import ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
+    from nbddp.plan.options import ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
     parser = ArgumentParser(prog="nbddp run")
     add_launch_arguments(parser)
@@ -249,7 +249,7 @@ def test_the_exported_script_shows_the_fsdp_calls(tmp_path):
 def test_peak_memory_is_reported_read_and_said(tmp_path, as_cpu_rank):
     """A CPU rank's peak is its RSS, on a machine with GPUs too (even where this process used CUDA); a GPU
     rank's is CUDA's (tests/test_gpu.py)."""
-    from nbddp.job.rank_memory import describe, read_peaks
+    from nbddp.contracts.rank_memory import describe, read_peaks
     from nbddp.rank_side import memory
 
     memory.watch(tmp_path / "ranks" / "memory-1.json", 1, fresh=True)

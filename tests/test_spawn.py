@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nbddp.engines import processes_asked
-from nbddp.errors import NbddpError
+from nbddp.contracts.errors import NbddpError
 from nbddp.notebook.cells import ExportedCell
 from nbddp.notebook.reader import Cell
 from nbddp.notebook.script import returned

@@ -3,9 +3,9 @@ cells it needs are its setup (:mod:`nbddp.notebook.unmarked`). (The run of one: 
 
 import pytest
 
-from nbddp.errors import CellError, NotebookError
+from nbddp.contracts.errors import CellError, NotebookError
 from nbddp.notebook.cells import selection, training_cells
-from nbddp.notebook.freevars import check_defined
+from nbddp.contracts.freevars import check_defined
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
 from tests.conftest import code, md

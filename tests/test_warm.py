@@ -163,7 +163,7 @@ def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_
 def ranks_in_the_job(tmp_path, ranks, runs_before: int, printed: str = "", timeout: float = 60) -> None:
     """Wait until each of ``ranks`` has started the newest run's job (its ``ranks/rank-N.json``), and
     printed ``printed``."""
-    from nbddp.job.rundir import RunDir
+    from nbddp.contracts.rundir import RunDir
 
     def there(run: RunDir, rank: int) -> bool:
         if not run.rank_info(rank).exists():
@@ -311,7 +311,7 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
         time.sleep(0.2)
     assert not any(alive(p) for p in running.values()), "warm ranks outlived their kernel"
     # The killed kernel couldn't remove its pool's folder: the pool's torchrun did, once its ranks were gone.
-    from nbddp.rank_side.pool_dir import FOLDER_PREFIX
+    from nbddp.contracts.pool_dir import FOLDER_PREFIX
 
     deadline = time.monotonic() + 10
     while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \

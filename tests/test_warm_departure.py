@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from nbddp.atomic import write_json
-from nbddp.devices import resolve
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.devices import resolve
 from nbddp.launchers import warm_departure
 from nbddp.launchers.local_process import AdoptedGroup
-from nbddp.rank_side.pool_dir import PoolDir
+from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm_departure import Departure, main_thread_frames, where
 from nbddp.launchers.warm_pool import WarmPool
 

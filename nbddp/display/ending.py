@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nbddp.job.metrics import format_metrics, measures
-from nbddp.job.rank_memory import describe as describe_memory
-from nbddp.job.rank_memory import size
-from nbddp.job.status import Status
+from nbddp.contracts.metrics import format_metrics, measures
+from nbddp.contracts.rank_memory import describe as describe_memory
+from nbddp.contracts.rank_memory import size
+from nbddp.contracts.status import Status
 
 if TYPE_CHECKING:
     from nbddp.job.orchestrator import KernelResult, RunResult
@@ -44,7 +44,7 @@ class Ending:
     """Why it didn't succeed, in a few words (the first line of the error)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     memory: dict[int, int] = field(default_factory=dict)
-    """Each rank's peak memory in bytes (:mod:`nbddp.job.rank_memory`)."""
+    """Each rank's peak memory in bytes (:mod:`nbddp.contracts.rank_memory`)."""
     dropped: dict[int, int] = field(default_factory=dict)
     """Bytes of each rank's output its log didn't keep beyond ``--log-cap`` (:mod:`nbddp.rank_side.log_cap`)."""
     restarts: int = 0

@@ -15,7 +15,7 @@ import html
 import math
 from typing import Any, Sequence
 
-from nbddp.job.metrics import curves
+from nbddp.contracts.metrics import curves
 
 #: Matplotlib's default colour cycle: familiar to readers of training plots.
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nbddp.job.spec import JobSpec
+    from nbddp.plan.job_spec import JobSpec
 
 
 def describe(spec: "JobSpec") -> str:

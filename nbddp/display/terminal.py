@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from nbddp.job.follow import Event, LogLine, MetricsEvent, rank_prefix
-from nbddp.job.metrics import format_metrics, measures
+from nbddp.contracts.metrics import format_metrics, measures
 
 #: Training-cell output kept in the executed notebook; the full logs stay in the run dir.
 NOTEBOOK_OUTPUT_LINES = 2000

@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from nbddp import __version__
+from nbddp._version import __version__
 from nbddp.doors.signals import signals_interrupt
-from nbddp.errors import NbddpError, SignalReceived, UsageError
-from nbddp.owned import NotYours
-from nbddp.job.status import BatchState, Status
-from nbddp.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
+from nbddp.contracts.errors import NbddpError, SignalReceived, UsageError
+from nbddp.contracts.owned import NotYours
+from nbddp.contracts.status import BatchState, Status
+from nbddp.plan.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _export(args: argparse.Namespace) -> int:
     from nbddp.notebook.reader import read_notebook
-    from nbddp.job.rundir import SCRIPT_NAME
+    from nbddp.contracts.rundir import SCRIPT_NAME
     from nbddp.notebook.script import ExportOptions, generate, write_script
 
     from nbddp.doors.export import export_launch
@@ -130,7 +130,7 @@ def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
 
     from nbddp.doors import detached
     from nbddp.doors.notebook_run import check_notebook
-    from nbddp.job.rundir import create_run_dir
+    from nbddp.contracts.rundir import create_run_dir
 
     check_notebook(options)
     run_dir = create_run_dir(options.notebook, options.launch.run_dir)
@@ -250,7 +250,7 @@ def _kill(args: argparse.Namespace) -> int:
 def _stop_detached(which: str) -> bool:
     """A detached run whose job isn't registered (yet): its supervisor is stopped; False if ``which`` is none."""
     from nbddp.doors import detached
-    from nbddp.job.rundir import RunDir
+    from nbddp.contracts.rundir import RunDir
 
     try:
         run_dir = detached.find_run(which, Path.cwd())
@@ -268,7 +268,7 @@ def _stop_detached(which: str) -> bool:
 
 def _command() -> str:
     """How this process was started, for ``result.json``."""
-    from nbddp.options import format_argv
+    from nbddp.plan.options import format_argv
 
     return format_argv(["nbddp", *sys.argv[1:]])
 

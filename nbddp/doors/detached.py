@@ -28,12 +28,12 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.atomic import read_json, write_json
+from nbddp.contracts.atomic import read_json, write_json
 from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
 from nbddp.doors.signals import signals_interrupt
-from nbddp.errors import NbddpError, RunFailed, UsageError
-from nbddp.job.rundir import RunDir
-from nbddp.owned import NotYours, check_owned, private_folder, touch
+from nbddp.contracts.errors import NbddpError, RunFailed, UsageError
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.owned import NotYours, check_owned, private_folder, touch
 
 #: How often an attached door reads the run dir (a detached run is long; a tenth of a second is live).
 POLL_SECONDS = 0.1
@@ -136,7 +136,7 @@ class _NoKernelHere:
 
     def run(self, job: Any, train: Any, deadline: float | None) -> Any:
         from nbddp.job.orchestrator import KernelResult
-        from nbddp.job.status import Status
+        from nbddp.contracts.status import Status
 
         succeeded = train().status == Status.SUCCEEDED and job.checkpoint.exists()
         return KernelResult(note=WEIGHTS_WAIT if succeeded else "")
@@ -144,8 +144,8 @@ class _NoKernelHere:
 
 def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:
     """Say why the supervisor ends without a ``result.json`` (refused, stopped, broken), where attachers look."""
-    from nbddp.errors import SignalReceived, stop_signal
-    from nbddp.job.status import Status
+    from nbddp.contracts.errors import SignalReceived, stop_signal
+    from nbddp.contracts.status import Status
 
     if isinstance(exc, (SignalReceived, KeyboardInterrupt)):
         signum = stop_signal(exc)
@@ -239,7 +239,7 @@ def _yours(run_dir: Path) -> bool:
 
 def raise_judged(run_dir: Path, record: Any) -> None:
     """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
-    from nbddp.errors import JUDGED, error_for
+    from nbddp.contracts.errors import JUDGED, error_for
 
     error = read_error(RunDir(run_dir))
     if error is not None:
@@ -263,7 +263,7 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
     from nbddp.job.follow import RunFollower
     from nbddp.job.rank_output import QuietStream
     from nbddp.job.record import RunRecord
-    from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
+    from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 
     paths = RunDir(run_dir)
     _supervisor_info(paths)

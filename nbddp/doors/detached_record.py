@@ -7,7 +7,7 @@ there runs code as the user for anyone who can swap the file (DESIGN.md, "Shared
 plain data: frozen dataclasses written field by field (paths as text, tuples as lists, nested dataclasses
 as objects, the parameters' values as the Python literals they are) and rebuilt from their type hints,
 which also validates them again on the way back (the options' own checks). And what is read back must be
-the user's own (:func:`nbddp.owned.read_owned`): the request says which code the ranks run.
+the user's own (:func:`nbddp.contracts.owned.read_owned`): the request says which code the ranks run.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from nbddp import errors
-from nbddp.atomic import write_text
-from nbddp.job.rundir import RunDir
-from nbddp.owned import read_owned
+from nbddp.contracts import errors
+from nbddp.contracts.atomic import write_text
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.owned import read_owned
 
 _LITERAL = "literal"
 """An ``Any`` value (a parameter's) is written as ``{"literal": repr(value)}`` and read with ``ast.literal_eval``:
@@ -55,7 +55,7 @@ def read_request(paths: RunDir) -> Any:
 
 def write_error(paths: RunDir, error: BaseException) -> None:
     """The judged error of a detached run that didn't succeed, as ``detached/error.json``: its class (one of
-    nbddp's), message and, for a :class:`~nbddp.errors.RunError`, the fields it carries."""
+    nbddp's), message and, for a :class:`~nbddp.contracts.errors.RunError`, the fields it carries."""
     fields = {name: getattr(error, name) for name in getattr(error, "FIELDS", ())}
     write_text(paths.detached_error, json.dumps({"type": type(error).__name__, "message": str(error), "fields": fields}))
 

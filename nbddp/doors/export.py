@@ -1,7 +1,7 @@
 """How an exported script is launched by hand: the header's command, and the sbatch script for Slurm.
 
 ``nbddp export`` takes the same device, node, Slurm and Ray flags as ``nbddp run``, checked as a
-run's are (by :class:`~nbddp.options.LaunchOptions`); instead of launching, it writes what a person
+run's are (by :class:`~nbddp.plan.options.LaunchOptions`); instead of launching, it writes what a person
 types (the per-node torchrun command, or the Ray driver's, in the script's header) or submits (``train.sbatch`` beside ``train.py``, made by the same generator
 ``nbddp run --slurm`` submits). Nothing here probes this machine's devices: the script runs elsewhere.
 """
@@ -13,14 +13,14 @@ import sys
 from dataclasses import dataclass, replace
 
 from nbddp.notebook.cells import select_cells
-from nbddp.devices import CPU_PROCESSES, Devices
+from nbddp.contracts.devices import CPU_PROCESSES, Devices
 from nbddp.engines import detect_engine, spawns_its_own_ranks
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.launchers.slurm import slurm_devices
 from nbddp.engines.torch import by_hand, torchrun_options
-from nbddp.rank_side.env import RankEnv
-from nbddp.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.plan.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def export_launch(launch: LaunchOptions, notebook: Notebook, script_name: str) -
 
 def _devices(launch: LaunchOptions) -> Devices | None:
     """The devices the header and batch script name; ``None``: the engine's one-machine default."""
-    from nbddp.devices import requested_gpus
+    from nbddp.contracts.devices import requested_gpus
 
     if launch.slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
         return slurm_devices(launch.slurm, launch.cpu, launch.nproc, require_commands=False)

@@ -15,7 +15,7 @@ from traitlets import Enum, Unicode
 
 from nbddp.engines import ENGINES
 from nbddp.notebook.reader import from_nbformat
-from nbddp.options import parse_returns
+from nbddp.plan.options import parse_returns
 from nbddp.notebook.script import ExportOptions, generate
 
 

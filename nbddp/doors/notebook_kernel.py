@@ -6,7 +6,7 @@ before the training (parameters, imports, data) while the ranks start, streaming
 meanwhile; at the training cell it waits for the job (the orchestrator's ``train()``), then
 *receives* it: the cell's outputs are every rank's lines, and the kernel runs, at that cell's
 place, either a cell that loads the trained weights on the CPU or one that raises the run's
-judged error (:class:`~nbddp.errors.RunFailed`, :class:`~nbddp.errors.RunTimeout`, …). So a failed
+judged error (:class:`~nbddp.contracts.errors.RunFailed`, :class:`~nbddp.contracts.errors.RunTimeout`, …). So a failed
 run fails the notebook exactly where a failing cell would, with the kernel's own error and
 execution count, and nbclient's (or papermill's) own bookkeeping applies. The cells after it
 evaluate the trained model.
@@ -31,12 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from nbddp.display.terminal import NotebookOutputSink
-from nbddp.errors import RunError
+from nbddp.contracts.errors import RunError
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.orchestrator import KernelResult, Train
 from nbddp.job.outcome import JobOutcome, run_error
-from nbddp.job.status import Status
+from nbddp.contracts.status import Status
 from nbddp.launchers.process_groups import owned_temp_dir
 from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
 from nbddp.notebook.literals import assignments
@@ -301,7 +301,7 @@ def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's no
     if outcome.status == Status.SUCCEEDED:
         checkpoint = job.checkpoint
         return new_code_cell(
-            "from nbddp.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into\n"
+            "from nbddp.contracts.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into\n"
             f"_nbddp_states, _nbddp_note = _nbddp_load({str(checkpoint)!r})\n"
             "print('[nbddp] loaded the trained', ', '.join(_nbddp_into(globals(), _nbddp_states)),"
             f" 'on the CPU from {checkpoint.name}' + (f' ({{_nbddp_note}})' if _nbddp_note else ''))\n"
@@ -325,7 +325,7 @@ def raise_code(error: RunError) -> str:
     """Code that raises ``error`` again in a kernel (its class, message and fields: all plain values)."""
     fields = ", ".join(f"{name}={getattr(error, name)!r}" for name in error.FIELDS)
     name = type(error).__name__
-    return (f"from nbddp.errors import {name}\n"
+    return (f"from nbddp.contracts.errors import {name}\n"
             f"raise {name}({str(error)!r}, {fields})")
 
 

@@ -21,14 +21,14 @@ from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
 from nbddp.job.follow import Sink
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import Status
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import Status
 from nbddp.launchers.warm_pool import POOL_ENV
-from nbddp.notebook.freevars import check_defined
+from nbddp.contracts.freevars import check_defined
 from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.notebook.script import generate
-from nbddp.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
     """Write atomically: a kill mid-write leaves the previous save."""
     import nbformat
 
-    from nbddp.atomic import replace_atomically
+    from nbddp.contracts.atomic import replace_atomically
 
     replace_atomically(path, lambda tmp: nbformat.write(nb, tmp))
 

@@ -10,7 +10,7 @@ options mean what they mean (``-k``, ``--cwd``, ``--execution-timeout`` per cell
 ``--stdout-file``/``--stderr-file``, ``--request-save-on-cell-execute``, ``--report-mode``), its
 bookkeeping marks the cells, and a failed, timed-out or interrupted (``nbddp kill``) run is a
 ``PapermillExecutionError`` at the training cell, the kernel having raised
-:class:`~nbddp.errors.RunFailed` (``RunTimeout``, ``RunInterrupted``) there. A notebook without a
+:class:`~nbddp.contracts.errors.RunFailed` (``RunTimeout``, ``RunInterrupted``) there. A notebook without a
 training cell runs exactly as papermill runs it. Ctrl-C stops every rank and propagates, as
 it does with papermill's engine.
 
@@ -55,16 +55,16 @@ from nbddp.display.ending import ending_of
 from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells
-from nbddp.errors import CellSyntaxError, NbddpError, UsageError
+from nbddp.contracts.errors import CellSyntaxError, NbddpError, UsageError
 from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
-from nbddp.job.status import Status
+from nbddp.contracts.status import Status
 from nbddp.notebook.cells import INJECTED, PARAMETERS, directive, training_cells
 from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters, type_notices
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
-from nbddp.notebook.freevars import check_defined
-from nbddp.options import PAPERMILL, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
+from nbddp.contracts.freevars import check_defined
+from nbddp.plan.options import PAPERMILL, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 

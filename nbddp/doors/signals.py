@@ -7,7 +7,7 @@ import contextlib
 import signal
 from typing import Iterator
 
-from nbddp.errors import SignalReceived
+from nbddp.contracts.errors import SignalReceived
 
 
 @contextlib.contextmanager

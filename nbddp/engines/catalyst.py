@@ -10,10 +10,10 @@ which re-imports the script: hence the ``__main__`` guard.
 
 from __future__ import annotations
 
-from nbddp.devices import CPU_PROCESSES
+from nbddp.contracts.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
-from nbddp.rank_side.env import RankEnv
-from nbddp.errors import NbddpError
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.errors import NbddpError
 
 
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:

@@ -20,9 +20,9 @@ import re
 import shlex
 from typing import Sequence
 
-from nbddp.devices import CPU_PROCESSES
+from nbddp.contracts.devices import CPU_PROCESSES
 from nbddp.engines import EngineCode
-from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT
+from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT
 
 #: A run on one machine: the address torchrun's agent names its node by (it listens on nothing), and its
 #: rendezvous file in the run's private store folder (:mod:`nbddp.launchers.private_rendezvous`).
@@ -119,7 +119,7 @@ def by_hand(options: Sequence[str], script: str, python: str = "python") -> str:
 def default_hint(script: str) -> str:
     """The header's command when the export named no devices: ``CPU_PROCESSES`` processes, which on a
     GPU machine are one per GPU, so the header says how to start one per GPU there (a rank beyond the GPUs
-    is refused: :func:`nbddp.devices.rank_gpu`)."""
+    is refused: :func:`nbddp.contracts.devices.rank_gpu`)."""
     return (by_hand(torchrun_options(CPU_PROCESSES), script)
             + f"   (with G GPUs: {torchrun_options('G')[-1]}, one process per GPU)")
 

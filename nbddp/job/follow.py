@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
-from nbddp.atomic import read_json
-from nbddp.job.rank_memory import read_peaks, size
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.rank_memory import read_peaks, size
+from nbddp.contracts.rundir import RunDir
 
 _RANK_LOG = re.compile(r"rank-(\d+)\.log$")
 #: A tqdm bar's state, up to the end of its timing bracket (``| 1/3 [00:01<00:02, 3.4it/s, loss=0.3]``), then what
@@ -52,7 +52,7 @@ class MetricsEvent:
 
 @dataclass(frozen=True)
 class MemoryEvent:
-    """Every rank's peak memory so far (``{rank: bytes}``), when it grew (:mod:`nbddp.job.rank_memory`)."""
+    """Every rank's peak memory so far (``{rank: bytes}``), when it grew (:mod:`nbddp.contracts.rank_memory`)."""
 
     peaks: dict
 

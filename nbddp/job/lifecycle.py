@@ -2,10 +2,10 @@
 and gathering the evidence that :func:`nbddp.job.outcome.judge` turns into the outcome.
 
 Every front door's job is one of these, started and followed by :mod:`nbddp.job.orchestrator`. What it
-runs is its :class:`~nbddp.job.spec.JobSpec`; how the processes are started is the launcher's business
+runs is its :class:`~nbddp.plan.job_spec.JobSpec`; how the processes are started is the launcher's business
 (:mod:`nbddp.launchers`), and the :class:`~nbddp.launchers.base.Launch` it returns owns them; what the
 launcher saw comes back as data (:meth:`~nbddp.launchers.base.Launcher.observe`). The run dir is named
-by :mod:`nbddp.job.rundir`, ``result.json`` written by :mod:`nbddp.job.record`.
+by :mod:`nbddp.contracts.rundir`, ``result.json`` written by :mod:`nbddp.job.record`.
 """
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
-from nbddp.atomic import read_json
+from nbddp.contracts.atomic import read_json
 from nbddp.job import registry
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 from nbddp.launchers import launcher_for
 from nbddp.launchers.base import Launch, Launcher
 from nbddp.job.outcome import PEER_GONE, Evidence, JobOutcome, Status, judge
 from nbddp.launchers.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
-from nbddp.rank_side.env import RankEnv
-from nbddp.job.metrics import last_metrics
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.metrics import last_metrics
 from nbddp.job.record import RunRecord, rank_errors, record_job
-from nbddp.job.rundir import RunDir, rank_of
-from nbddp.job.spec import JobSpec
+from nbddp.contracts.rundir import RunDir, rank_of
+from nbddp.plan.job_spec import JobSpec
 from nbddp.job.torch_leftovers import TorchLeftovers
 from nbddp.notebook.script import write_script
 from nbddp.job.follow import LogLine, RunFollower, Sink

@@ -30,18 +30,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from nbddp.devices import Devices
-from nbddp.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.record import RunRecord
-from nbddp.job.rundir import create_run_dir
-from nbddp.job.spec import JobSpec
-from nbddp.job.status import Status
+from nbddp.contracts.rundir import create_run_dir
+from nbddp.plan.job_spec import JobSpec
+from nbddp.contracts.status import Status
 from nbddp.launchers import devices_for, topology_notes
 from nbddp.notebook.script import Script
-from nbddp.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions
 
 Say = Callable[[str], None]
 
@@ -98,12 +98,12 @@ class KernelResult:
     message: str = ""
     """Why a kernel cell failed (naming the notebook, the cell and the error)."""
     error: BaseException | None = None
-    """What to raise for it (a :class:`~nbddp.errors.CheckpointError`, a :class:`~nbddp.errors.RunFailed`)."""
+    """What to raise for it (a :class:`~nbddp.contracts.errors.CheckpointError`, a :class:`~nbddp.contracts.errors.RunFailed`)."""
 
     @classmethod
     def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None,
                **judged: Any) -> "KernelResult":
-        """``judged``: what is known of the exception (:data:`nbddp.errors.JUDGED`: ``exc_type``, ``cell``, ``line``…)."""
+        """``judged``: what is known of the exception (:data:`nbddp.contracts.errors.JUDGED`: ``exc_type``, ``cell``, ``line``…)."""
         return cls(status=status, exit_code=status.exit_code, message=message,
                    error=error or (RunFailed(message, **judged) if status is Status.FAILED else None))
 
@@ -135,7 +135,7 @@ class InProcess:
 
     def load(self, checkpoint: Path) -> KernelResult:
         """The trained weights in ``checkpoint`` loaded into the namespace (a detached run's too, once attached)."""
-        from nbddp.checkpoint import load_into, load_returns
+        from nbddp.contracts.checkpoint import load_into, load_returns
 
         try:
             states, note = load_returns(checkpoint)
@@ -192,12 +192,12 @@ class RunResult:
             return run_error(self.outcome, self.run_dir)
         if self.ended_by == "kernel" and self.kernel.error is not None:
             return self.kernel.error
-        from nbddp.errors import error_for
+        from nbddp.contracts.errors import error_for
 
         return error_for(self.status, self.message, self.exit_code, str(self.run_dir))
 
     def raise_for_status(self) -> None:
-        """Raise why the run didn't succeed: the judged :class:`~nbddp.errors.RunError` (it carries the
+        """Raise why the run didn't succeed: the judged :class:`~nbddp.contracts.errors.RunError` (it carries the
         status, rank, exception type, cell and line), or what failed in the kernel."""
         error = self.error()
         if error is not None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbddp.job.record import RankError, describe_exit
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import Status, signal_exit_code
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import Status, signal_exit_code
 
 #: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
@@ -153,8 +153,8 @@ def judge(e: Evidence) -> JobOutcome:
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)
     message = failure_message(e, codes)
     # Bad input found by the launcher before any rank started (Catalyst's pickling check): exit 2; a rank
-    # without a GPU of its own (nbddp.devices.rank_gpu): exit 3, as for devices refused before the start.
-    from nbddp.errors import DeviceError
+    # without a GPU of its own (nbddp.contracts.devices.rank_gpu): exit 3, as for devices refused before the start.
+    from nbddp.contracts.errors import DeviceError
 
     bad_input = not errors and "UnpicklableError:" in message
     no_device = bool(errors) and errors[0].type == DeviceError.__name__
@@ -197,9 +197,9 @@ def death_message(e: Evidence, rank: int, exit_code: int) -> str:
             f"teardown, not in the training. {kept}Its last output is in {log}.")
 
 
-def run_error(outcome: JobOutcome, run_dir: RunDir):  # noqa: ANN201 - an nbddp.errors.RunError
+def run_error(outcome: JobOutcome, run_dir: RunDir):  # noqa: ANN201 - an nbddp.contracts.errors.RunError
     """The exception for an outcome that isn't success, carrying what was judged."""
-    from nbddp.errors import error_for
+    from nbddp.contracts.errors import error_for
 
     first = outcome.errors[0] if outcome.errors else None
     return error_for(outcome.status, outcome.message, outcome.exit_code, str(run_dir), rank=outcome.rank,

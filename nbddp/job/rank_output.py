@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from nbddp.job.outcome import PEER_GONE
-from nbddp.notebook.sourcemap import SourceMap
+from nbddp.contracts.sourcemap import SourceMap
 from nbddp.job.follow import Event, LogLine
 
 _TORCH_PREFIX = re.compile(r"^\[rank(\d+)\]: ?")

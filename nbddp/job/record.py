@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbddp._version import __version__
-from nbddp.atomic import read_json, write_json
-from nbddp.job.metrics import last_metrics
-from nbddp.job.rank_memory import read_peaks
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import Status
-from nbddp.notebook.sourcemap import SourceMap
+from nbddp.contracts.atomic import read_json, write_json
+from nbddp.contracts.metrics import last_metrics
+from nbddp.contracts.rank_memory import read_peaks
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import Status
+from nbddp.contracts.sourcemap import SourceMap
 
 if TYPE_CHECKING:
-    from nbddp.job.spec import JobSpec
+    from nbddp.plan.job_spec import JobSpec
     from nbddp.launchers.base import Launcher
 
 
@@ -112,7 +112,7 @@ class RunRecord:
     error: str | None = None
     """Why the run didn't succeed, as the run's error says it (several lines)."""
     failure: dict[str, Any] | None = None
-    """What was judged of the exception that ended the run, when anything was (:data:`nbddp.errors.JUDGED`:
+    """What was judged of the exception that ended the run, when anything was (:data:`nbddp.contracts.errors.JUDGED`:
     ``rank`` (``None``: a kernel cell), ``exc_type``, ``exc_message``, notebook ``cell`` and ``line``)."""
     script: str = ""
     """The generated script's path."""
@@ -156,7 +156,7 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
     what it left (the weights, torchrun's restarts, the nodes, peak memory, ``launcher``'s scheduler job).
 
     ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
-    ``failure``: what was judged of the exception that ended it (:meth:`nbddp.errors.RunError.judged`).
+    ``failure``: what was judged of the exception that ended it (:meth:`nbddp.contracts.errors.RunError.judged`).
     """
     paths, ended = RunDir(spec.run_dir), time.time()
     record = RunRecord(

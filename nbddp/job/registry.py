@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.atomic import write_json
-from nbddp.errors import UsageError
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.errors import UsageError
 from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
-from nbddp.job.rundir import RunDir
-from nbddp.owned import touch
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.owned import touch
 
 
 #: Owners that stop their own job on SIGTERM (recording it as interrupted): ``nbddp run``, a detached run's supervisor.
@@ -102,7 +102,7 @@ def unregister(run: LiveRun) -> None:
 def live_runs() -> list[LiveRun]:
     """Registered runs with a live process; entries of runs whose processes are all gone are removed.
 
-    Entries are written whole (:mod:`nbddp.atomic`), so one that can't be read is damaged, not
+    Entries are written whole (:mod:`nbddp.contracts.atomic`), so one that can't be read is damaged, not
     half-written: it is skipped, and removed once it is older than :data:`DAMAGED_AFTER_SECONDS`.
     """
     runs = []

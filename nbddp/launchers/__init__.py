@@ -30,13 +30,13 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Callable
 
-from nbddp.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
+from nbddp.contracts.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
 
 if TYPE_CHECKING:
-    from nbddp.job.spec import JobSpec
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.job_spec import JobSpec
+    from nbddp.plan.options import LaunchOptions
 
 ENTRY_POINTS = "nbddp.launchers"
 BUILTIN = {
@@ -54,7 +54,7 @@ def devices_for(launch: "LaunchOptions", visible: int | None = None, asked: int 
     """The devices of one node of the run: this machine's, or what a Slurm job or Ray run asks for per node.
 
     ``asked``: the process count the notebook asks its library for (``Script.processes``), the run's
-    when no launch option counts the devices (:func:`nbddp.devices.notebook_devices`). ``say``: where
+    when no launch option counts the devices (:func:`nbddp.contracts.devices.notebook_devices`). ``say``: where
     ``--wait`` says what it waits for; without it (a door checking the options before it starts), ``--wait``
     doesn't wait: the run will. ``ours``: GPUs the door's own warm ranks hold (free to it: ``--gpus free``).
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from nbddp.devices import Devices
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.rundir import RunDir
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
 
 if TYPE_CHECKING:
-    from nbddp.job.spec import JobSpec
+    from nbddp.plan.job_spec import JobSpec
 
 #: How many of the launcher's last lines a failure nothing else explains shows.
 TAIL_LINES = 15
@@ -88,14 +88,14 @@ class Launcher:
         raise NotImplementedError
 
     def environment(self, run_dir: RunDir) -> dict[str, str]:
-        """Variables the ranks need beyond :class:`nbddp.rank_side.env.RankEnv`'s common ones (a run on one
+        """Variables the ranks need beyond :class:`nbddp.contracts.rank_env.RankEnv`'s common ones (a run on one
         machine: where its ranks meet, :mod:`nbddp.launchers.private_rendezvous`)."""
         return {}
 
     def start(self, script: Path, spec: "JobSpec", rank_env: dict[str, str]) -> Launch:
         """Start every rank of the job: its launcher process in a group of its own, output to the run dir.
 
-        ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.rank_side.env.RankEnv`).
+        ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.contracts.rank_env.RankEnv`).
         """
         paths = RunDir(spec.run_dir)
         env = {**os.environ, **rank_env, **self.environment(paths)}

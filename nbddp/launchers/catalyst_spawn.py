@@ -1,7 +1,7 @@
 """The Catalyst engine's launcher: the script itself, whose DDP engine spawns the ranks (``mp.spawn``).
 
 The world size and, across nodes, the topology travel in the ranks' environment
-(:class:`nbddp.rank_side.env.RankEnv`): Catalyst's
+(:class:`nbddp.contracts.rank_env.RankEnv`): Catalyst's
 ``DistributedDataParallelEngine`` takes them as its ``world_size``, ``workers_dist_rank`` and
 ``address``/``port``. The ranks' exit codes come from the spawn's own error report.
 """
@@ -12,13 +12,13 @@ import re
 import signal
 from pathlib import Path
 
-from nbddp.devices import Devices
+from nbddp.contracts.devices import Devices
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import Launcher
 from nbddp.launchers.torchrun import rendezvous_failure
-from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
-from nbddp.job.rundir import RunDir
-from nbddp.rank_side.env import RankEnv
+from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.rank_env import RankEnv
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")

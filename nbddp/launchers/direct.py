@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nbddp.atomic import read_json
-from nbddp.devices import Devices
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.rundir import RunDir
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import TAIL_LINES, Launcher, LaunchReport
 

@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from nbddp.atomic import write_json
+from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import LOOPBACK, torchrun_variables
-from nbddp.job.status import signal_exit_code
+from nbddp.contracts.status import signal_exit_code
 from nbddp.launchers import forked_rank
-from nbddp.ports import free_port
-from nbddp.rank_side.env import threads_per_rank
+from nbddp.contracts.ports import free_port
+from nbddp.contracts.rank_env import threads_per_rank
 from nbddp.rank_side.parent_death import launching_ranks
 
 MONITOR_SECONDS = 0.05

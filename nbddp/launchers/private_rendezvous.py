@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Mapping
 
 from nbddp.engines.torch import LOOPBACK
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.rank_env import RankEnv
 
 #: Variables a user may have set on purpose (an interface of their choosing): kept as they are.
 _INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")

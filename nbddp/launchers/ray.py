@@ -20,13 +20,13 @@ import importlib.util
 import re
 from pathlib import Path
 
-from nbddp.atomic import read_json
-from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 from nbddp.launchers.base import Launcher
-from nbddp.job.rundir import RunDir
-from nbddp.options import RayRequest, ray_refusal
+from nbddp.contracts.rundir import RunDir
+from nbddp.plan.options import RayRequest, ray_refusal
 
 _EXIT = re.compile(r"^ray: rank (\d+) exitcode (-?\d+)$", re.MULTILINE)
 #: Seconds a rank has to end after SIGTERM before its actor SIGKILLs it.

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from nbddp.atomic import write_json
+from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import torchrun_variables
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import signal_exit_code
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import signal_exit_code
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
-from nbddp.options import RAY_AUTO, RayRequest
-from nbddp.rank_side.env import threads_per_rank
+from nbddp.plan.options import RAY_AUTO, RayRequest
+from nbddp.contracts.rank_env import threads_per_rank
 
 #: Seconds between checks of the ranks (a failure stops the others this soon).
 POLL_SECONDS = 0.2
@@ -65,7 +65,7 @@ class RankActor:
         """This actor's node, IP, GPUs, a free port, and which of ``paths`` it can't see."""
         import ray
 
-        from nbddp.ports import free_port
+        from nbddp.contracts.ports import free_port
 
         port = free_port("")
         return {"node": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),

@@ -22,15 +22,15 @@ import subprocess
 from pathlib import Path
 
 from nbddp._version import __version__
-from nbddp.atomic import read_json
-from nbddp.devices import CPU_PROCESSES, Devices, asked_per_node
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.devices import CPU_PROCESSES, Devices, asked_per_node
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 from nbddp.launchers.base import Launcher, read_report
 from nbddp.engines.torch import MODULE, torchrun_options
-from nbddp.options import SlurmRequest
-from nbddp.job.rundir import RunDir
-from nbddp.rank_side.env import RankEnv
+from nbddp.plan.options import SlurmRequest
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.rank_env import RankEnv
 
 #: Final states in which Slurm, not the training, ended the job; what each means for the user.
 SCHEDULER_ENDS = {
@@ -245,7 +245,7 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         "set -euo pipefail",
         f"PYTHON={q(python)}",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'port=$("$PYTHON" -m nbddp.ports "")  # below the ephemeral range: no connection is handed it meanwhile',
+        'port=$("$PYTHON" -m nbddp.contracts.ports "")  # below the ephemeral range: no connection is handed it meanwhile',
         'echo "nbddp: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous at $head:$port"',
     ]
     if requeue is not None:

@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from nbddp.atomic import write_json
+from nbddp.contracts.atomic import write_json
 from nbddp.launchers.slurm import FINAL_STATES, stopped_to_requeue
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import signal_exit_code
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import signal_exit_code
 
 POLL_SECONDS = 1.0
 #: A job neither ``scontrol`` nor ``squeue`` knows for this long has ended without us seeing how.

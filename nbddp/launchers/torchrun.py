@@ -11,12 +11,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nbddp.devices import Devices
+from nbddp.contracts.devices import Devices
 from nbddp.engines.torch import torchrun_options
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import Launcher
-from nbddp.options import DEFAULT_RDZV_TIMEOUT, Nodes
-from nbddp.job.rundir import RunDir
+from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
+from nbddp.contracts.rundir import RunDir
 
 #: What nbddp's launcher runs: torchrun's own ``main``, minus the collection at its exit
 #: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.

@@ -14,7 +14,7 @@ from pathlib import Path
 from nbddp.launchers.base import Launch, read_report
 from nbddp.launchers.direct import Direct
 from nbddp.launchers.warm_pool import WarmPool
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 
 class WarmRanks(Direct):

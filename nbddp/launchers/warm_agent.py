@@ -18,7 +18,7 @@ import signal
 import sys
 
 from nbddp.launchers import direct_main
-from nbddp.rank_side.pool_dir import PoolDir
+from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
 
 

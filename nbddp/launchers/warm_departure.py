@@ -39,10 +39,10 @@ from typing import Protocol
 
 import psutil
 
-from nbddp.atomic import read_json
-from nbddp.devices import Devices
-from nbddp.rank_side.pool_dir import JobEnd, PoolDir
-from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.pool_dir import JobEnd, PoolDir
+from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 
 
 class DepartingPool(Protocol):
@@ -238,7 +238,7 @@ _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 def _to_run_log(job: dict, rank: int, what: str, frames: list[list]) -> None:
     """Append where the rank was to its log in the job's run dir, as a traceback (script lines named as cells)."""
-    from nbddp.rank_side.env import RankEnv
+    from nbddp.contracts.rank_env import RankEnv
 
     run_dir = RankEnv.from_environ(job.get("env") or {}).run_dir
     if run_dir is None or not frames:

@@ -12,7 +12,7 @@ run's setup leaves; the ranks keep the setup cells that didn't change since they
 Three rules decide, and only they: :func:`why_not_warm` (can warm ranks serve this run at all: the
 engine, several nodes, Slurm, ``--max-restarts``), :func:`why_fresh` (can *this* pool serve it:
 what the ranks were started with, whether they are alive and idle) and :meth:`PoolKeeper.ended`
-(after a run that didn't succeed, keyed by its :class:`~nbddp.job.status.Status`: the pool is kept
+(after a run that didn't succeed, keyed by its :class:`~nbddp.contracts.status.Status`: the pool is kept
 unless :meth:`WarmPool.why_not_kept` says why not). ``%%ddp_train`` keeps one pool per kernel
 (:class:`KernelPool`); ``nbddp batch`` one per device slot (a :class:`PoolKeeper` each), which its
 runs adopt (:meth:`WarmPool.adopt`, through :data:`POOL_ENV`).
@@ -35,24 +35,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from nbddp.atomic import write_json
-from nbddp.devices import Devices
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.devices import Devices
 from nbddp.engines import spawns_its_own_ranks
-from nbddp.job.rank_memory import size
-from nbddp.job.status import Status
+from nbddp.contracts.rank_memory import size
+from nbddp.contracts.status import Status
 from nbddp.launchers.base import Launch
 from nbddp.launchers import private_rendezvous
-from nbddp.owned import touch
+from nbddp.contracts.owned import touch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
-from nbddp.rank_side.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
+from nbddp.contracts.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.direct import starter_options
 from nbddp.launchers.warm_departure import Departure
-from nbddp.options import DEFAULT_WARM_IDLE
-from nbddp.rank_side.env import RankEnv
+from nbddp.plan.options import DEFAULT_WARM_IDLE
+from nbddp.contracts.rank_env import RankEnv
 
 if TYPE_CHECKING:
-    from nbddp.options import LaunchOptions
+    from nbddp.plan.options import LaunchOptions
 
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
@@ -422,7 +422,7 @@ def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | No
 class PoolKeeper:
     """One pool of warm ranks kept between runs, and the one rule for keeping it after a run.
 
-    After a run that didn't succeed (keyed by its :class:`~nbddp.job.status.Status`), the ranks are kept
+    After a run that didn't succeed (keyed by its :class:`~nbddp.contracts.status.Status`), the ranks are kept
     when each of them left the job or is on its way out (they rebuild their process group before the
     next one; :meth:`WarmPool.why_not_kept`); otherwise they are stopped, and fresh ones start either at
     once (``replace_at_once``: a kernel's, ready or nearly by the time the cell runs again) or when the

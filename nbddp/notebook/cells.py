@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from nbddp.errors import NotebookError
+from nbddp.contracts.errors import NotebookError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, TRAIN_MAGIC,  # noqa: F401 (see above)
                                   ExportedCell, Selection, cell_role, directive, export_cell, no_training_cell)

@@ -13,7 +13,7 @@ import keyword
 import math
 from typing import Any
 
-from nbddp.errors import ParameterError
+from nbddp.contracts.errors import ParameterError
 
 _PLAIN_SCALARS = (bool, int, float, str, bytes, type(None))
 

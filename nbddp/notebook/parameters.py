@@ -14,7 +14,7 @@ import difflib
 from typing import Any
 
 from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
-from nbddp.errors import ParameterError
+from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import Notebook
 
 

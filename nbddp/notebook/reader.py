@@ -12,7 +12,7 @@ import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nbddp.errors import NotebookError
+from nbddp.contracts.errors import NotebookError
 
 #: nbformat major versions we can read (v4 is what every current front end writes).
 SUPPORTED_NBFORMAT = (4,)

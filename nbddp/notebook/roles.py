@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.errors import CellError, CellSyntaxError
+from nbddp.contracts.errors import CellError, CellSyntaxError
 from nbddp.notebook.reader import Cell, Notebook
-from nbddp.notebook.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP, TRAIN,  # noqa: F401
+from nbddp.contracts.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP, TRAIN,  # noqa: F401
                                        TRAIN_MAGIC)
 
 _DIRECTIVE = re.compile(r"^#\|\s*([A-Za-z][\w-]*)\s*$")

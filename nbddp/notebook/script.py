@@ -22,12 +22,12 @@ from nbddp.engines import (DEFAULT_RETURNS, ENGINES, FRAMEWORKS, EngineCode, det
                            processes_asked, saves_checkpoints, shard_refusal, spawns_its_own_ranks)
 from nbddp.engines import catalyst, frameworks
 from nbddp.engines import torch as torch_engine
-from nbddp.errors import NbddpError, UsageError
+from nbddp.contracts.errors import NbddpError, UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides, type_notices
 from nbddp.notebook.literals import assignments, check_name
-from nbddp.notebook.sourcemap import Segment, SourceMap
-from nbddp.job.rundir import SCRIPT_NAME
+from nbddp.contracts.sourcemap import Segment, SourceMap
+from nbddp.contracts.rundir import SCRIPT_NAME
 
 INDENT = "    "
 
@@ -198,7 +198,7 @@ def returned(cells: Sequence[ExportedCell], returns: tuple[str, ...], engine: st
     Asked for by name (``--return``), a missing variable stays an error."""
     if returns != DEFAULT_RETURNS or spawns_its_own_ranks(engine):
         return returns, ""
-    from nbddp.notebook.freevars import cell_names
+    from nbddp.contracts.freevars import cell_names
 
     defined: set[str] = set()
     for cell in cells:
@@ -226,7 +226,7 @@ def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:
 
 def write_script(script: Script, path: str | Path) -> tuple[Path, Path]:
     """Write the script and its source map beside it; returns both paths."""
-    from nbddp.notebook.sourcemap import sourcemap_path
+    from nbddp.contracts.sourcemap import sourcemap_path
 
     path = Path(path)
     map_path = sourcemap_path(path)

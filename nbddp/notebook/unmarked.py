@@ -4,7 +4,7 @@ A notebook written for Accelerate, Lightning or the Hugging Face Trainer says wh
 the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)`` or ``trainer.train()``
 (:func:`nbddp.engines.training_launch`). With no cell marked (a papermill ``parameters`` cell aside),
 that cell is the training cell, and the earlier cells it depends on are its setup, found from the names
-each cell reads and binds (:func:`nbddp.notebook.freevars.cell_names`), transitively:
+each cell reads and binds (:func:`nbddp.contracts.freevars.cell_names`), transitively:
 
 - a name a chosen cell reads comes from the last cell before it that binds it, and from earlier ones
   too where that one binds it only under an ``if``/``for``/``try`` (either may be the value);
@@ -24,10 +24,10 @@ import re
 from typing import Sequence
 
 from nbddp.engines import training_launch
-from nbddp.errors import CellError, CellSyntaxError, NotebookError
+from nbddp.contracts.errors import CellError, CellSyntaxError, NotebookError
 from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, ExportedCell, Selection, cell_role,
                                  export_cell, no_training_cell)
-from nbddp.notebook.freevars import KERNEL_ONLY, CellNames, cell_names
+from nbddp.contracts.freevars import KERNEL_ONLY, CellNames, cell_names
 from nbddp.notebook.reader import Cell, Notebook
 
 

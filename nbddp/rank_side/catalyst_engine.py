@@ -27,11 +27,11 @@ import torch
 from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
-from nbddp.ports import free_port
+from nbddp.contracts.ports import free_port
 from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
-from nbddp.job.status import Status
-from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, RankEnv
+from nbddp.contracts.status import Status
+from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, RankEnv
 from nbddp.rank_side.parent_death import launching_ranks
 
 _state = {"trained": False, "patched": False}
@@ -132,9 +132,9 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
 
     def _own_gpu(self, local_rank: int) -> int:
         """``local_rank``'s GPU; a rank spawned beyond the GPUs (``NBDDP_NPROC`` set by hand) ends in one line."""
-        from nbddp.devices import rank_gpu
-        from nbddp.errors import DeviceError
-        from nbddp.job.rundir import SCRIPT_NAME
+        from nbddp.contracts.devices import rank_gpu
+        from nbddp.contracts.errors import DeviceError
+        from nbddp.contracts.rundir import SCRIPT_NAME
 
         how = f"{RankEnv.shell(nproc='{n}')} python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}"
         try:
@@ -199,7 +199,7 @@ def _where_defined(obj) -> str | None:  # noqa: ANN001
     """``nb.ipynb, cell 3, line 4`` for a function defined in the generated script."""
     from pathlib import Path
 
-    from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
+    from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 
     code = getattr(obj, "__code__", None)
     main = getattr(sys.modules.get("__main__"), "__file__", None)
@@ -313,7 +313,7 @@ class ReturnModelCallback(Callback):
         runtime.log(epoch=runner.epoch_step, epochs=runner.num_epochs, **values)
 
     def on_experiment_end(self, runner) -> None:  # noqa: ANN001
-        from nbddp import checkpoint
+        from nbddp.contracts import checkpoint
 
         if runner.engine.process_index != 0:
             return

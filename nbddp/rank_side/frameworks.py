@@ -14,8 +14,8 @@ import importlib
 import os
 from typing import Any, Callable, Sequence
 
-from nbddp.errors import NbddpError
-from nbddp.job.metrics import COUNTERS
+from nbddp.contracts.errors import NbddpError
+from nbddp.contracts.metrics import COUNTERS
 from nbddp.rank_side import ranks
 
 _MARK = "__nbddp_adapted__"
@@ -88,7 +88,7 @@ def notebook_launcher(function: Callable, args: tuple = (), num_processes: int |
     """Accelerate's ``notebook_launcher`` in a rank torchrun started: ``function(*args)``, here.
 
     ``num_processes`` chose the run's process count before launch (unless ``--gpus``/``--nproc`` did, or
-    fewer GPUs are visible: :func:`nbddp.devices.notebook_devices`); here the function runs once in each
+    fewer GPUs are visible: :func:`nbddp.contracts.devices.notebook_devices`); here the function runs once in each
     of the run's ranks, whatever it says. ``mixed_precision`` means what it means to ``accelerate launch``;
     the nodes and restarts are nbddp's (``--nnodes``, ``--slurm``, ``--max-restarts``), so values given
     that disagree with them are refused (left out, they are the run's). ``node_rank`` is each node's own,

@@ -34,7 +34,7 @@ import types
 from pathlib import Path
 from typing import Any, Iterator
 
-from nbddp.job.rank_memory import size
+from nbddp.contracts.rank_memory import size
 from nbddp.rank_side.object_state import (
     ARRAY, ATOMIC, CHILDREN, CLASS, DEQUE, DICT, EMPTY, FUNCTION, LIST, MODULE, OBJECT, OPAQUE, RNG, SET,
     TENSOR, UNKEEPABLE, array_state, array_sum, available_memory, capture, changed_mapping, copy_of, dunder,

@@ -12,7 +12,7 @@ offsets, not appended: the rank goes on writing meanwhile. The file therefore ho
 also in ``errors/rank-N.json``), and the disk holds at most ``cap + TAIL`` of it (and what a quarter second
 adds), whatever a forgotten detached run prints for a week.
 
-``ranks/log-N.json`` (:meth:`nbddp.job.rundir.RunDir.rank_log_cap`) says where the kept head ends and about
+``ranks/log-N.json`` (:meth:`nbddp.contracts.rundir.RunDir.rank_log_cap`) says where the kept head ends and about
 how much was dropped (bytes written between the size check and the cut are dropped uncounted): the follower
 (:mod:`nbddp.job.follow`) streams the head and, once the rank has ended, the tail, and ``result.json`` and
 the ending line say what was dropped. A warm rank's log changes with each job: the count starts again.
@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.atomic import write_json
-from nbddp.job.rank_memory import size
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.rank_memory import size
 
 CHECKS_PER_SECOND = 4
 #: What the log keeps of the output after the cap: its latest bytes, up to this many.

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from nbddp.atomic import write_json
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.rank_env import RankEnv
 
 INTERVAL = 1.0
 #: Growth smaller than this is not worth a write.

@@ -21,8 +21,8 @@ import os
 import signal
 import sys
 
-from nbddp.job.status import signal_exit_code
-from nbddp.rank_side.env import VARIABLES
+from nbddp.contracts.status import signal_exit_code
+from nbddp.contracts.rank_env import VARIABLES
 
 PR_SET_PDEATHSIG = 1
 #: The variable a launcher process sets to its own pid for its ranks (each rank then to its own, for what it

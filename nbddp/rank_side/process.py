@@ -1,7 +1,7 @@
 """A rank's plumbing, shared by both engines: log to files, report an exception, mark a finish,
 leave the process group cleanly.
 
-Launched by nbddp (``NBDDP_RUN_DIR`` set, see :mod:`nbddp.rank_side.env`) each rank writes its output to
+Launched by nbddp (``NBDDP_RUN_DIR`` set, see :mod:`nbddp.contracts.rank_env`) each rank writes its output to
 ``logs/rank-N.log``, its uncaught exception to ``errors/rank-N.json`` and a ``done`` mark when its
 training finished: files, not pipes, so a flood of output can never block a rank and a dying
 launcher can't take a rank's last words with it. :mod:`nbddp.rank_side.torch_engine` (the torch engine and the
@@ -21,13 +21,13 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from nbddp.atomic import write_json
-from nbddp.notebook.sourcemap import SourceMap, sourcemap_path
-from nbddp.errors import NbddpError
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
+from nbddp.contracts.errors import NbddpError
 from nbddp.rank_side import log_cap, memory
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.parent_death import die_with_parent
-from nbddp.job.rundir import SCRIPT_NAME, RunDir
+from nbddp.contracts.rundir import SCRIPT_NAME, RunDir
 
 
 def use_notebook_folder() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.process import run_dir
 
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nbddp.atomic import write_json
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.rank_env import RankEnv
 
 _saves = 0
 
@@ -55,7 +55,7 @@ def stop_here(attempt: int) -> bool:
 
 
 def _wait_for(store: Any, key: str) -> None:
-    from nbddp.errors import NbddpError
+    from nbddp.contracts.errors import NbddpError
     from nbddp.rank_side.process import collective_timeout
 
     timeout = collective_timeout() or timedelta(minutes=30)

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbddp.notebook.role_names import INJECTED, PARAMETERS
-from nbddp.notebook.freevars import global_reads
-from nbddp.notebook.sourcemap import Segment, SourceMap, sourcemap_path
+from nbddp.contracts.role_names import INJECTED, PARAMETERS
+from nbddp.contracts.freevars import global_reads
+from nbddp.contracts.sourcemap import Segment, SourceMap, sourcemap_path
 
 CELL, LITERAL, TRAIN = "cell", "literal", "train"
 

@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nbddp import checkpoint
-from nbddp.atomic import read_json, write_json
-from nbddp.errors import CheckpointError
-from nbddp.job.rundir import RunDir
-from nbddp.owned import check_owned
+from nbddp.contracts import checkpoint
+from nbddp.contracts.atomic import read_json, write_json
+from nbddp.contracts.errors import CheckpointError
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.owned import check_owned
 from nbddp.rank_side import sharding
 
 EXTRAS = "extras.pt"
@@ -167,7 +167,7 @@ def _saved_names(path: Path) -> set[str]:
 def _yours_alone(path: Path) -> None:
     """torch's DCP reads a save's ``.metadata`` with ``pickle.load`` (and its shards' non-tensor items with
     ``torch.load``): a save someone else wrote, or could have changed, would run their code here. So every
-    file of the save, and its folder, must be the user's and writable by nobody else (:mod:`nbddp.owned`).
+    file of the save, and its folder, must be the user's and writable by nobody else (:mod:`nbddp.contracts.owned`).
 
     Raises:
         NotYours: it isn't (one line: whose it is). CheckpointError: the save isn't there.

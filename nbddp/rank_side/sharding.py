@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nbddp.errors import NbddpError
+from nbddp.contracts.errors import NbddpError
 
 #: What ``blocks=`` takes: the modules, a module class (or several), or a test on each submodule.
 BlockPolicy = Union[Sequence[nn.Module], type, tuple, Callable[[nn.Module], bool], None]

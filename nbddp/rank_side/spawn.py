@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing
 
-from nbddp.errors import NbddpError
+from nbddp.contracts.errors import NbddpError
 
 #: The module ``torch.multiprocessing.spawn`` (the package's attribute of that name is the function).
 _SPAWN_MODULE = importlib.import_module("torch.multiprocessing.spawn")

@@ -17,13 +17,13 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from nbddp import checkpoint
+from nbddp.contracts import checkpoint
 from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_timeout, exchange_roster, leave_group,
                                      map_tracebacks_to_the_notebook, mark_done, refuse, restart_count, run_dir,
                                      skip_final_collection, use_notebook_folder)
-from nbddp.rank_side.env import RankEnv
+from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -42,7 +42,7 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
     global _shard_by_default
     _shard_by_default = shard
     if engine != "torch":
-        from nbddp.errors import NbddpError
+        from nbddp.contracts.errors import NbddpError
 
         raise NbddpError(f"this script was exported by an older nbddp for the {engine} engine; export it again "
                          "(nbddp export NOTEBOOK) or run the notebook with nbddp run.")
@@ -73,8 +73,8 @@ def start(engine: str = "torch", *, shard: bool = False, framework: str | None =
 def own_gpu() -> int:
     """This rank's GPU index, checked before the first CUDA call: a rank without a GPU of its own (more
     processes started than GPUs) ends at once with one line saying what to run instead, exit 3."""
-    from nbddp.devices import rank_gpu
-    from nbddp.errors import DeviceError
+    from nbddp.contracts.devices import rank_gpu
+    from nbddp.contracts.errors import DeviceError
 
     try:
         return rank_gpu(local_rank(), torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
@@ -273,7 +273,7 @@ def save_checkpoint(**state: Any) -> None:
     from nbddp.rank_side import requeue, sharding
 
     if any(isinstance(v, dict) and sharding.sharded_modules(v.values()) for v in state.values()):
-        from nbddp.errors import NbddpError
+        from nbddp.contracts.errors import NbddpError
 
         raise NbddpError("nbddp.save_checkpoint: pass each sharded model by its own name "
                          "(save_checkpoint(encoder=encoder, decoder=decoder, ...)), not in a dict.")
@@ -316,14 +316,14 @@ def restore(source: str | Path | None = None, /, **objects: Any) -> dict[str, An
         path = Path(source) if Path(source).suffix == ".pt" else RunDir(Path(source)).resume
     if not path.exists():
         if source is not None:
-            from nbddp.errors import CheckpointError
+            from nbddp.contracts.errors import CheckpointError
 
             raise CheckpointError(f"no checkpoint in {source}: the run saved none (nbddp.save_checkpoint).")
         return {}
     from nbddp.rank_side import sharding
 
     if any(sharding.holds_shards(obj) for obj in objects.values()):
-        from nbddp.errors import CheckpointError
+        from nbddp.contracts.errors import CheckpointError
 
         raise CheckpointError(f"{path} was saved by a run without sharding (DDP); a sharded model can't resume "
                               "from it. Resume it without --shard (or shard=True), or start over in a new run dir.")

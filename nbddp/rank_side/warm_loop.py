@@ -13,7 +13,7 @@ imported until their files change), and the CUDA caching allocator is emptied be
 ``forget`` (``%ddp_ranks forget``) drops the kept setup of an idle rank.
 
 The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
-(:class:`~nbddp.rank_side.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
+(:class:`~nbddp.contracts.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
 kernel dies (parent-death signal, through the pool's starter).
 
@@ -53,10 +53,10 @@ die_with_parent()  # dies with the pool's starter, armed before torch is importe
 
 import torch.distributed as dist  # noqa: E402
 
-from nbddp.atomic import write_json  # noqa: E402
-from nbddp.rank_side.pool_dir import JobEnd, PoolDir
+from nbddp.contracts.atomic import write_json  # noqa: E402
+from nbddp.contracts.pool_dir import JobEnd, PoolDir
 from nbddp.rank_side import memory
-from nbddp.rank_side.env import DEFAULT_WARM_IDLE, RankEnv
+from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
 from nbddp.rank_side.warm_state import Plan, WarmState, set_torch_settings, torch_settings
 
 POLL_SECONDS = 0.005

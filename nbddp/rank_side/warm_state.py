@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from nbddp.errors import NbddpError
+from nbddp.contracts.errors import NbddpError
 from nbddp.rank_side.kept_objects import KeptObjects, NotKept
 from nbddp.rank_side.object_state import ATOMIC, UNKEEPABLE
 from nbddp.rank_side.script_units import CELL, LITERAL, Unit, digest, file_digest, units_of

@@ -23,20 +23,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from nbddp.atomic import read_json
-from nbddp.devices import FREE, free_devices, gpu_usage, requested_gpus, resolve, visible_gpu_count
-from nbddp.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
-from nbddp.owned import private_folder
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.devices import FREE, free_devices, gpu_usage, requested_gpus, resolve, visible_gpu_count
+from nbddp.contracts.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
+from nbddp.contracts.owned import private_folder
 from nbddp.launchers import devices_for
 from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
 from nbddp.launchers.slurm import CANCEL_SECONDS
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.options import LaunchOptions, machine_gpus_refusal
-from nbddp.job.status import BatchState, Status
+from nbddp.plan.options import LaunchOptions, machine_gpus_refusal
+from nbddp.contracts.status import BatchState, Status
 from nbddp.notebook.parameters import check_overrides, declared_parameters
 from nbddp.notebook.literals import check_name, is_plain_data
 from nbddp.launchers.process_groups import stop_groups
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 from nbddp.notebook.script import engine_of
 from nbddp.launchers.warm_pool import POOL_ENV, PoolKeeper, why_not_warm
 

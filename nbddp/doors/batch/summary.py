@@ -11,11 +11,11 @@ import csv
 from pathlib import Path
 from typing import Any, Sequence
 
-from nbddp.atomic import read_json
-from nbddp.job.metrics import COUNTERS, read_metrics
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.metrics import COUNTERS, read_metrics
 from nbddp.job.record import error_line
-from nbddp.job.status import BatchState
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.status import BatchState
+from nbddp.contracts.rundir import RunDir
 
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Hashable, Sequence
 
-from nbddp.errors import CellError, ParameterError
+from nbddp.contracts.errors import CellError, ParameterError
 from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, cell_role, export_cell
-from nbddp.notebook.freevars import free_names
+from nbddp.contracts.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
 from nbddp.notebook.reader import Cell
 from nbddp.notebook.script import Script, render
-from nbddp.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions
 
 TRAIN_LABEL = "the %%ddp_train cell"
 

@@ -15,14 +15,14 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from nbddp.display.ending import NO_WEIGHTS, Ending, first_line, weights_went
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
 from nbddp.doors.jupyter.session import session_notebook
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 from nbddp.job import orchestrator
-from nbddp.job.metrics import last_metrics
-from nbddp.job.rank_memory import read_peaks
-from nbddp.job.rundir import RunDir
-from nbddp.job.status import Status
+from nbddp.contracts.metrics import last_metrics
+from nbddp.contracts.rank_memory import read_peaks
+from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.status import Status
 from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
-from nbddp.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
+from nbddp.plan.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
                            check_seconds, launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 
@@ -157,7 +157,7 @@ class DdpMagics(Magics):
         from dataclasses import replace
 
         from nbddp.doors import detached
-        from nbddp.job.rundir import create_run_dir
+        from nbddp.contracts.rundir import create_run_dir
         from nbddp.launchers import devices_for
 
         devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from nbddp.display.ending import Ending, shown_path
 from nbddp.display.metric_plot import svg_plot
-from nbddp.job.status import Status
+from nbddp.contracts.status import Status
 
 SNAPSHOT_LINES = 20
 _COLOURS = {Status.SUCCEEDED: "#2e7d32", Status.FAILED: "#c62828", Status.TIMEOUT: "#ef6c00",

@@ -36,8 +36,8 @@ from nbddp.display.ending import Ending, shown_path
 from nbddp.doors.jupyter.snapshot import snapshot_html, snapshot_text
 from nbddp.display.metric_plot import svg_plot
 from nbddp.job.follow import Event, LogLine, MemoryEvent, MetricsEvent, rank_prefix
-from nbddp.job.rank_memory import describe as describe_memory
-from nbddp.job.metrics import curves, format_metrics
+from nbddp.contracts.rank_memory import describe as describe_memory
+from nbddp.contracts.metrics import curves, format_metrics
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 REFRESH_SECONDS = 0.25

@@ -1,6 +1,6 @@
 """The returned weights: atomic save on rank 0, safe CPU load in the kernel.
 
-Saving writes the file whole or not at all (:mod:`nbddp.atomic`), so a crashed
+Saving writes the file whole or not at all (:mod:`nbddp.contracts.atomic`), so a crashed
 rank or a full disk never leaves a truncated checkpoint where a good one was.
 Like ``torch.save``, it leaves the flush to disk to the OS (no ``fsync``): that made the kernel wait for the disk,
 over a second for a 400 MB checkpoint in BENCHMARKS.md's runs, to guard only
@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nbddp.atomic import replace_atomically
-from nbddp.errors import CheckpointError
+from nbddp.contracts.atomic import replace_atomically
+from nbddp.contracts.errors import CheckpointError
 
 FORMAT = 1
 
@@ -81,7 +81,7 @@ def _plain(state: Any) -> bool:
 
 def save_atomic(payload: Any, path: str | Path) -> Path:
     """``torch.save`` to a temporary file beside ``path``, renamed over ``path`` once complete
-    (:func:`nbddp.atomic.replace_atomically`).
+    (:func:`nbddp.contracts.atomic.replace_atomically`).
 
     Raises:
         CheckpointError: naming the path, when the disk is full or unwritable;

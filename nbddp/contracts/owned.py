@@ -21,7 +21,7 @@ import os
 import stat
 from pathlib import Path
 
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 
 
 class NotYours(UsageError):

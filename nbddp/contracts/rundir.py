@@ -46,9 +46,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from nbddp.atomic import read_json
-from nbddp.errors import NbddpError, UsageError
-from nbddp.owned import private_folder
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.errors import NbddpError, UsageError
+from nbddp.contracts.owned import private_folder
 
 
 #: The generated script's name in a run dir (and ``nbddp export``'s default name).
@@ -276,7 +276,7 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
 
     Raises:
         NotYours: ``--run-dir``, or the ``runs`` folder, belongs to another user or others can write to it
-            (:mod:`nbddp.owned`). UsageError: ``--run-dir`` holds a run.
+            (:mod:`nbddp.contracts.owned`). UsageError: ``--run-dir`` holds a run.
     """
     if run_dir is not None:
         run_dir = Path(run_dir)

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 #: Keys of an ``nbddp.log`` record that count rather than measure; ``time`` is when it was logged.
 COUNTERS = frozenset({"epoch", "epochs", "step", "steps", "time"})

@@ -45,5 +45,5 @@ def _ephemeral_low() -> int:
         return EPHEMERAL_LOW
 
 
-if __name__ == "__main__":  # a batch script's shell: `port=$("$PYTHON" -m nbddp.ports "")`
+if __name__ == "__main__":  # a batch script's shell: `port=$("$PYTHON" -m nbddp.contracts.ports "")`
     print(free_port(sys.argv[1] if len(sys.argv) > 1 else ""))

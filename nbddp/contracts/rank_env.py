@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 #: ``--rdzv-timeout``'s default: how long the nodes of a multi-node run wait for each other before failing
 #: (a rank started without ``NBDDP_RDZV_TIMEOUT``, Catalyst's by hand across nodes, waits as long).

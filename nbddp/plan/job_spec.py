@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbddp.devices import Devices
+from nbddp.contracts.devices import Devices
 from nbddp.notebook.script import Script
-from nbddp.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions
 
 
 @dataclass(frozen=True)

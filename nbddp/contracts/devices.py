@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from nbddp.errors import DeviceError, UsageError
+from nbddp.contracts.errors import DeviceError, UsageError
 
 #: CPU processes (gloo) per node when neither ``--nproc`` nor GPUs say otherwise.
 CPU_PROCESSES = 2

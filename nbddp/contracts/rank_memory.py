@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nbddp.atomic import read_json
-from nbddp.job.rundir import RunDir, rank_of
+from nbddp.contracts.atomic import read_json
+from nbddp.contracts.rundir import RunDir, rank_of
 
 
 def read_peaks(run_dir: Path) -> dict[int, int]:

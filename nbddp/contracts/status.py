@@ -1,7 +1,7 @@
 """How a run ended, and the exit code each ending means: said once.
 
 ``result.json``'s ``status``, the exit code of ``nbddp run`` / ``nbddp batch`` and the class of
-the exception a failed run raises (:mod:`nbddp.errors`) are all read from here.
+the exception a failed run raises (:mod:`nbddp.contracts.errors`) are all read from here.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
     Raises:
         CellError: naming the first such name and where it is used.
     """
-    from nbddp.errors import CellError
+    from nbddp.contracts.errors import CellError
 
     _check_returns(script)
     reads = executed_reads(script.text)
@@ -369,7 +369,7 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
 def _check_returns(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Script
     """Refuse a ``--return`` name the script never binds at its top level: rank 0 would find nothing to save once
     the whole training had run."""
-    from nbddp.errors import UsageError
+    from nbddp.contracts.errors import UsageError
 
     bound, _, star_import = _global_names(script.text, "<script>")
     missing = [name for name in script.returns if name not in bound]

@@ -1,6 +1,6 @@
 """Every launch option, declared once; the one frozen :class:`LaunchOptions` every front door builds.
 
-Each option is one field below, declared with :func:`option` (an :class:`~nbddp.option_fields.Option`):
+Each option is one field below, declared with :func:`option` (an :class:`~nbddp.plan.option_fields.Option`):
 its name, type and default are the field's; its flags, help, group, metavar, check and the doors that
 take it are in the declaration. ``nbddp run``, ``nbddp batch``, ``nbddp export``, ``%%ddp_train`` and ``NBDDP_OPTIONS``
 parse what :func:`add_launch_arguments` derives from it; ``nbddp.run()``'s and ``nbddp.batch()``'s
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
-from nbddp.devices import CPU_PROCESSES, requested_gpus
+from nbddp.contracts.devices import CPU_PROCESSES, requested_gpus
 from nbddp.engines import DEFAULT_RETURNS, ENGINES, shard_refusal, spawns_its_own_ranks
-from nbddp.errors import UsageError
-from nbddp.job.rank_memory import size
-from nbddp.job.status import Status
-from nbddp.option_fields import Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage, values_from
-from nbddp.rank_side.env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owned there: the ranks fall back on them)
+from nbddp.contracts.errors import UsageError
+from nbddp.contracts.rank_memory import size
+from nbddp.contracts.status import Status
+from nbddp.plan.option_fields import Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage, values_from
+from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owned there: the ranks fall back on them)
 
 if TYPE_CHECKING:
     from nbddp.notebook.script import ExportOptions
@@ -72,7 +72,7 @@ GROUPS = (_SCRIPT, _DEVICES, _LIMITS, _NODES, _CLUSTER, _RAY, _SLURM) = (
 
 def option(*flags: str, doors: frozenset[str] = _EVERY, **declaration: Any) -> Any:
     """A dataclass field declared as the launch option ``flags`` (every door takes it unless ``doors`` says
-    otherwise; :class:`~nbddp.option_fields.Option` says what else a declaration may say)."""
+    otherwise; :class:`~nbddp.plan.option_fields.Option` says what else a declaration may say)."""
     return Option(flags, doors=doors, **declaration).field()
 
 
@@ -112,7 +112,7 @@ def _bytes(value: Any) -> int | None:
 
 def _names(names: Sequence[str], flag: str) -> None:
     """Names the script assigns to (``-p``'s, ``--return``'s) must be Python names."""
-    from nbddp.errors import ParameterError
+    from nbddp.contracts.errors import ParameterError
     from nbddp.notebook.literals import check_name
 
     for name in names:
@@ -290,7 +290,7 @@ class RayRequest:
 
 def _parameters(pairs: list[list[str]], flag: str) -> dict[str, Any]:
     """``-p NAME VALUE`` (repeated) → ``{NAME: value}``, each value read as a Python literal, else a string."""
-    from nbddp.errors import ParameterError
+    from nbddp.contracts.errors import ParameterError
     from nbddp.notebook.literals import parse_pairs
 
     try:

@@ -2,7 +2,7 @@
 
 The kernel side (:mod:`nbddp.launchers.warm_pool`) and the ranks (:mod:`nbddp.rank_side.warm_loop`)
 both address a pool's files through :class:`PoolDir`, as run dirs are addressed through
-:class:`nbddp.job.rundir.RunDir`. It sits on the rank side, the lowest of its readers (the kernel side,
+:class:`nbddp.contracts.rundir.RunDir`. It sits on the rank side, the lowest of its readers (the kernel side,
 above it, may import it; the ranks may not import the launchers). Nothing here imports torch.
 
 ::
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from nbddp.job.rundir import RunDir
+from nbddp.contracts.rundir import RunDir
 
 class JobEnd(str, Enum):
     """How a rank ended a job (``ended/N-R.json``'s ``status``): the rank's word, judged into a run's
-    :class:`~nbddp.job.status.Status` by the kernel side with the rest of the evidence."""
+    :class:`~nbddp.contracts.status.Status` by the kernel side with the rest of the evidence."""
 
     OK = "ok"
     FAILED = "failed"

@@ -1,7 +1,7 @@
 """An option declared once, as a field of the frozen options it sets; every door's form of it is derived.
 
 A launch option is one ``dataclasses`` field declared with an :class:`Option`'s :meth:`~Option.field`
-(``nbddp.options.option``): its name and type are the field's, its default is the field's default, and
+(``nbddp.plan.options.option``): its name and type are the field's, its default is the field's default, and
 the :class:`Option` in its metadata says the rest: its flags, help, group and metavar, how a value
 given in Python becomes the field's (``coerce``), the check that refuses a bad value naming the
 flag, and which doors take it. As torchrun's ``env`` argparse action declares a flag, its variable
@@ -12,7 +12,7 @@ Everything a door needs is derived here from those declarations, for any such da
 :func:`add_arguments` (a door's argparse arguments), :func:`values_from` (what they parsed, as the
 dataclass's keywords), :func:`to_argv` (the same options as arguments again), :func:`takes_options`
 (a Python function's typed keywords) and :func:`markdown_rows` (the README's table). Nothing here
-knows a particular option (they are declared in :mod:`nbddp.options`), and nothing imports torch.
+knows a particular option (they are declared in :mod:`nbddp.plan.options`), and nothing imports torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import textwrap
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from nbddp.errors import UsageError
+from nbddp.contracts.errors import UsageError
 
 #: The key of a field's :class:`Option` in ``dataclasses.field(metadata=...)``.
 OPTION = "nbddp.option"
@@ -66,7 +66,7 @@ class Option:
     """Any value given in Python (``gpus=2``, ``returns="a,b"``, ``None``) → the field's value; applied whenever
     the dataclass is made, so it must keep a value it already made as it is."""
     check: Callable[[Any, str], None] | None = None
-    """Raises :class:`~nbddp.errors.UsageError` naming the flag for a value that can never work (never for None)."""
+    """Raises :class:`~nbddp.contracts.errors.UsageError` naming the flag for a value that can never work (never for None)."""
     render: Callable[[Any, str], list[str]] | None = None
     """The field's value → arguments that parse back to it (default: ``[flag, str(value)]``)."""
     accepts: str | None = None
