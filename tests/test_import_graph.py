@@ -1,18 +1,22 @@
-"""Imports flow one way: door → job → launchers → plan → rank side → leaves (docs/architecture.md).
+"""Imports flow one way: door → job → launchers → plan → notebook → engines → rank side → contracts
+(docs/architecture.md), and each layer is a folder.
 
-Every module of the package is parsed (not imported) and placed in a layer by :data:`LAYERS`; a module
-may import its own layer and the layers below it, never one above, and no two modules may import each
-other, however indirectly. Imports inside functions count (a lazy import is still an import: it only
-runs later), and so do those under ``if TYPE_CHECKING:`` (a type names what the module depends on).
-Importing ``a.b.c`` also runs ``a/__init__.py`` and ``a/b/__init__.py``: what those import at their top
-(``engines``' and ``launchers``' do) is imported too.
+Every module of the package is parsed (not imported) and placed in a layer by :data:`LAYERS`, whose patterns
+are folders (a top-level module only where it is a door, or the rank's API); a module may import its own
+layer and the layers below it, never one above, and no two modules may import each other, however
+indirectly. Imports inside functions count (a lazy import is still an import: it only runs later), and so do
+those under ``if TYPE_CHECKING:`` (a type names what the module depends on). Importing ``a.b.c`` also runs
+``a/__init__.py`` and ``a/b/__init__.py``: what those import at their top (``engines``' and ``launchers``' do)
+is imported too.
 
-Why this order: the job chains the stages and starts launchers; a launcher reads the plan (the
-launch options, the script, the engine's needs) and starts the ranks with their environment
-(``RankEnv``); the plan says what to run, never how a launcher runs it; a rank reads only its
-environment and the leaves, so an exported script needs nothing of the plan; the leaves (errors,
-atomic files, statuses, the run dir's names, devices, checkpoints, the source map) import nothing
-above them. ``display`` shows what the job produced, so it sits above the job, and the doors above all.
+Why this order: the job chains the stages and starts launchers; a launcher reads the plan (the launch
+options, the job's spec) and starts the ranks with their environment (``RankEnv``); the plan reads the
+notebook side (the script) and the engines (what each needs); the engines say what a library adds, from a
+cell's role and code alone; a rank reads only its environment and the contracts, so an exported script needs
+nothing of the plan; the contracts (what crosses a process boundary — the run dir's and the pool's files,
+the rank's environment, statuses, metrics, checkpoints, the source map — and the leaves every layer reads:
+errors, atomic files, devices) import nothing above them. ``display`` shows what the job produced, so it
+sits above the job, and the doors above all.
 """
 
 from __future__ import annotations
@@ -29,16 +33,15 @@ PACKAGE = Path(nbddp.__file__).parent
 
 #: Lowest first. A module belongs to the first layer with a pattern that matches its name.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("nbddp._version", "nbddp.errors", "nbddp.atomic", "nbddp.owned", "nbddp.ports", "nbddp.devices", "nbddp.checkpoint",
-                "nbddp.job.status", "nbddp.job.rundir", "nbddp.job.metrics", "nbddp.job.rank_memory",
-                "nbddp.notebook.sourcemap", "nbddp.notebook.role_names", "nbddp.notebook.freevars")),
+    ("contracts", ("nbddp._version", "nbddp.contracts", "nbddp.contracts.*")),
     ("rank side", ("nbddp.rank_side", "nbddp.rank_side.*", "nbddp.runtime", "nbddp.runtime_catalyst")),
-    ("plan", ("nbddp.notebook", "nbddp.notebook.*", "nbddp.engines", "nbddp.engines.*", "nbddp.options", "nbddp.option_fields",
-              "nbddp.job.spec")),
+    ("engines", ("nbddp.engines", "nbddp.engines.*")),
+    ("notebook", ("nbddp.notebook", "nbddp.notebook.*")),
+    ("plan", ("nbddp.plan", "nbddp.plan.*")),
     ("launchers", ("nbddp.launchers", "nbddp.launchers.*")),
     ("job", ("nbddp.job", "nbddp.job.*")),
     ("display", ("nbddp.display", "nbddp.display.*")),
-    ("doors", ("nbddp", "nbddp.__main__", "nbddp.api", "nbddp.doors", "nbddp.doors.*")),
+    ("doors", ("nbddp", "nbddp.__main__", "nbddp.api", "nbddp.errors", "nbddp.doors", "nbddp.doors.*")),
 )
 
 #: Cycles left to another change, each with why; a cycle that is gone must leave this list.
@@ -211,5 +214,5 @@ def test_the_graph_is_read_whole():
 
 def test_the_leaves_import_only_leaves():
     leaves = [m for m in MODULES if layer(m) == 0]
-    assert {"nbddp.errors", "nbddp.atomic", "nbddp.job.status", "nbddp.job.rundir"} <= set(leaves)
+    assert {"nbddp.contracts.errors", "nbddp.contracts.atomic", "nbddp.contracts.status", "nbddp.contracts.rundir"} <= set(leaves)
     assert [f"{f.importer} imports {f.imported}" for f in IMPORTS if f.importer in leaves and layer(f.imported)] == []

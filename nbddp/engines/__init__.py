@@ -13,9 +13,20 @@ from __future__ import annotations
 import ast
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from nbddp.notebook.roles import TRAIN, ExportedCell
+from nbddp.contracts.role_names import TRAIN
+
+
+class ExportedCell(Protocol):
+    """What an engine reads of a chosen cell (:class:`nbddp.notebook.roles.ExportedCell` is one): its role and
+    code. A protocol, so that the engines sit below the notebook side that asks them."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def code(self) -> str: ...
 
 #: Libraries whose notebooks run unchanged under torchrun, each with the packages that mark a notebook as its.
 FRAMEWORKS: dict[str, tuple[str, ...]] = {
@@ -171,7 +182,7 @@ def processes_asked(cells: Sequence[ExportedCell], engine: str) -> int | None:
     """The process count the training cells ask their library for, when it is a literal:
     ``notebook_launcher(..., num_processes=N)``, ``Trainer(devices=N)``, or ``mp.spawn(fn, nprocs=N)`` (PyTorch's
     DDP tutorial). It becomes the run's process count unless a launch option (``--gpus``, ``--nproc``) says
-    otherwise (:func:`nbddp.devices.notebook_devices`)."""
+    otherwise (:func:`nbddp.contracts.devices.notebook_devices`)."""
     asked = [_PROCESS_COUNTS[engine]] if engine in _PROCESS_COUNTS else []
     if not spawns_its_own_ranks(engine):
         asked.append(_SPAWN_COUNT)
