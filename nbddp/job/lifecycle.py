@@ -84,7 +84,8 @@ class Job:
         rank_env |= spec.devices.environment()  # the GPUs chosen by name (--gpus free, --wait)
         launch = launcher.start(script_path, spec, rank_env)
         try:
-            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner)
+            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner,
+                                     launcher.stop_grace)
             return cls(spec, launcher, launch, live, leftovers)
         except BaseException:
             launch.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.errors import UsageError
-from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
+from nbddp.launchers.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import touch
 
@@ -52,6 +52,9 @@ class LiveRun:
     """When the owner process started (psutil's ``create_time``): a process given its pid since is not it."""
     leader_created: float = 0.0
     """When the job's process group leader (the launcher, pid ``pgid``) started, likewise."""
+    stop_grace: float = STOP_GRACE
+    """Its launcher's :attr:`~nbddp.launchers.base.Launcher.stop_grace`: how long ``nbddp kill`` gives it (a Slurm
+    watcher cancels the job and waits for the queue to let it go, the Ray driver stops each rank's actor)."""
 
     @property
     def entry(self) -> Path:
@@ -88,9 +91,10 @@ def _created(pid: int) -> float:
         return 0.0
 
 
-def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli") -> LiveRun:
+def register(run_dir: Path, pgid: int, engine: str, world_size: int, owner: str = "cli",
+             stop_grace: float = STOP_GRACE) -> LiveRun:
     run = LiveRun(Path(run_dir).name, str(run_dir), os.getpid(), pgid, time.time(), engine, world_size, owner,
-                  owner_created=_created(os.getpid()), leader_created=_created(pgid))
+                  owner_created=_created(os.getpid()), leader_created=_created(pgid), stop_grace=stop_grace)
     write_json(run.entry, run.__dict__)
     return run
 
@@ -143,26 +147,20 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
 
     Returns True when nothing of the run is left.
     """
-    from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
-    from nbddp.launchers.slurm import CANCEL_SECONDS as SLURM_CANCEL_SECONDS
-
     paths = RunDir(Path(run.run_dir))
     if not run.group_is_alive():  # ended meanwhile, or its group id now is someone else's: nothing to signal
         unregister(run)
         return True
     touch(paths.stop_mark)  # the owner records the run as interrupted, not failed
     # A cluster's launcher (Slurm's watcher, the Ray driver) stops the job and waits until it is gone.
-    cluster_grace = SLURM_CANCEL_SECONDS if paths.sbatch_script.exists() else \
-        RAY_STOP_SECONDS if paths.ray_job.exists() else None
-    if cluster_grace:
-        grace = max(grace, cluster_grace)
+    grace = max(grace, run.stop_grace)
     if run.owner in SIGNALLED_OWNERS and run.owner_is_alive() and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
         deadline = time.monotonic() + grace
         while run.group_is_alive() and time.monotonic() < deadline:  # its owner stops it, recording why
             time.sleep(0.1)
     if run.group_is_alive():
-        stop_groups([run.pgid], grace=cluster_grace or 5.0)
+        stop_groups([run.pgid], grace=run.stop_grace)
     gone = not run.group_is_alive()
     if gone:
         unregister(run)

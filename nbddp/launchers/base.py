@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.rundir import RunDir
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
+from nbddp.launchers.process_groups import STOP_GRACE
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
@@ -71,7 +72,7 @@ class Launcher:
     """Whether ``--max-restarts`` can be honoured (torchrun restarts ranks; a spawn can't)."""
     streams_launcher_log = False
     """Whether the launcher's own output belongs in the live stream (a spawn's children print there)."""
-    stop_grace = 5.0
+    stop_grace = STOP_GRACE
     """Seconds between SIGTERM and SIGKILL when nbddp stops the launcher (Slurm needs time to cancel)."""
     exit_settle = 1.0
     """Seconds a rank seen gone is given for the launcher to exit with a better report (a crash torchrun

@@ -31,13 +31,14 @@ from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import LOOPBACK, torchrun_variables
 from nbddp.contracts.status import signal_exit_code
 from nbddp.launchers import forked_rank
+from nbddp.launchers.process_groups import STOP_GRACE
 from nbddp.contracts.ports import free_port
 from nbddp.contracts.rank_env import threads_per_rank
 from nbddp.rank_side.parent_death import launching_ranks
 
 MONITOR_SECONDS = 0.05
 #: Between the SIGTERM that stops the ranks and the SIGKILL for those still there.
-STOP_SECONDS = 5.0
+STOP_SECONDS = STOP_GRACE
 
 
 class Ranks:

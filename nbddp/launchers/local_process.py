@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.launchers.process_groups import group_alive, process_alive, stop_groups
+from nbddp.launchers.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class LaunchSpec:
     env: dict[str, str]
     cwd: Path
     log_path: Path
-    grace: float = 5.0
+    grace: float = STOP_GRACE
     """Seconds between SIGTERM and SIGKILL when stopping (a Slurm watcher needs time to cancel its job)."""
 
 
@@ -104,4 +104,4 @@ class AdoptedGroup:
     def stop(self, sig: int = signal.SIGTERM, grace: float | None = None, reap: bool = False) -> None:
         if self.stopped_by is None and not reap:
             self.stopped_by = sig
-        stop_groups([self.pgid], sig, 5.0 if grace is None else grace)
+        stop_groups([self.pgid], sig, STOP_GRACE if grace is None else grace)

@@ -39,6 +39,12 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+#: Seconds between the SIGTERM that stops a process nbddp started here (a rank, a launcher) and the SIGKILL for
+#: what is left: long enough for a rank to leave its group and flush its log. A launcher that needs longer says
+#: so (:attr:`nbddp.launchers.base.Launcher.stop_grace`: Slurm's cancel, Ray's actors); every stop takes it from there.
+STOP_GRACE = 5.0
+
+
 def signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
@@ -46,7 +52,7 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def stop_groups(pgids: Iterable[int], sig: int = signal.SIGTERM, grace: float = 5.0,
+def stop_groups(pgids: Iterable[int], sig: int = signal.SIGTERM, grace: float = STOP_GRACE,
                 reap: Callable[[], None] = lambda: None) -> bool:
     """Send ``sig`` to every group, give them ``grace`` seconds, SIGKILL what is left.
 
