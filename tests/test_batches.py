@@ -325,7 +325,7 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
 
 def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
     """The batch hands out no job itself (its runs do): a run killed mid-job leaves its ranks busy, and
-    the batch must see it (``sound()`` false: the slot's next run gets fresh ranks) from the folder."""
+    the batch must see it (``busy()``: the slot's next run gets fresh ranks) from the folder."""
     from nbddp.contracts.devices import resolve
     from nbddp.contracts.pool_dir import PoolDir
     from nbddp.launchers.warm_pool import WarmPool

@@ -155,10 +155,11 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     page.evaluate("(node) => window.getSelection().selectAllChildren(node)", first_chunk)  # a reader selects a line
     selected = page.evaluate("() => window.getSelection().toString()")
     before = (progress(page), plot_points(page))
-    time.sleep(3)
+    deadline = time.monotonic() + 30
+    while (after := (progress(page), plot_points(page))) and not (after[0] > before[0] and after[1] > before[1]):
+        assert time.monotonic() < deadline, (before, after)  # progress and plot advance
+        page.wait_for_timeout(100)
     screenshot(page, "ddp_train_live.png")
-    after = (progress(page), plot_points(page))
-    assert after[0] > before[0] and after[1] > before[1], (before, after)  # progress and plot advance
     assert page.evaluate(f"(n) => n === document.querySelector('{ALL_RANKS_PANE}')", pane)  # the same DOM node
     assert first_chunk.evaluate("(n) => n.isConnected")  # old lines are never redrawn...
     assert page.evaluate("() => window.getSelection().toString()") == selected != ""  # ...so a selection stays

@@ -236,7 +236,7 @@ def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it
     supervised = _supervised(run_dir)
     os.killpg(front.proc.pid, signal.SIGKILL)  # the terminal goes, and the SSH session with it
     front.wait()
-    time.sleep(1)
+    _wait_for_line(run_dir, "epoch 1 rank 1")  # the training goes on without it
     assert all(alive(p) for p in supervised), "the run died with the terminal that started it"
     listed = _nbddp("ps", cwd=tmp_path).stdout
     assert run_dir.name in listed and "detached" in listed, listed
@@ -299,7 +299,7 @@ def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_fo
     finally:
         first.kc.stop_channels()
         first.km.cleanup_resources()
-    time.sleep(1)
+    _wait_for_line(run_dir, "epoch 1 rank 1")  # the training goes on without it
     assert all(alive(p) for p in supervised), "the run died with the kernel that started it"
 
     second = ProtocolKernel(tmp_path)

@@ -31,6 +31,7 @@ from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
 from nbddp.plan.options import LaunchOptions
 from tests.conftest import code, write_notebook
+from tests.extras import need
 from tests.framework_notebooks import NOTEBOOKS, weights_sum
 
 ENGINES = sorted(NOTEBOOKS)
@@ -174,7 +175,7 @@ def test_on_fewer_gpus_than_the_notebook_asks_each_library_gets_the_runs_count(m
     ``notebook_launcher(num_processes=2)`` runs the function once and Lightning's ``devices=2`` becomes 1,
     so neither waits for a second process nor starts one. (Run here in a CPU process: the device is the
     one thing a GPU would change, ``accelerator``.)"""
-    pytest.importorskip("accelerate")
+    need("accelerate")
     from nbddp.rank_side import frameworks
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1"}.items():
@@ -192,7 +193,7 @@ def test_on_fewer_gpus_than_the_notebook_asks_each_library_gets_the_runs_count(m
 
 
 def test_notebook_launcher_runs_the_function_here_and_refuses_what_nbddp_decides(monkeypatch):
-    accelerate = pytest.importorskip("accelerate")
+    accelerate = need("accelerate")
     from nbddp.rank_side import frameworks
 
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)

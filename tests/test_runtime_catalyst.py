@@ -1,10 +1,11 @@
 """Catalyst 22.4 glue: engine configuration and the accelerate compatibility shim."""
 
-import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-catalyst = pytest.importorskip("catalyst")
+from tests.extras import need
+
+catalyst = need("catalyst")
 from catalyst import dl  # noqa: E402
 
 from nbddp import runtime_catalyst  # noqa: E402
@@ -32,7 +33,7 @@ def test_cpu_engine_uses_gloo_cpu_and_a_free_port_not_2112(monkeypatch):
 
 def test_single_process_catalyst_metrics_work_with_the_shim():
     """accelerate renamed DistributedType.TPU; Catalyst's callbacks still read it outside DDP."""
-    runtime_catalyst.apply_compat_shims()
+    runtime_catalyst.apply_catalyst_shims()
     from accelerate.utils import DistributedType
 
     assert DistributedType.TPU is DistributedType.XLA

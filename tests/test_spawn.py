@@ -24,6 +24,7 @@ from nbddp.notebook.reader import Cell
 from nbddp.notebook.script import returned
 from nbddp.rank_side.spawn import check_rank
 from tests.conftest import code, write_notebook
+from tests.extras import need
 
 #: PyTorch's tutorial (``intermediate/ddp_tutorial``): its helpers as it writes them, hard-coded port and all;
 #: the model a notebook variable, and the data fixed (the tutorial draws it at random) so that the weights can
@@ -266,7 +267,7 @@ train_loop = TrainLoop(model, loader, None, None, optimizer, nn.MSELoss(), gpu_m
 def test_aitoolboxs_ddp_train_loop_runs_on_nbddps_ranks(tmp_path, cli_run):
     """AIToolbox's ``gpu_mode='ddp'`` sets its own MASTER_PORT 8888 and spawns ``num_nodes * num_gpus`` processes
     (on the CPU: ``num_gpus=2, on_gpu=False, backend='gloo'``): each of nbddp's ranks runs its ``_spawn_fit``."""
-    pytest.importorskip("aitoolbox.torchtrain.train_loop", reason="AIToolbox (.ci/run installs it)")
+    need("aitoolbox.torchtrain.train_loop", reason="AIToolbox (.ci/run installs it)")
     train = ("#| ddp-train\ntrain_loop.fit(num_epochs=3, num_gpus=2, on_gpu=False, backend='gloo')\n"
              "print('rank weight', round(float(model.fc.weight.detach().sum()), 6), flush=True)")
     write_notebook(tmp_path / "aitb.ipynb", [code(AITOOLBOX), code(train),

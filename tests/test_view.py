@@ -3,9 +3,9 @@
 import html
 import re
 
-import pytest
+from tests.extras import need
 
-pytest.importorskip("ipywidgets")
+need("ipywidgets")
 
 from nbddp.doors.jupyter.view import CHUNK_LINES, KEEP_LINES, MAX_CHUNKS, LogPane  # noqa: E402
 

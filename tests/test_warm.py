@@ -113,8 +113,8 @@ def test_every_change_warm_ranks_were_not_started_with_starts_fresh_ones(kernel,
 RAISE_MID_COLLECTIVE = ("import torch.distributed as dist\nif nbddp.rank() == 1:\n    raise ValueError('boom')\n"
                         "dist.all_reduce(torch.ones(1))\n")
 #: Rank 1 sleeps while rank 0 waits for it in an all-reduce: an interrupt or a time limit must end both.
-STALL_MID_COLLECTIVE = ("import torch.distributed as dist\nif nbddp.rank() == 1:\n    time.sleep(60)\n"
-                        "dist.all_reduce(torch.ones(1))\n")
+STALL_MID_COLLECTIVE = ("import torch.distributed as dist\nif nbddp.rank() == 1:\n    print('stalling', flush=True)\n"
+                        "    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n")
 
 
 def last_wall_time(tmp_path) -> float:
@@ -147,8 +147,10 @@ def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_
     assert "the last run timed out: on the same warm ranks, in a new process group" in after, after
     assert pids(after) == started and weight(kernel) == reference
 
+    before = len(run_dirs(tmp_path))
     kernel.start_execute(TRAIN.format(flags="", extra=STALL_MID_COLLECTIVE), "train")
-    time.sleep(3)  # rank 0 waits in the all-reduce, rank 1 sleeps
+    ranks_in_the_job(tmp_path, [0, 1], before, printed="")  # both in the job
+    ranks_in_the_job(tmp_path, [1], before, printed="stalling")  # rank 1 sleeps (rank 0 waits in the all-reduce)
     interrupted_at = time.monotonic()
     kernel.km.interrupt_kernel()
     out = kernel.finish_execute()

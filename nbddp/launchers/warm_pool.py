@@ -292,11 +292,6 @@ class WarmPool:
             return "its ranks are still in the last job"
         return Departure(self, handed - 1).wait()
 
-    def sound(self) -> bool:
-        """Every rank alive and out of its last job (or on its way out): the pool can take the next one (after a
-        failed job too: the ranks rebuild their group between jobs)."""
-        return not self.why_not_kept()
-
     def lose(self, why: str, sig: int = signal.SIGTERM) -> None:
         """Its ranks can't be kept (``why``): stop them, and remember why for whoever asks next."""
         self.lost = why

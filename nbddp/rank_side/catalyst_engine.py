@@ -10,7 +10,7 @@ so three incompatibilities are handled here, deliberately and in one place:
   ``KeyboardInterrupt``), so an interrupted rank here exits 130 instead.
 * accelerate renamed ``DistributedType.TPU`` to ``XLA``; Catalyst's engine and
   metric callbacks still read ``TPU``, which crashes outside DDP. The alias is
-  restored (:func:`apply_compat_shims`).
+  restored (:func:`~nbddp.rank_side.catalyst_compat.apply_catalyst_shims`).
 """
 
 from __future__ import annotations
@@ -32,15 +32,10 @@ from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
 from nbddp.contracts.status import Status
 from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, RankEnv
+from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 from nbddp.rank_side.parent_death import launching_ranks
 
 _state = {"trained": False, "patched": False}
-
-
-def apply_compat_shims() -> None:
-    from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
-
-    apply_catalyst_shims()
 
 
 def requested_processes() -> tuple[int, bool]:
@@ -55,7 +50,7 @@ def requested_processes() -> tuple[int, bool]:
 def start() -> None:
     """Called by the catalyst engine's script at import time (and so in every spawned rank)."""
     rank_process.use_notebook_folder()
-    apply_compat_shims()
+    apply_catalyst_shims()
 
 
 def use_ddp(returns: Sequence[str] = ("model",)) -> None:
@@ -235,7 +230,7 @@ def engine_kwargs() -> dict[str, Any]:
 
 def make_engine() -> NbddpDistributedDataParallelEngine:
     """Catalyst's DDP engine built with :func:`engine_kwargs`."""
-    apply_compat_shims()
+    apply_catalyst_shims()
     kwargs = engine_kwargs()
     # Catalyst's engine reads these before its own defaults (2112 would collide between runs).
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = kwargs["address"], str(kwargs["port"])
@@ -249,7 +244,7 @@ def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> Non
     """
     global_rank = first_rank + local_rank
     rank_process.become_rank(global_rank, world_size)
-    apply_compat_shims()
+    apply_catalyst_shims()
     try:
         fn(local_rank, world_size)
         rank_process.mark_done(global_rank)
