@@ -295,7 +295,8 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
 
     from nbddp.contracts.devices import resolve
     from nbddp.contracts.pool_dir import PoolDir
-    from nbddp.launchers.warm_pool import POOL_ENV, adopt_batch_pool, pool_key, why_not_warm
+    from nbddp.launchers.warm.keepers import POOL_ENV, adopt_batch_pool
+    from nbddp.launchers.warm.rules import pool_key, why_not_warm
     from nbddp.plan.options import LaunchOptions, Nodes
 
     devices = resolve(cpu=True, nproc=2)
@@ -328,7 +329,7 @@ def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
     the batch must see it (``busy()``: the slot's next run gets fresh ranks) from the folder."""
     from nbddp.contracts.devices import resolve
     from nbddp.contracts.pool_dir import PoolDir
-    from nbddp.launchers.warm_pool import WarmPool
+    from nbddp.launchers.warm.pool import WarmPool
 
     pool = WarmPool.__new__(WarmPool)  # the batch's own view of its pool: it started it, handed out nothing
     pool.devices, pool.dir, pool.runs = resolve(cpu=True, nproc=2), PoolDir(tmp_path), 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from nbddp.rank_side.kept_objects import UNKEEPABLE, KeptObjects, NotKept
+from nbddp.rank_side.warm.kept_objects import UNKEEPABLE, KeptObjects, NotKept
 
 
 def kept(namespace: dict, tmp_path, cells: int = 1) -> KeptObjects:

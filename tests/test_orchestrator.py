@@ -26,7 +26,7 @@ from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 SPY = '''
 import json, os, traceback
 from nbddp.launchers.direct import Direct
-from nbddp.launchers.warm import WarmRanks
+from nbddp.launchers.warm.launcher import WarmRanks
 
 
 def _seen(spec, launcher):

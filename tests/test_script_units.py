@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate, write_script
-from nbddp.rank_side.script_units import CELL, LITERAL, TRAIN, units_of
+from nbddp.rank_side.warm.script_units import CELL, LITERAL, TRAIN, units_of
 from tests.conftest import code, write_notebook
 
 

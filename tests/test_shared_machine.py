@@ -102,12 +102,12 @@ def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_pat
         assert "[rank 1] step 1 2.0" in out, out
         time.sleep(1)  # idle now: the ranks wait for their next job
         agent = [p for p in psutil.Process(kernel.km.provisioner.process.pid).children(recursive=True)
-                 if _runs(p.pid, "nbddp.launchers.warm_agent") and not _runs(p.ppid(), "nbddp.launchers.warm_agent")]
+                 if _runs(p.pid, "nbddp.launchers.warm.agent") and not _runs(p.ppid(), "nbddp.launchers.warm.agent")]
         assert len(agent) == 1, agent
         pids = {agent[0].pid, *(c.pid for c in agent[0].children(recursive=True))}
         assert len(pids) == 3
         assert_unreachable(pids)
-        assert_private(Path(agent[0].cmdline()[agent[0].cmdline().index("nbddp.launchers.warm_agent") + 1]) / "store")
+        assert_private(Path(agent[0].cmdline()[agent[0].cmdline().index("nbddp.launchers.warm.agent") + 1]) / "store")
         again = kernel.execute("%%ddp_train --cpu\n" + TRAINING.format(steps=2).split("\n", 1)[1], "train")
         assert "on a warm rank (its run 2)" in again and "[rank 1] step 1 2.0" in again, again
     finally:

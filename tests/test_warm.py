@@ -323,7 +323,7 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
 
 
 def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so(kernel):
-    """The one rule (warm_pool.why_not_warm), as the magic says it: Catalyst, several nodes, --max-restarts."""
+    """The one rule (warm.rules.why_not_warm), as the magic says it: Catalyst, several nodes, --max-restarts."""
     out = train(kernel, "--max-restarts 1")
     assert "warm ranks can't be restarted by torchrun (--max-restarts): starting fresh ones" in out
     assert "on a warm rank" not in out and "[rank 1] trained 1" in out
@@ -366,7 +366,7 @@ def test_the_pool_folder_goes_although_its_killed_owner_keeps_signalling(tmp_pat
     (tmp_path / "rank.py").write_text(rank)
     env = {**os.environ, "READY": str(tmp_path / "ready-"), "TMPDIR": str(tmp_path)}  # torchelastic's folder too
     agent = subprocess.Popen(
-        [sys.executable, "-m", "nbddp.launchers.warm_agent", str(pool), "--nproc", "2", "--report",
+        [sys.executable, "-m", "nbddp.launchers.warm.agent", str(pool), "--nproc", "2", "--report",
          str(tmp_path / "launch.json"), "--", str(tmp_path / "rank.py")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

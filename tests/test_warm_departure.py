@@ -1,4 +1,4 @@
-"""How the ranks of a stopped warm job are judged as they leave it (nbddp.launchers.warm_departure): by
+"""How the ranks of a stopped warm job are judged as they leave it (nbddp.launchers.warm.departure): by
 progress, not by a clock. Real processes stand for the ranks (a busy one, a blocked one, a paused one), over a
 real pool folder; the stall limit is shortened so that each case takes a moment.
 
@@ -20,11 +20,11 @@ import pytest
 
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.devices import resolve
-from nbddp.launchers import warm_departure
+from nbddp.launchers.warm import departure as warm_departure
 from nbddp.launchers.local_process import AdoptedGroup
 from nbddp.contracts.pool_dir import PoolDir
-from nbddp.launchers.warm_departure import Departure, main_thread_frames, where
-from nbddp.launchers.warm_pool import WarmPool
+from nbddp.launchers.warm.departure import Departure, main_thread_frames, where
+from nbddp.launchers.warm.pool import WarmPool
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 BLOCKED = ["sleep", "60"]

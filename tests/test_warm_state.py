@@ -222,7 +222,7 @@ def test_ranks_show_and_forget_what_they_keep_and_say_why_something_cant_be_kept
     assert setup_line(again) == f"setup: {made}, {edited_label} kept, {opened} ran again: log (an open file) can't be kept"
 
     # A setup whose copies would not fit in memory is not kept, in a line; the next run runs it again.
-    kernel.execute("#| ddp\nimport nbddp.rank_side.kept_objects as kept\nkept.COPY_SHARE = 1e-12  # a full machine", "c")
+    kernel.execute("#| ddp\nimport nbddp.rank_side.warm.kept_objects as kept\nkept.COPY_SHARE = 1e-12  # a full machine", "c")
     full = kernel.execute(train, "train")
     assert re.search(r"; not kept: copying what a run changes \(4.04 kB\) would not fit in memory \(.* free\)$",
                      setup_line(full)), full

@@ -1,6 +1,6 @@
 """The warm-pool folder contract: every file and folder of a pool of warm ranks, named in one place.
 
-The kernel side (:mod:`nbddp.launchers.warm_pool`) and the ranks (:mod:`nbddp.rank_side.warm_loop`)
+The kernel side (:mod:`nbddp.launchers.warm.pool`) and the ranks (:mod:`nbddp.rank_side.warm.loop`)
 both address a pool's files through :class:`PoolDir`, as run dirs are addressed through
 :class:`nbddp.contracts.rundir.RunDir`. It sits on the rank side, the lowest of its readers (the kernel side,
 above it, may import it; the ranks may not import the launchers). Nothing here imports torch.

@@ -2,7 +2,7 @@
 of a script's source map.
 
 A leaf (it imports nothing), so that a warm rank reading a script's source map
-(:mod:`nbddp.rank_side.script_units`) can tell a parameters cell from a setup cell without importing
+(:mod:`nbddp.rank_side.warm.script_units`) can tell a parameters cell from a setup cell without importing
 the notebook reader; what a role means is :mod:`nbddp.notebook.roles`'.
 """
 

@@ -23,7 +23,7 @@ from nbddp.job import orchestrator
 from nbddp.job.follow import Sink
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
-from nbddp.launchers.warm_pool import POOL_ENV
+from nbddp.launchers.warm.keepers import POOL_ENV
 from nbddp.contracts.freevars import check_defined
 from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
@@ -44,10 +44,10 @@ class RunOptions:
 
 
 class BatchSlotPool:
-    """The warm ranks of this run's device slot in ``nbddp batch`` (:data:`nbddp.launchers.warm_pool.POOL_ENV`)."""
+    """The warm ranks of this run's device slot in ``nbddp batch`` (:data:`nbddp.launchers.warm.keepers.POOL_ENV`)."""
 
     def pool_for(self, devices: Any, cwd: Path, collective_timeout: float | None) -> tuple[Any, str]:
-        from nbddp.launchers.warm_pool import adopt_batch_pool
+        from nbddp.launchers.warm.keepers import adopt_batch_pool
 
         return adopt_batch_pool(devices, cwd, collective_timeout)
 

@@ -293,7 +293,7 @@ def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
     """The warm ranks this run goes to, if its door has them and they can take it (the one rule)."""
     if request.warm is None:
         return None
-    from nbddp.launchers.warm_pool import why_not_warm
+    from nbddp.launchers.warm.rules import why_not_warm
 
     why = why_not_warm(request.script.engine, request.launch)
     if why:

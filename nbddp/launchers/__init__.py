@@ -44,7 +44,7 @@ BUILTIN = {
     "torchrun": "nbddp.launchers.torchrun:Torchrun",
     "catalyst-spawn": "nbddp.launchers.catalyst_spawn:CatalystSpawn",
     "slurm": "nbddp.launchers.slurm:Slurm",
-    "warm": "nbddp.launchers.warm:WarmRanks",
+    "warm": "nbddp.launchers.warm.launcher:WarmRanks",
     "ray": "nbddp.launchers.ray:Ray",
 }
 

@@ -46,7 +46,7 @@ class Launch(Protocol):
 
     Implemented by :class:`~nbddp.launchers.local_process.LocalProcess` (a launcher process in a
     group of its own), :class:`~nbddp.launchers.local_process.AdoptedGroup` (a group another process
-    started) and :class:`~nbddp.launchers.warm_pool.WarmRun` (one job on warm ranks).
+    started) and :class:`~nbddp.launchers.warm.run.WarmRun` (one job on warm ranks).
     """
 
     pid: int

@@ -32,7 +32,7 @@ class JobSpec:
     owner: str = "cli"
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
     pool: Any = None
-    """Warm ranks (:class:`nbddp.launchers.warm_pool.WarmPool`) to hand the job to, instead of starting ranks."""
+    """Warm ranks (:class:`nbddp.launchers.warm.pool.WarmPool`) to hand the job to, instead of starting ranks."""
 
     @property
     def node_count(self) -> int:

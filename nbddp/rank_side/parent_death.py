@@ -44,7 +44,7 @@ def arm(sig: int) -> None:
 def die_with_parent(always: bool = False) -> None:
     """In a rank: be SIGKILLed when the process that started it dies, and if that process is gone already,
     end now. A rank an nbddp launcher started (its pid in :data:`PARENT`) calls this first thing, before
-    torch is imported (:mod:`nbddp.runtime`, :mod:`nbddp.runtime_catalyst`, :mod:`nbddp.rank_side.warm_loop`);
+    torch is imported (:mod:`nbddp.runtime`, :mod:`nbddp.runtime_catalyst`, :mod:`nbddp.rank_side.warm.loop`);
     every rank calls it again once it knows it is one (``always``: :func:`nbddp.rank_side.process.become_rank`,
     which arms the signal under any launcher: Slurm's, Ray's, a person's own torchrun).
 

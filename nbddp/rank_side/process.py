@@ -259,7 +259,7 @@ def leave_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     _final_barrier()
-    if not warm():  # a warm rank keeps its group for the next job (see nbddp.rank_side.warm_loop)
+    if not warm():  # a warm rank keeps its group for the next job (see nbddp.rank_side.warm.loop)
         _TORCH_DESTROY()
 
 

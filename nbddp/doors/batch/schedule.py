@@ -38,7 +38,8 @@ from nbddp.notebook.literals import check_name, is_plain_data
 from nbddp.launchers.process_groups import stop_groups
 from nbddp.contracts.rundir import RunDir
 from nbddp.notebook.script import engine_of
-from nbddp.launchers.warm_pool import POOL_ENV, PoolKeeper, why_not_warm
+from nbddp.launchers.warm.keepers import POOL_ENV, PoolKeeper
+from nbddp.launchers.warm.rules import why_not_warm
 
 POLL_SECONDS = 0.2
 STOP_GRACE_SECONDS = 12.0
@@ -267,7 +268,7 @@ class Batch:
         run's ranks could not be kept."""
         if not self.warm:
             return None
-        from nbddp.launchers.warm_pool import pool_key
+        from nbddp.launchers.warm.rules import pool_key
 
         devices = devices_for(launch, visible=len(self.slots[slot]) or None)
         keeper = self.keepers.setdefault(slot, PoolKeeper(environ=env, replace_at_once=False))

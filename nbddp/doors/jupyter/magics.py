@@ -21,7 +21,8 @@ from nbddp.contracts.metrics import last_metrics
 from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
-from nbddp.launchers.warm_pool import kernel_pool, why_not_warm
+from nbddp.launchers.warm.keepers import KernelPool
+from nbddp.launchers.warm.rules import why_not_warm
 from nbddp.plan.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
                            check_seconds, launch_options, parse_line)
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
@@ -64,6 +65,8 @@ def _attach_parser() -> ArgumentParser:
 
 
 _ATTACH_PARSER = _attach_parser()
+#: This kernel's warm ranks for ``%%ddp_train`` (one pool per kernel, however often the extension is loaded).
+kernel_pool = KernelPool()
 
 
 @magics_class

@@ -5,14 +5,14 @@ initialisation, the rendezvous) is paid here once; each job still means what a f
 means: its script runs as ``__main__`` with the run's own ``NBDDP_*`` environment, its output in the
 run's ``logs/rank-N.log``, its exception in ``errors/rank-N.json`` (its traceback starting at the
 script, as a fresh rank's does). The setup cells the last job ran are kept
-(:mod:`nbddp.rank_side.warm_state`): the job runs only those that changed and the ones after them,
+(:mod:`nbddp.rank_side.warm.state`): the job runs only those that changed and the ones after them,
 and starts its training from the state right after setup, which the rank puts back after every job
 while it waits for the next. The ranks agree on where the setup starts (``plans/N-R.json``). Modules
 the training imported from the notebook's folder are forgotten after the job (the kept cells' stay
 imported until their files change), and the CUDA caching allocator is emptied between jobs.
 ``forget`` (``%ddp_ranks forget``) drops the kept setup of an idle rank.
 
-The kernel side (:mod:`nbddp.launchers.warm_pool`) hands out jobs through the pool's folder
+The kernel side (:mod:`nbddp.launchers.warm.pool`) hands out jobs through the pool's folder
 (:class:`~nbddp.contracts.pool_dir.PoolDir`): ``jobs/N.json``; each rank answers ``ended/N-RANK.json``.
 A rank with no job for its idle limit leaves the group and exits; so does every rank when the
 kernel dies (parent-death signal, through the pool's starter).
@@ -28,10 +28,10 @@ new group before the next one. Only a rank that can't be brought back (killed, o
 interrupt reaches it) costs the pool, which the kernel then replaces at once; SIGUSR1 writes every
 thread's Python stack to ``stacks/rank-R.txt`` (:mod:`faulthandler`, which runs whatever the main
 thread is doing), so that the kernel can say where such a rank was
-(:mod:`nbddp.launchers.warm_departure`).
+(:mod:`nbddp.launchers.warm.departure`).
 
-``python -m nbddp.launchers.warm_agent POOL --nproc N --report R -- -m nbddp.rank_side.warm_loop POOL`` starts
-the pool's ranks (:class:`nbddp.launchers.warm_pool.WarmPool`); under ``torchrun … -m nbddp.rank_side.warm_loop
+``python -m nbddp.launchers.warm.agent POOL --nproc N --report R -- -m nbddp.rank_side.warm.loop POOL`` starts
+the pool's ranks (:class:`nbddp.launchers.warm.pool.WarmPool`); under ``torchrun … -m nbddp.rank_side.warm.loop
 POOL`` each would be the same rank.
 """
 
@@ -57,7 +57,7 @@ from nbddp.contracts.atomic import write_json  # noqa: E402
 from nbddp.contracts.pool_dir import JobEnd, PoolDir
 from nbddp.rank_side import memory
 from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
-from nbddp.rank_side.warm_state import Plan, WarmState, set_torch_settings, torch_settings
+from nbddp.rank_side.warm.state import Plan, WarmState, set_torch_settings, torch_settings
 
 POLL_SECONDS = 0.005
 #: An idle rank looks for its next job every POLL_SECONDS at first (a re-run right after a run starts at once),
@@ -172,7 +172,7 @@ def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
 
     If one didn't, the group may be inconsistent (collectives that some ranks ran and others
     didn't), so every rank joins a new one before the next job. A rank that never ends the job is
-    interrupted by the kernel, or the kernel stops the pool (:class:`nbddp.launchers.warm_pool.WarmRun`).
+    interrupted by the kernel, or the kernel stops the pool (:class:`nbddp.launchers.warm.run.WarmRun`).
     """
     statuses: list[str | None] = [None] * size
     while None in statuses:
@@ -334,7 +334,7 @@ def _relocate(report: traceback.TracebackException) -> traceback.TracebackExcept
 
 
 def from_script(tb: TracebackType | None, script: str) -> TracebackType | None:
-    """The traceback from the script's first frame on: this loop's and :mod:`~nbddp.rank_side.warm_state`'s
+    """The traceback from the script's first frame on: this loop's and :mod:`~nbddp.rank_side.warm.state`'s
     frames are how a warm rank runs the script, not part of what it did (a fresh rank's traceback starts at
     the script too)."""
     first = tb

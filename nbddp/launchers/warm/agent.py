@@ -1,4 +1,4 @@
-"""``python -m nbddp.launchers.warm_agent POOL STARTER_ARGS…``: the ranks' starter for a warm pool, which
+"""``python -m nbddp.launchers.warm.agent POOL STARTER_ARGS…``: the ranks' starter for a warm pool, which
 removes the pool's folder once nobody can need it.
 
 nbddp's own starter runs here (:mod:`nbddp.launchers.direct_main`, as for a fresh run on one machine: no

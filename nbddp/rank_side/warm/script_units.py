@@ -6,7 +6,7 @@ source map says which lines are which cell's), and the training under ``if __nam
 traceback reads as a fresh rank's): a setup cell is a ``cell`` unit; nbddp's own lines (the engine's
 imports, ``_nbddp.start()``, the parameters it writes) and a parameters cell made of literals are
 ``literal`` units, cheap to run on every job, whose values the cells that read them depend on; the
-training is the last unit. :mod:`nbddp.rank_side.warm_state` decides which of them run.
+training is the last unit. :mod:`nbddp.rank_side.warm.state` decides which of them run.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Warm ranks as a launcher: the job is handed to ranks already running (:mod:`nbddp.launchers.warm_pool`).
+"""Warm ranks as a launcher: the job is handed to ranks already running (:mod:`nbddp.launchers.warm.pool`).
 
 There is no launcher process per job: :meth:`WarmRanks.start` writes the job for the pool's ranks
-and returns a :class:`~nbddp.launchers.warm_pool.WarmRun` the job follows like any launch. The
+and returns a :class:`~nbddp.launchers.warm.pool.WarmRun` the job follows like any launch. The
 ranks' own error reports and done marks (written as by a fresh rank) are the evidence, which
 :func:`nbddp.job.outcome.judge` reads the same way; should a rank die, the pool's starter reports
 it (its ``logs/launch.json``), read here as a fresh run's is.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nbddp.launchers.base import Launch, read_report
 from nbddp.launchers.direct import Direct
-from nbddp.launchers.warm_pool import WarmPool
+from nbddp.launchers.warm.pool import WarmPool
 from nbddp.contracts.rundir import RunDir
 
 

@@ -1,6 +1,6 @@
 """The objects a warm rank keeps after a setup, what a run changed in them, and undoing it.
 
-A warm rank keeps the objects its setup cells made (:mod:`nbddp.rank_side.warm_state`) so that the next
+A warm rank keeps the objects its setup cells made (:mod:`nbddp.rank_side.warm.state`) so that the next
 run skips those cells; that run must still start from the state *right after setup*, whatever the last
 run did to it. So every object reachable from the setup's namespace gets a :class:`Record`: its shallow
 state (a list's items, a dict's, an object's attributes, a tensor's version counter and storage) taken
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from nbddp.contracts.rank_memory import size
-from nbddp.rank_side.object_state import (
+from nbddp.rank_side.warm.object_state import (
     ARRAY, ATOMIC, CHILDREN, CLASS, DEQUE, DICT, EMPTY, FUNCTION, LIST, MODULE, OBJECT, OPAQUE, RNG, SET,
     TENSOR, UNKEEPABLE, array_state, array_sum, available_memory, capture, changed_mapping, copy_of, dunder,
     is_module, is_optimizer, kind_of_type, nbytes, never_kept, pickle_digest, put_back, same, set_rng, short,

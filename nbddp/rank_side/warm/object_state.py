@@ -1,7 +1,7 @@
 """An object's state as a warm rank keeps it: what kind of object it is, its shallow state (read, compared,
 put back in place), a checksum of a tensor's or an array's bytes, a digest of an opaque object's pickle.
 
-:mod:`nbddp.rank_side.kept_objects` records every object of a kept setup with these. Nothing here compares an
+:mod:`nbddp.rank_side.warm.kept_objects` records every object of a kept setup with these. Nothing here compares an
 object with its own ``__eq__``: identities, numbers nbddp reads, and bytes. Library internals (torch's private
 objects, logging, threads' locks…) are of the kind :data:`ATOMIC`: never looked into.
 """

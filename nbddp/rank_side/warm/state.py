@@ -1,13 +1,13 @@
 """A warm rank's setup, kept from one run to the next: only what changed runs again, and a run still
 starts from the state a fresh run's setup leaves.
 
-A warm rank runs a job's script unit by unit (:mod:`nbddp.rank_side.script_units`): each setup cell
+A warm rank runs a job's script unit by unit (:mod:`nbddp.rank_side.warm.script_units`): each setup cell
 alone; nbddp's own lines and a parameters cell made of literals (*literal* units) on every job, their
 values feeding the keys of the cells that read them; the training last. Each setup cell that ran is
 kept as a :class:`KeptCell`: a key (its source and the literal values it reads), the local modules it
 imported (and their files' digests), the names it bound, and the state of the process right after it
 (random generators, torch's settings, folder, ``sys.path``, environment). The objects are kept by
-:class:`~nbddp.rank_side.kept_objects.KeptObjects`.
+:class:`~nbddp.rank_side.warm.kept_objects.KeptObjects`.
 
 The next job keeps the setup cells up to the first one that **changed** (:meth:`WarmState.plan`: its
 source, a value it reads, a module it imports from the notebook's folder), and every cell after that one
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.contracts.errors import NbddpError
-from nbddp.rank_side.kept_objects import KeptObjects, NotKept
-from nbddp.rank_side.object_state import ATOMIC, UNKEEPABLE
-from nbddp.rank_side.script_units import CELL, LITERAL, Unit, digest, file_digest, units_of
+from nbddp.rank_side.warm.kept_objects import KeptObjects, NotKept
+from nbddp.rank_side.warm.object_state import ATOMIC, UNKEEPABLE
+from nbddp.rank_side.warm.script_units import CELL, LITERAL, Unit, digest, file_digest, units_of
 #: A name a kept cell bound whose object a later cell replaced: it was let go (the cell runs again if needed).
 GONE = object()
 

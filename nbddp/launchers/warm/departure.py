@@ -1,7 +1,7 @@
 """How the ranks of a stopped warm job leave it, and when they can't: the kernel's side.
 
 A warm job is stopped (Ctrl-C, a time limit, a failed rank) by marking it ``stopped`` and sending
-SIGINT to every rank still in it (:meth:`nbddp.launchers.warm_pool.WarmPool.interrupt`). The ranks are
+SIGINT to every rank still in it (:meth:`nbddp.launchers.warm.pool.WarmPool.interrupt`). The ranks are
 kept for the next run whenever they can leave, and "can" must not mean "within a fixed time": on a
 loaded machine a rank may take the job only after the interrupt (it then ends it without running it),
 may wait in a collective for a peer that is slow to free its process group, or may take seconds to
@@ -24,7 +24,7 @@ clean up. So the ranks are judged by **progress**, not by a clock (:class:`Depar
   ranks, not the user's wait (it was up to :data:`LEAVE_SECONDS`).
 
 A rank that can't leave is named with where it was: its Python stack, which it writes on SIGUSR1
-(:mod:`faulthandler`, see :mod:`nbddp.rank_side.warm_loop`), translated to the notebook's cell and line.
+(:mod:`faulthandler`, see :mod:`nbddp.rank_side.warm.loop`), translated to the notebook's cell and line.
 Nothing here imports torch.
 """
 
@@ -46,7 +46,7 @@ from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 
 
 class DepartingPool(Protocol):
-    """What a departure reads of the pool its ranks belong to (:class:`~nbddp.launchers.warm_pool.WarmPool`)."""
+    """What a departure reads of the pool its ranks belong to (:class:`~nbddp.launchers.warm.pool.WarmPool`)."""
 
     dir: PoolDir
     devices: Devices

@@ -1,0 +1,193 @@
+"""Keeping a pool of warm ranks between runs: whether *this* pool can take a run, a batch slot's pool that its
+runs adopt, and the keepers (one pool each, and the one rule for keeping it after a run that didn't succeed).
+
+``nbddp batch`` keeps a :class:`PoolKeeper` per device slot; ``%%ddp_train`` a :class:`KernelPool` per kernel,
+which the Jupyter door owns (:data:`nbddp.doors.jupyter.magics.kernel_pool`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+from nbddp.contracts.devices import Devices
+from nbddp.contracts.rank_memory import size
+from nbddp.contracts.status import Status
+from nbddp.launchers.warm.pool import WarmPool
+from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key
+from nbddp.plan.options import DEFAULT_WARM_IDLE
+
+#: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
+POOL_ENV = "NBDDP_WARM_POOL"
+
+def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
+    """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words. (An edited module of
+    the notebook's folder is no reason: the ranks run again the setup cells that import it.)"""
+    return (key.differs(pool.key)
+            or ("" if pool.alive() else "the warm ranks had exited (idle, or stopped)")
+            or ("they are busy with another run" if pool.busy() else "")
+            or ("their idle limit changed" if pool.idle != idle else ""))
+
+
+def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | None,
+                     environ: Mapping[str, str] | None = None) -> tuple[WarmPool | None, str]:
+    """The pool ``nbddp batch`` keeps for this run's device slot (:data:`POOL_ENV`), and a line when
+    it can't be used; ``(None, "")`` outside a batch."""
+    folder = (os.environ if environ is None else environ).get(POOL_ENV)
+    if not folder:
+        return None, ""
+    try:
+        pool = WarmPool.adopt(Path(folder), devices)
+    except ValueError:
+        why = "they are gone"
+    else:
+        why = why_fresh(pool, pool_key(devices, cwd, collective_timeout, environ), pool.idle)
+    if why:
+        return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
+    return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
+
+
+
+class PoolKeeper:
+    """One pool of warm ranks kept between runs, and the one rule for keeping it after a run.
+
+    After a run that didn't succeed (keyed by its :class:`~nbddp.contracts.status.Status`), the ranks are kept
+    when each of them left the job or is on its way out (they rebuild their process group before the
+    next one; :meth:`WarmPool.why_not_kept`); otherwise they are stopped, and fresh ones start either at
+    once (``replace_at_once``: a kernel's, ready or nearly by the time the cell runs again) or when the
+    next run asks (a batch slot's, whose next run comes at once). The next run says what happened.
+    """
+
+    def __init__(self, idle: float = DEFAULT_WARM_IDLE, environ: Mapping[str, str] | None = None,
+                 replace_at_once: bool = True) -> None:
+        self.pool: WarmPool | None = None
+        self.idle = idle
+        """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
+        self.environ = environ
+        self.replace_at_once = replace_at_once
+        self.last_run = ""
+        """How the last run ended, when it didn't succeed (the next run says what that meant for its ranks)."""
+        self.replaced = ""
+        """Why its ranks could not be kept, when they couldn't."""
+
+    def pool_with(self, key: PoolKey, devices: Devices,
+                  environ: Mapping[str, str] | None = None) -> tuple[WarmPool, str]:
+        """The warm ranks for a run that wants ``key``, and a line to say how it got them, when there is
+        something to say. ``environ``: what new ranks inherit, when not the keeper's (the GPUs a run chose).
+
+        Raises:
+            OSError: the ranks could not be started.
+        """
+        last_run, replaced, self.last_run, self.replaced = self.last_run, self.replaced, "", ""
+        why = ""
+        if self.pool is not None:
+            why = why_fresh(self.pool, key, self.idle)
+            if not why:
+                if not last_run:
+                    return self.pool, ""
+                if not replaced:
+                    return self.pool, f"{last_run}: on the same warm ranks, in a new process group"
+                return self.pool, (f"{last_run} and its warm ranks could not be kept ({replaced}): on fresh ones, "
+                                   f"started as it ended ({self.pool.startup_note()})")
+            self.stop()
+        elif replaced:
+            why = f"{last_run} and its warm ranks could not be kept ({replaced})"
+        self.pool = self._start(key, devices, environ)
+        return self.pool, f"starting fresh warm ranks: {why}" if why else ""
+
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ)
+
+    def ended(self, pool: WarmPool, status: Status) -> None:
+        """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
+        left the job (or is on its way out), else stop them (and start fresh ones, ``replace_at_once``)."""
+        note = ending_note(status)
+        if not note or pool is not self.pool:
+            return
+        self.last_run, self.replaced = note, pool.why_not_kept()
+        if self.replaced:
+            self.stop()
+            if self.replace_at_once:
+                self.pool = self._start(pool.key, pool.devices, pool.environ)
+
+    def stop(self) -> bool:
+        """Stop the warm ranks; ``False`` if there were none. (Forgotten only once stopped, so that an
+        interrupt meanwhile still finds them.)"""
+        if self.pool is None:
+            return False
+        self.pool.stop()
+        self.pool = None
+        return True
+
+
+class KernelPool(PoolKeeper):
+    """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`),
+    replaced at once when a run's ranks can't be kept, and stopped when the kernel exits."""
+
+    def __init__(self) -> None:
+        super().__init__(DEFAULT_WARM_IDLE)
+        self._at_exit = False
+
+    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
+        """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
+        environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
+        return self.pool_with(pool_key(devices, cwd, collective_timeout, environ), devices, environ)
+
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        pool = super()._start(key, devices, environ)
+        if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
+            import atexit
+
+            atexit.register(self.stop)
+            self._at_exit = True
+        return pool
+
+    def held_gpus(self) -> tuple[str, ...]:
+        """The GPUs this kernel's live warm ranks hold, where a run chose them by name (``--gpus free``)."""
+        return self.pool.devices.gpu_ids if self.pool is not None and self.pool.alive() else ()
+
+    def describe(self) -> str:
+        """What ``%ddp_ranks`` says about the warm ranks, and what each keeps of the setup."""
+        pool = self.pool
+        if pool is None or not pool.alive():
+            return "no warm ranks: the next %%ddp_train starts them"
+        state = "ready" if pool.ready() else "starting"
+        lines = [f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
+                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; starter pid {pool.launch.pid}"]
+        for rank, report in enumerate(pool.kept() if pool.runs else []):
+            lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
+        return "\n".join(lines)
+
+    def make_room(self) -> str:
+        """Before a run starts ranks of its own (``--fresh``, ``--detach``, what warm ranks can't serve): drop the
+        setup the warm ranks keep if it holds GPU memory, which the new ranks on the same GPUs may need; a line
+        saying so (``""``: nothing to drop)."""
+        if self.pool is None or not self.pool.alive() or not self.pool.runs:
+            return ""
+        gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
+        if not gpu or not self.pool.forget():
+            return ""
+        return f"the warm ranks dropped the setup they kept ({size(gpu)} on the GPU) to leave the GPU to this run's ranks"
+
+    def forget(self) -> str:
+        """Drop what the warm ranks keep of the setup (``%ddp_ranks forget``): a line saying so."""
+        if self.pool is None or not self.pool.alive():
+            return "no warm ranks: nothing kept"
+        if not self.pool.forget():
+            return "the warm ranks did not answer: nothing was dropped (%ddp_ranks restart starts fresh ones)"
+        return "the warm ranks dropped the setup they kept: the next %%ddp_train runs every setup cell"
+
+
+def kept_summary(report: dict, limit: int = 8) -> str:
+    """One rank's kept setup in a few words: ``cell 2, cell 3 kept: X 1.05 MB, model 4.1 kB; nbddp's copies 4.1 kB (CPU)``."""
+    if not report.get("cells"):
+        return "nothing kept" + (f" ({report['note']})" if report.get("note") else "")
+    names = report.get("names", [])
+    shown = []
+    for name, cpu, gpu in names[:limit]:
+        sizes = " + ".join(s for s in (size(cpu) if cpu else "", f"{size(gpu)} GPU" if gpu else "") if s)
+        shown.append(f"{name} {sizes}".rstrip())
+    more = f", and {len(names) - limit} more" if len(names) > limit else ""
+    copies = f"; nbddp's copies {size(report['copies'])} (CPU)" if report.get("copies") else ""
+    return f"{', '.join(report['cells'])} kept: {', '.join(shown)}{more}{copies}"

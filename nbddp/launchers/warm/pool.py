@@ -1,0 +1,237 @@
+"""The handle on one pool of warm ranks: start them, hand them jobs, ask what they keep, stop them.
+
+A :class:`WarmPool` is nbddp's rank starter (:mod:`nbddp.launchers.warm.agent`) started once with
+:mod:`nbddp.rank_side.warm.loop` as its module; each job it is handed is a :class:`~nbddp.launchers.warm.run.WarmRun`.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Mapping
+
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.devices import Devices
+from nbddp.launchers.base import Launch
+from nbddp.launchers import private_rendezvous
+from nbddp.contracts.owned import touch
+from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
+from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.launchers.process_groups import owned_temp_dir, process_alive
+from nbddp.launchers.direct import starter_options
+from nbddp.launchers.warm.departure import Departure
+from nbddp.launchers.warm.rules import PoolKey
+from nbddp.launchers.warm.run import WarmRun
+from nbddp.plan.options import DEFAULT_WARM_IDLE
+from nbddp.contracts.rank_env import RankEnv
+
+
+class WarmPool:
+    """N warm ranks under one starter, and the jobs handed to them in turn."""
+
+    def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_WARM_IDLE,
+                 environ: Mapping[str, str] | None = None) -> None:
+        """Start the ranks: their starter under :mod:`nbddp.rank_side.parent_death`, so they die with this process.
+
+        ``environ``: what the ranks inherit (this process's environment by default; a batch passes
+        each device slot's own ``CUDA_VISIBLE_DEVICES``).
+        """
+        self.key, self.devices, self.idle, self.environ = key, devices, idle, environ
+        self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
+        self.runs = 0
+        self.stopped = False
+        self.lost = ""
+        self.last_used = self.started = time.monotonic()
+        store = private_rendezvous.prepare(self.dir.store)
+        argv = [key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir),
+                *starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop", str(self.dir)]
+        environ = os.environ if environ is None else environ
+        env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
+                      warm_idle=idle, pool_owner=os.getpid()).to_environ(environ)
+        env |= private_rendezvous.environment(store, environ)
+        self.launch: Launch = LocalProcess(LaunchSpec(tuple(argv), env, Path(key.cwd), self.dir.launcher_log))
+        try:
+            write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
+                                              "pgid": self.launch.pgid})
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def folder(self) -> Path:
+        return self.dir.path
+
+    @classmethod
+    def adopt(cls, folder: Path, devices: Devices) -> "WarmPool":
+        """The pool another process started in ``folder`` (a batch, which owns it).
+
+        This process hands it jobs and may stop it (a failed run), but never starts or removes it.
+
+        Raises:
+            ValueError: ``folder`` holds no pool's description.
+        """
+        directory = PoolDir(folder)
+        try:
+            data = json.loads(directory.description.read_text(encoding="utf-8"))
+            key = PoolKey(**data["key"])
+            pid, pgid, idle = int(data["pid"]), int(data["pgid"]), float(data["idle"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{folder}: not a warm pool ({exc})") from None
+        pool = cls.__new__(cls)
+        pool.key, pool.devices, pool.idle, pool.dir, pool.environ = key, devices, idle, directory, None
+        pool.runs = directory.jobs_handed_out()
+        pool.stopped = False
+        pool.lost = ""
+        pool.last_used = pool.started = time.monotonic()
+        pool.launch = AdoptedGroup(pid, pgid)
+        return pool
+
+    def alive(self) -> bool:
+        """Running and able to take a job: the starter and every rank that started still there.
+
+        Ranks that left on their own (idle) end before their starter does, which then removes the
+        folder: a pool whose folder is gone is not alive, even while the starter finishes.
+        """
+        if self.stopped or self.launch.poll() is not None or not self.dir.description.exists():
+            return False
+        return all(process_alive(pid) for pid in self.rank_pids().values())
+
+    def rank_pids(self) -> dict[int, int]:
+        """Each rank's pid, from its ready mark (ranks still starting have none)."""
+        pids = {}
+        for path in self.dir.ready_dir.glob("rank-*"):
+            try:
+                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    def ready(self) -> bool:
+        return self.dir.ready_dir.is_dir() and len(list(self.dir.ready_dir.glob("rank-*"))) == self.devices.nproc
+
+    def startup_note(self) -> str:
+        """How far the ranks are: ``ready``, or ``started 1.2s ago``."""
+        return "ready" if self.ready() else f"started {time.monotonic() - self.started:.1f}s ago"
+
+    def idle_for(self) -> float:
+        return time.monotonic() - self.last_used
+
+    def submit(self, script: Path, rank_env: Mapping[str, str], cwd: Path) -> WarmRun:
+        """Hand the ranks their next job; the returned handle stands in for a launcher process."""
+        number = self.runs
+        self.runs += 1
+        self.last_used = time.monotonic()
+        write_json(self.dir.job(number), {"script": str(script), "cwd": str(cwd), "env": dict(rank_env)})
+        return WarmRun(self, number)
+
+    def endings(self, number: int) -> list[dict | None]:
+        """Each rank's report of how it ended job ``number`` (``None``: not yet)."""
+        found: list[dict | None] = []
+        for rank in range(self.devices.nproc):
+            try:
+                found.append(json.loads(self.dir.ended(number, rank).read_text()))
+            except (OSError, ValueError):
+                found.append(None)
+        return found
+
+    def busy(self) -> bool:
+        """A job handed out that not every rank has ended, and that wasn't stopped: the ranks can't take
+        another. (Ranks yet to take a stopped job end it the moment they take it.)
+
+        The folder counts the jobs, not :attr:`runs`: a batch's pool gets its jobs from the runs that
+        adopt it, so the batch itself learns of a run that died mid-job only there."""
+        handed = self.dir.jobs_handed_out()
+        endings = self.endings(handed - 1) if handed else []
+        if None not in endings:
+            return False
+        return not self.dir.stopped(handed - 1).exists() or any(
+            ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings))
+
+    def kept(self, wait: float = 10.0) -> list[dict | None]:
+        """What each rank keeps of the setup (its cells, names and sizes, nbddp's copies; ``None``: nothing said),
+        once each has put it back after the last job (waited for up to ``wait`` seconds)."""
+        handed, deadline = self.dir.jobs_handed_out(), time.monotonic() + wait
+        while True:
+            found = []
+            for rank in range(self.devices.nproc):
+                try:
+                    found.append(json.loads(self.dir.kept(rank).read_text()))
+                except (OSError, ValueError):
+                    found.append(None)
+            if all(f is not None and f.get("job", -1) >= handed - 1 for f in found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.02)
+
+    def forget(self, wait: float = 30.0) -> bool:
+        """Ask the (idle) ranks to drop the setup they keep; ``True`` once every rank has."""
+        try:
+            count = int(self.dir.forget_request.read_text()) + 1
+        except (OSError, ValueError):
+            count = 1
+        write_json(self.dir.forget_request, count)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self.alive():
+            if all(self.dir.forgot(count, rank).exists() for rank in range(self.devices.nproc)):
+                return True
+            time.sleep(0.02)
+        return False
+
+    def interrupt(self, number: int) -> None:
+        """Stop job ``number``: mark it stopped (a rank yet to take it ends it without running it), then
+        interrupt every rank that hasn't ended it (SIGINT: ``KeyboardInterrupt`` in the job only, see
+        :mod:`nbddp.rank_side.warm.loop`); the ranks stay, for the next job.
+
+        In this order, and the ranks' pids read after the mark: a rank that isn't ready yet (its pid
+        unknown here) takes the job after the mark exists."""
+        self.dir.mark(self.dir.stopped(number))
+        endings = self.endings(number)
+        for rank, pid in self.rank_pids().items():
+            if rank < len(endings) and endings[rank] is None:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
+
+    def why_not_kept(self) -> str:
+        """Why the pool can't take the next job after one that didn't succeed (``""``: it can). The one rule.
+
+        Its ranks must be alive and out of the last job, or on their way out: ranks still leaving a stopped
+        job are waited for while they make progress (:class:`nbddp.launchers.warm.departure.Departure`),
+        after which a rank that couldn't leave is named, with where it was."""
+        if self.lost:
+            return self.lost
+        if not self.alive():
+            return "its ranks had exited"
+        handed = self.dir.jobs_handed_out()
+        if handed == 0 or None not in self.endings(handed - 1):
+            return ""
+        if not self.dir.stopped(handed - 1).exists():
+            return "its ranks are still in the last job"
+        return Departure(self, handed - 1).wait()
+
+    def lose(self, why: str, sig: int = signal.SIGTERM) -> None:
+        """Its ranks can't be kept (``why``): stop them, and remember why for whoever asks next."""
+        self.lost = why
+        self.terminate(sig)
+
+    def terminate(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every rank and the starter (their reports stay readable until :meth:`stop`). Safe to call again."""
+        self.stopped = True
+        if self.launch.poll() is None or self.launch.alive():
+            self.launch.stop(sig)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop every rank and the starter, and remove the pool's folder (its starter removes it too, should
+        this process be killed while waiting for it: see :mod:`nbddp.launchers.warm.agent`)."""
+        try:
+            touch(self.dir.stop_mark)
+        except OSError:
+            pass
+        self.terminate(sig)
+        shutil.rmtree(self.folder, ignore_errors=True)
