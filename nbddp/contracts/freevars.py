@@ -12,6 +12,8 @@ import builtins
 import symtable
 from dataclasses import dataclass
 
+from nbddp.contracts.cell_tree import tree as parsed
+
 _ALWAYS_DEFINED = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__",
                    "__package__", "__annotations__"}
 
@@ -30,10 +32,8 @@ def free_names(code: str, filename: str = "<script>") -> list[str]:
 def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
     """The names ``code`` binds at module level, the global names it reads (in order seen, also
     inside functions and classes), and whether it star-imports."""
-    import ast
-
     top = symtable.symtable(code, filename, "exec")
-    comprehensions_own, walrus_bound = _comprehensions_own(ast.parse(code))
+    comprehensions_own, walrus_bound = _comprehensions_own(parsed(code))
     bound: set[str] = set(walrus_bound)
     used: list[str] = []
     star_import = False
@@ -123,7 +123,7 @@ def _star_imports(code: str) -> bool:
     import ast
 
     return any(isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names)
-               for node in ast.walk(ast.parse(code)))
+               for node in ast.walk(parsed(code)))
 
 
 def _defines(table: symtable.SymbolTable, name: str) -> bool:
@@ -150,7 +150,7 @@ def executed_reads(code: str) -> dict[str, int]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(code))
+    visit(parsed(code))
     return reads
 
 
@@ -198,7 +198,7 @@ def cell_names(code: str) -> CellNames:
     """The names ``code`` (one cell's Python) defines, needs from earlier cells, and changes."""
     import ast
 
-    tree = ast.parse(code)
+    tree = parsed(code)
     bound, used, star_import = _global_names(code, "<cell>")
     first_bind = _first_binds(tree)
     first_read: dict[str, int] = {}  # at module level: a function body reads when called, after the cell binds

@@ -10,10 +10,13 @@ which re-imports the script: hence the ``__main__`` guard.
 
 from __future__ import annotations
 
+import ast
+
 from nbddp.contracts.devices import CPU_PROCESSES
-from nbddp.engines import EngineCode
-from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.errors import NbddpError
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.engines.reading import parse
+from nbddp.engines.record import CellFacts, Engine, EngineCode
 
 
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
@@ -38,3 +41,28 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         notes=("Catalyst's own logs and checkpoints go to the runner's logdir, relative to the folder it is "
                "launched from.",),
     )
+
+
+def _trains_with(facts: CellFacts) -> bool:
+    """A runner's ``.train(..., loaders=...)`` in a training cell, Catalyst imported (``Runner.train`` is
+    keyword-only and ``loaders`` is required)."""
+    return "catalyst" in facts.imported and any(_calls_runner_train(code) for code in facts.train_codes)
+
+
+def _calls_runner_train(code: str) -> bool:
+    tree = parse(code)
+    for node in ast.walk(tree) if tree else ():
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "train"
+            and any(k.arg == "loaders" for k in node.keywords)
+        ):
+            return True
+    return False
+
+
+ENGINE = Engine(
+    "catalyst", lambda request: code(request.returns, request.script_name), packages=("catalyst",),
+    trains_with=_trains_with, detected_by="runner.train(loaders=...)", spawns_its_own_ranks=True,
+    shard_instead="Catalyst 22.4, its last release, has no FSDP2 engine")

@@ -12,8 +12,13 @@ in the rank, the fork strategy becomes the matching torchrun one, and the librar
 
 from __future__ import annotations
 
-from nbddp.engines import EngineCode
+from nbddp.engines.record import CellFacts, CodeRequest, Engine, EngineCode
 from nbddp.engines.torch import default_hint
+
+#: Accelerate's calls that start a notebook's training (nbddp's ranks run their function in place), and with
+#: ``Accelerator(...)`` those that make a notebook Accelerate's.
+ACCELERATE_LAUNCHERS = ("notebook_launcher", "debug_launcher")
+_ACCELERATE_CALLS = frozenset({*ACCELERATE_LAUNCHERS, "Accelerator"})
 
 #: What each library's adaptation does, for the script's header: the code the user would otherwise write.
 ADAPTATIONS = {
@@ -49,3 +54,40 @@ def code(engine: str, packages: tuple[str, ...], returns: tuple[str, ...], scrip
         launch_hint=default_hint(script_name),
         notes=ADAPTATIONS[engine],
     )
+
+
+def _library(name: str, packages: tuple[str, ...], trains_with, detected_by: str, shard_instead: str,  # noqa: ANN001
+             **more) -> Engine:  # noqa: ANN003 - Engine's other fields
+    def library_code(request: CodeRequest) -> EngineCode:
+        return code(name, request.packages or packages[:1], request.returns, request.script_name)
+
+    return Engine(name, library_code, packages=packages, library=True, trains_with=trains_with,
+                  detected_by=detected_by, shard_instead=shard_instead, **more)
+
+
+def _imports(facts: CellFacts, packages: tuple[str, ...]) -> bool:
+    return bool(facts.imported & set(packages))
+
+
+ACCELERATE = _library(
+    "accelerate", ("accelerate",),
+    lambda facts: _imports(facts, ("accelerate",)) and bool(facts.trained & _ACCELERATE_CALLS),
+    "notebook_launcher/Accelerator",
+    "with Accelerate, shard with its own FSDP plugin (Accelerator(fsdp_plugin=...))",
+    # An Accelerator built in a setup cell: the ranks must see it too.
+    sets_up_with=lambda facts: _imports(facts, ("accelerate",)) and bool(facts.called & _ACCELERATE_CALLS),
+    process_count=(("notebook_launcher",), "num_processes", 2),  # notebook_launcher(function, args, num_processes)
+    launched_by=ACCELERATE_LAUNCHERS)
+LIGHTNING = _library(
+    "lightning", ("lightning", "pytorch_lightning"),
+    lambda facts: (_imports(facts, ("lightning", "pytorch_lightning")) and "fit" in facts.trained
+                   and "Trainer" in facts.called),
+    "Trainer.fit",
+    "with Lightning, shard with its own strategy (Trainer(strategy=\"fsdp\") on GPUs)",
+    process_count=(("Trainer",), "devices", None))
+TRANSFORMERS = _library(
+    "transformers", ("transformers",),
+    lambda facts: (_imports(facts, ("transformers",)) and "train" in facts.trained
+                   and any(name.endswith("Trainer") for name in facts.called)),
+    "a Hugging Face Trainer's train()",
+    "with the Hugging Face Trainer, shard with its own option (TrainingArguments(fsdp=...))")

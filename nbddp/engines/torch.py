@@ -21,7 +21,7 @@ import shlex
 from typing import Sequence
 
 from nbddp.contracts.devices import CPU_PROCESSES
-from nbddp.engines import EngineCode
+from nbddp.engines.record import Engine, EngineCode
 from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT
 
 #: A run on one machine: the address torchrun's agent names its node by (it listens on nothing), and its
@@ -127,3 +127,7 @@ def default_hint(script: str) -> str:
 def _shell_word(option: str) -> str:
     """``--x=VALUE`` quoted for a shell unless it only holds characters a shell leaves alone."""
     return option if re.fullmatch(r"[\w./:=,@%+$-]+", option) else shlex.quote(option)
+
+
+#: Plain PyTorch: what no other engine's notebook is (detection's answer when none calls for its own).
+ENGINE = Engine("torch", lambda request: code(request.returns, request.script_name, request.shard))

@@ -13,6 +13,7 @@ import ast
 import difflib
 from typing import Any
 
+from nbddp.contracts.cell_tree import tree as cell_tree
 from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import Notebook
@@ -30,7 +31,7 @@ def declared_parameters(notebook: Notebook, roles: tuple[str, ...] = (PARAMETERS
         if cell_role(cell, notebook.path) not in roles:
             continue
         try:
-            tree = ast.parse(cell.source)
+            tree = cell_tree(cell.source)
         except SyntaxError:
             continue
         for node in tree.body:

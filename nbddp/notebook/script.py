@@ -18,10 +18,9 @@ from typing import Any, Sequence
 from nbddp._version import __version__
 from nbddp.notebook.cells import select_cells, selection
 from nbddp.notebook.roles import INJECTED, PARAMETERS, TRAIN, ExportedCell
-from nbddp.engines import (DEFAULT_RETURNS, ENGINES, FRAMEWORKS, EngineCode, detect_engine, framework_packages,
-                           processes_asked, saves_checkpoints, shard_refusal, spawns_its_own_ranks)
-from nbddp.engines import catalyst, frameworks
-from nbddp.engines import torch as torch_engine
+from nbddp.engines import (DEFAULT_RETURNS, ENGINES, CodeRequest, EngineCode, detect_engine, framework_packages,
+                           processes_asked, saves_checkpoints, shard_refusal, shards, spawns_its_own_ranks)
+from nbddp.engines import engine_code as _engine_code
 from nbddp.contracts.errors import NbddpError, UsageError
 from nbddp.notebook.reader import Notebook
 from nbddp.notebook.parameters import check_overrides, type_notices
@@ -105,23 +104,18 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
 
 def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
                 packages: Sequence[str] = ()) -> EngineCode:
-    """The lines ``engine`` puts around the cells (:mod:`nbddp.engines.torch`, :mod:`~nbddp.engines.catalyst`,
-    :mod:`~nbddp.engines.frameworks`). ``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (the torch
-    engine only). ``packages``: for a library's engine, the packages of it the cells import
-    (:func:`nbddp.engines.framework_packages`).
+    """The lines ``engine`` puts around the cells (its record's :attr:`~nbddp.engines.record.Engine.code`).
+    ``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (an engine that shards: torch). ``packages``:
+    for a library's engine, the packages of it the cells import (:func:`nbddp.engines.framework_packages`).
 
     Raises:
         UsageError: ``shard`` with another engine.
     """
-    if shard and engine != "torch":
+    if engine not in ENGINES:
+        raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
+    if shard and not shards(engine):
         raise UsageError(shard_refusal(engine))
-    if engine == "torch":
-        return torch_engine.code(tuple(returns), script_name, shard)
-    if engine == "catalyst":
-        return catalyst.code(tuple(returns), script_name)
-    if engine in FRAMEWORKS:
-        return frameworks.code(engine, tuple(packages) or FRAMEWORKS[engine][:1], tuple(returns), script_name)
-    raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
+    return _engine_code(engine, CodeRequest(tuple(returns), script_name, shard, tuple(packages)))
 
 
 def engine_of(notebook: Notebook, engine: str | None = None) -> str:

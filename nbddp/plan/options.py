@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from nbddp.contracts.devices import CPU_PROCESSES, requested_gpus
-from nbddp.engines import DEFAULT_RETURNS, ENGINES, shard_refusal, spawns_its_own_ranks
+from nbddp.engines import DEFAULT_RETURNS, ENGINES, engine_help, shard_refusal, shards, spawns_its_own_ranks
 from nbddp.contracts.errors import UsageError
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
@@ -325,9 +325,7 @@ class LaunchOptions:
 
     engine: str | None = option(
         "--engine", group=_SCRIPT, default=None, choices=ENGINES, example=("torch",),
-        help="DDP engine (default: from the training cells: catalyst for runner.train(loaders=...), accelerate for "
-             "notebook_launcher/Accelerator, lightning for Trainer.fit, transformers for a Hugging Face Trainer's "
-             "train(), else torch)")
+        help=engine_help())
     """``None``: detected from the training cells."""
     parameters: dict[str, Any] = option(
         "-p", "--parameter", group=_SCRIPT, default_factory=dict, nargs=2, action="append", metavar=("NAME", "VALUE"),
@@ -412,7 +410,7 @@ class LaunchOptions:
                 raise UsageError("--nproc counts CPU processes; with GPUs use --gpus N (one process per GPU).")
         if self.wait and (self.gpus is None or str(self.gpus).lower() == "all"):
             raise UsageError("--wait waits for free GPUs: give --gpus N (or --gpus free) with it.")
-        if self.shard and self.engine not in (None, "torch"):
+        if self.shard and self.engine is not None and not shards(self.engine):
             raise UsageError(shard_refusal(self.engine))
         if self.nproc is not None and not self.oversubscribe and self.slurm is None and self.ray is None:
             _fits_this_machine(self.nproc)

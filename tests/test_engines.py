@@ -1,0 +1,62 @@
+"""Engines are registered records (nbddp.engines.BUILTIN, as launchers are): every per-engine fact is read from
+an engine's record, so an engine added by its own module and one registry line is detected, writes its code and
+is described in --engine's help, with nothing else restating it. A toy engine, defined here, stands for a new one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+import nbddp.engines as engines
+from nbddp.contracts.role_names import SETUP, TRAIN
+from nbddp.engines.record import CellFacts, CodeRequest, Engine, EngineCode
+from nbddp.plan.options import options_table
+
+
+@dataclass(frozen=True)
+class Cell:
+    role: str
+    code: str
+
+
+def _toy_code(request: CodeRequest) -> EngineCode:
+    return EngineCode(imports=("import toy",), train_prologue=(), train_epilogue=(f"toy.hand_back({request.returns!r})",),
+                      launch_hint=f"toy-run {request.script_name}")
+
+
+def _toy_trains(facts: CellFacts) -> bool:
+    return "toy" in facts.imported and "go" in facts.trained
+
+
+TOY = Engine("toy", _toy_code, packages=("toy",), trains_with=_toy_trains, detected_by="toy.go()",
+             spawns_its_own_ranks=True, shard_instead="the toy shards nothing")
+
+
+def test_every_registered_engine_is_one_record_and_the_doors_read_them():
+    assert engines.ENGINES == tuple(engines.BUILTIN) and engines.ENGINES[0] == "torch"
+    for name in engines.ENGINES:
+        assert engines.engine(name).name == name
+    assert engines.engine_help() == (
+        "DDP engine (default: from the training cells: catalyst for runner.train(loaders=...), accelerate for "
+        "notebook_launcher/Accelerator, lightning for Trainer.fit, transformers for a Hugging Face Trainer's "
+        "train(), else torch)")
+    assert engines.engine_help() in options_table()  # --engine's help, every door's and the README's
+    assert [e.name for e in engines.engines() if e.spawns_its_own_ranks] == ["catalyst"]
+    assert [e.name for e in engines.engines() if e.shard_instead is None] == ["torch"]
+    assert [e.name for e in engines.engines() if e.library] == ["accelerate", "lightning", "transformers"]
+
+
+def test_an_engine_registered_by_one_line_is_detected_writes_its_code_and_is_described(monkeypatch):
+    monkeypatch.setitem(engines.BUILTIN, "toy", f"{__name__}:TOY")
+    monkeypatch.setattr(engines, "_loaded", {})
+    cells = [Cell(SETUP, "import toy\nmodel = toy.Model()"), Cell(TRAIN, "model.go(epochs=2)")]
+    assert engines.detect_engine(cells) == "toy"
+    assert engines.detect_engine([Cell(SETUP, "import toy"), Cell(TRAIN, "print(1)")]) == "torch"  # not its call
+    code = engines.engine_code("toy", CodeRequest(("model",), "train.py"))
+    assert code.imports == ("import toy",) and code.launch_hint == "toy-run train.py"
+    assert engines.spawns_its_own_ranks("toy") and not engines.shards("toy")
+    assert "--shard needs the torch engine: the toy shards nothing." in engines.shard_refusal("toy")
+    assert "toy for toy.go()" in engines.engine_help()
+    with pytest.raises(KeyError):
+        engines.engine("no-such-engine")
