@@ -49,8 +49,10 @@ class Ray(Launcher):
     job_record = "ray_job"
 
     def __init__(self, engine: str, request: RayRequest, start_timeout: float) -> None:
-        """Raises:
-            UsageError: an engine that spawns its own ranks (Catalyst's).
+        """The Ray launcher for a run of ``engine`` asking for ``request``.
+
+        Raises:
+            UsageError: an engine that spawns its own ranks (Catalyst's): each rank is a Ray actor's process.
         """
         if spawns_its_own_ranks(engine):
             raise UsageError(ray_refusal(engine))
