@@ -21,6 +21,7 @@ from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
 from nbddp.job.follow import Sink
+from nbddp.contracts.devices import Devices
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
 from nbddp.launchers.warm.keepers import POOL_ENV
@@ -28,6 +29,7 @@ from nbddp.contracts.freevars import check_defined
 from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.notebook.script import generate
+from nbddp.plan.job_spec import WarmHandle
 from nbddp.plan.options import LaunchOptions
 
 
@@ -46,12 +48,12 @@ class RunOptions:
 class BatchSlotPool:
     """The warm ranks of this run's device slot in ``nbddp batch`` (:data:`nbddp.launchers.warm.keepers.POOL_ENV`)."""
 
-    def pool_for(self, devices: Any, cwd: Path, collective_timeout: float | None) -> tuple[Any, str]:
+    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmHandle | None, str]:
         from nbddp.launchers.warm.keepers import adopt_batch_pool
 
-        return adopt_batch_pool(devices, cwd, collective_timeout)
+        return adopt_batch_pool(devices, cwd, launch)
 
-    def ended(self, pool: Any, status: Status) -> None:
+    def ended(self, pool: WarmHandle, status: Status) -> None:
         """The batch, which owns the pool, replaces it after a run that did not succeed."""
 
     def held_gpus(self) -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.record import RunRecord
 from nbddp.contracts.rundir import create_run_dir
-from nbddp.plan.job_spec import JobSpec
+from nbddp.plan.job_spec import JobSpec, WarmHandle
 from nbddp.contracts.status import Status
 from nbddp.launchers import devices_for, topology_notes
 from nbddp.notebook.script import Script
@@ -49,10 +49,10 @@ Say = Callable[[str], None]
 class WarmSource(Protocol):
     """Where a door's warm ranks come from: the kernel's own pool, or the pool a batch keeps for its slot."""
 
-    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[Any, str]:
+    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmHandle | None, str]:
         """``(pool or None, a line to say)``: warm ranks that can take this run, or why it starts fresh ones."""
 
-    def ended(self, pool: Any, status: Status) -> None:
+    def ended(self, pool: WarmHandle, status: Status) -> None:
         """The run on ``pool`` ended with ``status`` (ranks whose run did not succeed can't be trusted)."""
 
     def held_gpus(self) -> tuple[str, ...]:
@@ -289,7 +289,7 @@ def _conclude(result: RunResult, trained: bool) -> None:
         result.ended_by = "job"
 
 
-def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
+def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> WarmHandle | None:
     """The warm ranks this run goes to, if its door has them and they can take it (the one rule)."""
     if request.warm is None:
         return None
@@ -299,12 +299,12 @@ def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> Any:
     if why:
         say(f"{why}: starting fresh ones")
         return None
-    pool, note = request.warm.pool_for(devices, request.cwd, request.launch.collective_timeout)
+    pool, note = request.warm.pool_for(devices, request.cwd, request.launch)
     if note:
         say(note)
     return pool
 
 
-def _warm_ended(request: RunRequest, pool: Any, status: Status) -> None:
+def _warm_ended(request: RunRequest, pool: WarmHandle | None, status: Status) -> None:
     if pool is not None and request.warm is not None:
         request.warm.ended(pool, status)

@@ -11,11 +11,24 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from nbddp.contracts.devices import Devices
+from nbddp.contracts.pool_dir import PoolDir
 from nbddp.notebook.script import Script
 from nbddp.plan.options import LaunchOptions
+
+
+class WarmHandle(Protocol):
+    """Warm ranks a job can be handed to instead of starting its own (:class:`nbddp.launchers.warm.pool.WarmPool`
+    is one): what the warm launcher asks of them. The job only carries them from its door's warm source
+    (:class:`nbddp.job.orchestrator.WarmSource`) to that launcher."""
+
+    dir: PoolDir
+    """The pool's folder: its starter's log and launch report."""
+
+    def submit(self, script: Path, rank_env: Mapping[str, str], cwd: Path) -> Any:
+        """Hand the ranks the job; the handle returned is its :class:`nbddp.launchers.base.Launch` (a layer above)."""
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,8 @@ class JobSpec:
     """The options the job runs with (its collective timeout, restarts, nodes, Slurm or Ray request…)."""
     owner: str = "cli"
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
-    pool: Any = None
-    """Warm ranks (:class:`nbddp.launchers.warm.pool.WarmPool`) to hand the job to, instead of starting ranks."""
+    pool: WarmHandle | None = None
+    """Warm ranks to hand the job to, instead of starting ranks."""
 
     @property
     def node_count(self) -> int:

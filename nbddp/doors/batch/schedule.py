@@ -274,7 +274,7 @@ class Batch:
         keeper = self.keepers.setdefault(slot, PoolKeeper(environ=env, replace_at_once=False))
         keeper.environ = env
         try:
-            pool, why = keeper.pool_with(pool_key(devices, self.cwd, launch.collective_timeout, env), devices)
+            pool, why = keeper.pool_with(pool_key(devices, self.cwd, launch, env), devices)
         except OSError as exc:  # the run starts its own ranks, and would say why it can't either
             log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
             log.flush()

@@ -16,7 +16,7 @@ from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
 from nbddp.launchers.warm.pool import WarmPool
 from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key
-from nbddp.plan.options import DEFAULT_WARM_IDLE
+from nbddp.plan.options import DEFAULT_WARM_IDLE, LaunchOptions
 
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
@@ -30,7 +30,7 @@ def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
             or ("their idle limit changed" if pool.idle != idle else ""))
 
 
-def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | None,
+def adopt_batch_pool(devices: Devices, cwd: Path, launch: LaunchOptions,
                      environ: Mapping[str, str] | None = None) -> tuple[WarmPool | None, str]:
     """The pool ``nbddp batch`` keeps for this run's device slot (:data:`POOL_ENV`), and a line when
     it can't be used; ``(None, "")`` outside a batch."""
@@ -42,7 +42,7 @@ def adopt_batch_pool(devices: Devices, cwd: Path, collective_timeout: float | No
     except ValueError:
         why = "they are gone"
     else:
-        why = why_fresh(pool, pool_key(devices, cwd, collective_timeout, environ), pool.idle)
+        why = why_fresh(pool, pool_key(devices, cwd, launch, environ), pool.idle)
     if why:
         return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
     return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
@@ -129,10 +129,10 @@ class KernelPool(PoolKeeper):
         super().__init__(DEFAULT_WARM_IDLE)
         self._at_exit = False
 
-    def pool_for(self, devices: Devices, cwd: Path, collective_timeout: float | None) -> tuple[WarmPool, str]:
+    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
         environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
-        return self.pool_with(pool_key(devices, cwd, collective_timeout, environ), devices, environ)
+        return self.pool_with(pool_key(devices, cwd, launch, environ), devices, environ)
 
     def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
         pool = super()._start(key, devices, environ)

@@ -68,12 +68,15 @@ class PoolKey:
         return ""
 
 
-def pool_key(devices: Devices, cwd: Path, collective_timeout: float | None,
+def pool_key(devices: Devices, cwd: Path, launch: "LaunchOptions",
              environ: Mapping[str, str] | None = None) -> PoolKey:
+    """What ranks for a run of ``launch`` on ``devices`` from ``cwd`` must have been started with (``environ``: what
+    they inherit, this process's environment by default)."""
     environ = os.environ if environ is None else environ
     kept = sorted((k, v) for k, v in environ.items() if not k.startswith(_PER_RUN))
     digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
-    return PoolKey(devices.kind, devices.nproc, sys.executable, str(Path(cwd).resolve()), digest, collective_timeout)
+    return PoolKey(devices.kind, devices.nproc, sys.executable, str(Path(cwd).resolve()), digest,
+                   launch.collective_timeout)
 
 
 def ending_note(status: Status) -> str:
