@@ -37,6 +37,7 @@ from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import torchrun_variables
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import signal_exit_code
+from nbddp.launchers.process_groups import stop_groups
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.plan.options import RAY_AUTO, RayRequest
 from nbddp.contracts.rank_env import threads_per_rank
@@ -97,14 +98,8 @@ class RankActor:
             proc = self.proc
         if proc is None:
             return None
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, sig)
-                return proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if proc.poll() is None:  # (the rank leads a session of its own: its group is its pid)
+            stop_groups([proc.pid], sig, grace, reap=proc.poll)
         return proc.wait()
 
 
