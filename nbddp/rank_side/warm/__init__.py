@@ -4,5 +4,7 @@
 :mod:`.state` decides which setup cells a job may skip (their code, their inputs and what they built are
 unchanged) and restores what they left: :mod:`.script_units` splits the script into its cells,
 :mod:`.kept_objects` keeps and checks the objects they bound, :mod:`.object_state` captures and restores
-what those objects hold. The kernel's half is :mod:`nbddp.launchers.warm`.
+what those objects hold, and :mod:`.process_state` what the process holds besides them (folder, ``sys.path``,
+environment, torch's settings, random generators), for the loop around each job and the state after each kept
+cell alike. The kernel's half is :mod:`nbddp.launchers.warm`.
 """

@@ -57,7 +57,8 @@ from nbddp.contracts.atomic import write_json  # noqa: E402
 from nbddp.contracts.pool_dir import JobEnd, PoolDir
 from nbddp.rank_side import memory
 from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
-from nbddp.rank_side.warm.state import Plan, WarmState, set_torch_settings, torch_settings
+from nbddp.rank_side.warm.process_state import ProcessState
+from nbddp.rank_side.warm.state import Plan, WarmState
 
 POLL_SECONDS = 0.005
 #: An idle rank looks for its next job every POLL_SECONDS at first (a re-run right after a run starts at once),
@@ -227,10 +228,9 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
     global _in_job, _script
     from nbddp.rank_side import process as rank_process
 
-    saved = dict(os.environ)
+    saved = ProcessState.capture()  # (the whole environment: the job's own variables go with the job)
     os.environ.update(job["env"])
-    before, cwd, path, argv, main = set(sys.modules), os.getcwd(), list(sys.path), list(sys.argv), sys.modules["__main__"]
-    settings = torch_settings()
+    before, argv, main = set(sys.modules), list(sys.argv), sys.modules["__main__"]
     _fresh_random_state()
     status = JobEnd.OK
     _script = os.path.abspath(job["script"])
@@ -264,11 +264,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
         sys.modules["__main__"] = main
         sys.argv[:] = argv
-        os.environ.clear()
-        os.environ.update(saved)
-        os.chdir(cwd)
-        sys.path[:] = path
-        set_torch_settings(settings)
+        saved.restore()
         _forget_local_modules(before, Path(job["cwd"]), state.local_modules())
     return status
 

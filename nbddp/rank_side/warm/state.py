@@ -34,6 +34,7 @@ from typing import Any, Callable
 from nbddp.contracts.errors import NbddpError
 from nbddp.rank_side.warm.kept_objects import KeptObjects, NotKept
 from nbddp.rank_side.warm.object_state import ATOMIC, UNKEEPABLE
+from nbddp.rank_side.warm.process_state import ProcessState
 from nbddp.rank_side.warm.script_units import CELL, LITERAL, Unit, digest, file_digest, units_of
 #: A name a kept cell bound whose object a later cell replaced: it was let go (the cell runs again if needed).
 GONE = object()
@@ -54,7 +55,7 @@ class KeptCell:
     deleted: frozenset[str] = frozenset()
     modules: dict[str, str] = field(default_factory=dict)
     """The local modules it imported: their files and the digests of their contents."""
-    after: dict[str, Any] = field(default_factory=dict)
+    after: ProcessState | None = None
     """The process right after it: random generators, torch's settings, folder, ``sys.path``, environment changes."""
 
 
@@ -331,7 +332,8 @@ class WarmState:
         bound = {k: v for k, v in namespace.items() if before.get(k, GONE) is not v and not _dunder(k)}
         deleted = frozenset(k for k in before if k not in namespace and not _dunder(k))
         kept = KeptCell(key[0], unit.name, unit.number, unit.text, key[1], (unit.code.co_filename, unit.first_line),
-                        bound, deleted, self._local_modules(modules), _process_state(environ))
+                        bound, deleted, self._local_modules(modules),
+                        ProcessState.capture(since=environ, generators=True))
         self.cells.append(kept)
         self.bindings = dict(namespace)
         for name, module in unit.imports:
@@ -458,67 +460,10 @@ def _collect() -> None:
         torch.cuda.empty_cache()
 
 
-def _process_state(environ_before: dict[str, str]) -> dict[str, Any]:
-    """What a setup cell leaves in the process besides its objects: random generators, torch's settings, the
-    folder, ``sys.path``, and the environment variables it set or removed."""
-    import random
-
-    import torch
-
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(), "random": random.getstate(), "cwd": os.getcwd(), "path": list(sys.path),
-        "settings": torch_settings(),
-        "environ": ({k: v for k, v in os.environ.items() if environ_before.get(k) != v},
-                    [k for k in environ_before if k not in os.environ])}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if "numpy" in sys.modules:
-        state["numpy"] = sys.modules["numpy"].random.get_state()
-    return state
-
-
-def _restore_process(state: dict[str, Any], cells: list[KeptCell]) -> None:
-    import random
-
-    import torch
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["random"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state and "numpy" in sys.modules:
-        sys.modules["numpy"].random.set_state(state["numpy"])
-    set_torch_settings(state["settings"])
+def _restore_process(state: ProcessState, cells: list[KeptCell]) -> None:
+    """The process as after the last of ``cells``: its generators, torch's settings, folder and ``sys.path``; the
+    environment changes of every one of them, on top of this job's own environment."""
     for cell in cells:
-        changed, removed = cell.after["environ"]
-        os.environ.update(changed)
-        for name in removed:
-            os.environ.pop(name, None)
-    try:
-        os.chdir(state["cwd"])
-    except OSError:
-        pass
-    sys.path[:] = state["path"]
-
-
-def torch_settings() -> dict[str, Any]:
-    """torch's process-wide settings a job may change (a fresh rank starts from the defaults)."""
-    import torch
-
-    return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
-            "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_precision": torch.get_float32_matmul_precision()}
-
-
-def set_torch_settings(settings: dict[str, Any]) -> None:
-    import torch
-
-    torch.set_default_dtype(settings["dtype"])
-    torch.set_num_threads(settings["threads"])
-    torch.set_grad_enabled(settings["grad"])
-    torch.use_deterministic_algorithms(settings["deterministic"])
-    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
-    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
-    torch.backends.cudnn.allow_tf32 = settings["cudnn_tf32"]
-    torch.set_float32_matmul_precision(settings["matmul_precision"])
+        if cell.after is not None:
+            cell.after.apply_environ()
+    state.restore(environ=False)
