@@ -136,6 +136,7 @@ def test_a_rank_spinning_in_one_native_call_is_stuck_though_it_spends_cpu_time(t
     """CPU time alone is no progress from a rank that took the job and hasn't heard the interrupt: it counts only
     where the rank's stack moved between two dumps (the GPU case: tests/test_gpu.py)."""
     monkeypatch.setattr(warm_departure, "SAMPLE_SECONDS", 0.1)  # (SETTLE_SECONDS, 0.6 here, is 6 samples still)
+
     def dumping_rank(folder: Path, code: str) -> WarmPool:
         stacks = PoolDir(folder / "pool").stack(0)
         stacks.parent.mkdir(parents=True)

@@ -21,6 +21,7 @@ from nbddp.plan.options import DEFAULT_WARM_IDLE, LaunchOptions
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
 
+
 def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
     """Why ``pool`` can't take a run that wants ``key`` (``""``: it can), in a few words. (An edited module of
     the notebook's folder is no reason: the ranks run again the setup cells that import it.)"""
@@ -46,7 +47,6 @@ def adopt_batch_pool(devices: Devices, cwd: Path, launch: LaunchOptions,
     if why:
         return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
     return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
-
 
 
 class PoolKeeper:

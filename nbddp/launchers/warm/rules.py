@@ -29,7 +29,6 @@ _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES",
             "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
 
 
-
 def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
     """Why warm ranks can't serve a run of ``engine`` with ``launch`` (``""``: they can). The one rule."""
     if spawns_its_own_ranks(engine):
