@@ -8,6 +8,7 @@ real pool folder; the stall limit is shortened so that each case takes a moment.
 from __future__ import annotations
 
 import faulthandler
+import linecache
 import os
 import signal
 import subprocess
@@ -173,6 +174,13 @@ def test_a_rank_that_ended_badly_is_still_leaving_until_it_freed_its_group(tmp_p
     assert Departure(pool, 0).check() == ""
 
 
+def _blocked_in_event_wait(frame) -> bool:
+    """Whether this frame is threading's Condition.wait at the lock it blocks on, called by Event.wait."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    return (frame.f_code is threading.Condition.wait.__code__ and frame.f_back is not None
+            and frame.f_back.f_code is threading.Event.wait.__code__ and "waiter.acquire(" in line)
+
+
 def test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump(tmp_path):
     """The dump may be written by any thread (the signal goes to the process): the main thread is found by the
     id the rank wrote first; its frames are named from the script on, as cells when a source map is there."""
@@ -181,13 +189,18 @@ def test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump(tmp_
         file.write(f"main thread 0x{threading.main_thread().ident:016x}\n")
         file.flush()
 
-        def dump() -> None:
+        dumped = threading.Event()
+
+        def dump() -> None:  # once the main thread is blocked in the wait below, not on its way there
+            main = threading.main_thread().ident
+            while not _blocked_in_event_wait(sys._current_frames()[main]):
+                time.sleep(0.001)
             faulthandler.dump_traceback(file, all_threads=True)
+            dumped.set()
 
         def in_the_script() -> None:  # the line below stands for the job's line the rank is on
-            worker = threading.Thread(target=dump)
-            worker.start()
-            worker.join()
+            threading.Thread(target=dump, daemon=True).start()
+            assert dumped.wait(timeout=60)
         in_the_script()
     frames = main_thread_frames(stacks.read_text())
     names = [name for _, _, name in frames]
