@@ -225,8 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="nbddp-gpu-"))
     ENV["TMPDIR"] = str(work)
     try:
-        figures = {"throughput": throughput(work, args), "warm": kernel_runs(work, args, compiled=False),
-                   "compile": kernel_runs(work, args, compiled=True), "memory": sharded_memory(work, args)}
+        figures: dict = {}
+        for name, measure in (("throughput", lambda: throughput(work, args)),
+                              ("warm", lambda: kernel_runs(work, args, compiled=False)),
+                              ("compile", lambda: kernel_runs(work, args, compiled=True)),
+                              ("memory", lambda: sharded_memory(work, args))):
+            figures[name] = measure()
+            print(f"{name}: {json.dumps(figures[name])}", flush=True)  # each as it comes: a cut run keeps them
     finally:
         shutil.rmtree(work, ignore_errors=True)
     text = report(args, figures)

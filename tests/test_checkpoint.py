@@ -33,7 +33,7 @@ def test_weights_pt_loads_as_the_readme_says_with_torch_alone(tmp_path):
     assert saved["nbddp"] == 1 and set(saved["returns"]) == {"model", "w_true"}
     plain = torch.nn.Linear(3, 2)
     plain.load_state_dict(saved["returns"]["model"])  # no "module." prefix: a plain model takes it
-    torch.testing.assert_close(plain.weight, model.weight.detach())
+    torch.testing.assert_close(plain.weight, model.weight.detach().cpu())  # (DataParallel moves it to a GPU)
     torch.testing.assert_close(saved["returns"]["w_true"], torch.ones(3))
 
 

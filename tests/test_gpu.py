@@ -89,6 +89,50 @@ def wait_for_rank_line(folder, text: str, timeout: float = 120) -> None:
     raise AssertionError(f"rank 0 never printed {text!r}")
 
 
+# ---------------------------------------------------------------- a shared GPU server: --gpus free, --wait
+
+TINY_SETUP = "#| ddp\nimport torch, nbddp\nmodel = torch.nn.Linear(2, 1)"
+TINY_TRAIN = "#| ddp-train\nnbddp.prepare(model)\nprint('trained')"
+#: Another user's job: a process computing on the GPU (a CUDA context and 1 GiB), until its stdin closes.
+HOLDER = ("import sys, torch\nheld = torch.ones(2**28, device='cuda')\nprint('holding', flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def test_gpus_free_refuses_a_gpu_another_process_computes_on_and_wait_takes_it_once_freed(tmp_path, cli_run):
+    """With a real process on the GPU (NVML lists it): ``--gpus free`` refuses in one line naming who holds what
+    and how to wait, exit 3; ``--gpus 1 --wait`` says what it waits for and trains once that process is gone.
+
+    First in this file: the in-process tests below give pytest's own process a CUDA context, which NVML
+    lists on the GPU as one more process (the GPU is then rightly busy to ``--gpus free``)."""
+    import subprocess
+    import sys
+
+    from nbddp.contracts.devices import gpu_usage, visible_usage
+
+    (mine,) = visible_usage(gpu_usage())[:1]
+    assert not mine.busy, f"the GPU is in use before the test: {mine.describe()}"
+    write_notebook(tmp_path / "m.ipynb", [code(TINY_SETUP), code(TINY_TRAIN)])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        refused = cli_run(["run", "m.ipynb", "--gpus", "free"], tmp_path)
+        assert refused.wait() == 3, refused.output
+        assert re.search(rf"--gpus free: 0 of the 1 visible GPUs are free \(GPU {mine.index}: 1 process, "
+                         r"[\d.]+ of [\d.]+ GiB used\)\. Wait for 1 GPU to be free: --gpus 1 --wait; or use --cpu\.",
+                         refused.output), refused.output
+        assert not run_dirs(tmp_path) and not refused.leftovers()  # refused before anything started
+        waiting = cli_run(["run", "m.ipynb", "--gpus", "1", "--wait"], tmp_path)
+        waiting.wait_for("waiting for 1 GPU to be free (--wait)")
+        time.sleep(2)
+        assert waiting.proc.poll() is None and not run_dirs(tmp_path)  # still waiting: the GPU is still held
+    finally:
+        holder.stdin.close()
+        holder.wait(60)
+    assert waiting.wait() == 0, waiting.output
+    assert f"training on the free GPU {mine.index}" in waiting.output and "[rank 0] trained" in waiting.output
+    assert not waiting.leftovers()
+
+
 # ---------------------------------------------------------------- weights, and a kernel that used CUDA
 
 
@@ -161,8 +205,9 @@ def test_an_nccl_rank_that_cant_leave_within_3s_is_replaced_as_the_run_ends(kern
     described = kernel.execute("%ddp_ranks")
     assert "0 run(s)" in described, described  # the replacements, started as the run ended
     again = train(kernel)
-    assert "the last run was interrupted and its warm ranks could not be kept: on fresh ones, started as it ended" \
-        in again, again
+    assert re.search(r"the last run was interrupted and its warm ranks could not be kept \(rank 0 couldn't leave the "
+                     r"job: in synchronize at __init__\.py:\d+, from the %%ddp_train cell, line 10\): on fresh ones, "
+                     r"started as it ended", again), again  # named with where it was: CUDA's synchronize, the cell's line
     assert not set(pids(again).values()) & set(started.values())
     assert kernel_weights(kernel) == pytest.approx(reference, rel=1e-6, abs=1e-7)
 
@@ -324,3 +369,4 @@ def test_a_lightning_trainer_on_a_gpu_rank_gets_the_gpu(monkeypatch, capsys):
     _lightning_kwargs(kwargs)  # FSDP is refused on CPU ranks only
     assert kwargs == {"strategy": "fsdp", "devices": 1, "num_nodes": 1, "accelerator": "gpu"}
     assert "(1 per node, gpu), started by torchrun" in capsys.readouterr().out
+

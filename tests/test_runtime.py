@@ -123,10 +123,11 @@ def test_a_rank_about_to_exit_skips_the_final_collection_but_a_warm_rank_never_d
     assert out.stdout.strip() == frozen, out.stderr
 
 
-def test_a_gpu_ranks_group_is_bound_to_its_own_gpu_and_a_cpu_ranks_takes_no_device(tmp_path):
+def test_a_gpu_ranks_group_is_bound_to_its_own_gpu_and_a_cpu_ranks_takes_no_device(tmp_path, monkeypatch):
     """NCCL gets ``device_id=cuda:LOCAL_RANK`` (no "barrier(): using the device under current context" warning,
     the communicator formed on that GPU); gloo none. NCCL can't run here: its arguments are checked against
-    this torch's ``init_process_group``, and the gloo ones by joining a real group."""
+    this torch's ``init_process_group``, and the gloo ones by joining a real group as a ``--cpu`` rank (gloo on
+    a GPU machine too: tests/test_gpu.py joins NCCL's)."""
     import inspect
 
     from nbddp.rank_side import torch_engine
@@ -139,6 +140,7 @@ def test_a_gpu_ranks_group_is_bound_to_its_own_gpu_and_a_cpu_ranks_takes_no_devi
         assert torch_engine.group_backend(True, 1, version)["device_id"] == torch.device("cuda", 1), version
     for version in ("2.6.0", "2.6.0+cu124", "2.7.0+cu126"):  # NCCL hangs in a bound group there (pytorch#153960)
         assert torch_engine.group_backend(True, 1, version) == {"backend": "nccl"}, version
+    monkeypatch.setenv("NBDDP_DEVICE", "cpu")
     torch_engine.join_group(dist.FileStore(str(tmp_path / "store"), 1), 0, 1)
     try:
         assert dist.get_backend() == "gloo" and dist.get_world_size() == 1
