@@ -94,3 +94,28 @@ def test_metric_counters_have_one_owner():
     """The list of keys that count rather than measure (the live view and the terminal read epoch/epochs
     for their progress bars, which is what those keys mean, not a second list)."""
     assert _where(lambda t: _string(t) == "epoch") & _where(lambda t: _string(t) == "step") == {"contracts/metrics.py"}
+
+
+def test_stop_graces_have_one_owner():
+    """Every stop's grace comes from its launcher (``stop_grace``) or process_groups' two constants: no literal
+    ``grace=`` nor a ``…GRACE… =`` table of its own elsewhere (a batch's run, ``nbddp kill``, a detached run)."""
+    literal = set()
+    for module, tokens in TOKENS.items():
+        for name, equals, value in zip(tokens, tokens[1:], tokens[2:]):
+            if "grace" in name.string.lower() and equals.string == "=" and value.type == tokenize.NUMBER:
+                literal.add((module, name.string))
+    assert literal == {("launchers/process_groups.py", "STOP_GRACE"),
+                       ("launchers/ray.py", "RANK_GRACE"),  # a part of the Ray launcher's stop_grace, STOP_SECONDS
+                       ("job/lifecycle.py", "RENDEZVOUS_GRACE_SECONDS")}  # not a stop: the nodes' time to meet
+
+
+def test_a_whole_runs_stop_grace_is_its_launchers_and_the_time_to_record():
+    from nbddp.launchers import run_stop_grace
+    from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
+    from nbddp.launchers.ray import STOP_SECONDS
+    from nbddp.launchers.slurm import CANCEL_SECONDS
+    from nbddp.plan.options import LaunchOptions, RayRequest, SlurmRequest
+
+    assert run_stop_grace(LaunchOptions()) == STOP_GRACE + RECORD_SECONDS
+    assert run_stop_grace(LaunchOptions(slurm=SlurmRequest())) == CANCEL_SECONDS + RECORD_SECONDS
+    assert run_stop_grace(LaunchOptions(ray=RayRequest())) == STOP_SECONDS + RECORD_SECONDS

@@ -30,12 +30,12 @@ def test_a_process_that_got_the_runs_pid_since_is_never_signalled(tmp_path):
         stale = _entry(tmp_path, stranger.pid, born - 100)  # the run's processes started long before this one
         assert registry.live_runs() == [] and not stale.entry.exists()  # pruned: the group isn't the run's any more
         write_json(stale.entry, stale.__dict__)
-        assert registry.kill(stale, grace=1)
+        assert registry.kill(stale)
         time.sleep(0.5)
         assert stranger.poll() is None, "nbddp kill signalled a process that only had the run's old pid"
         live = _entry(tmp_path, stranger.pid, born)  # now it is the run's own owner and group
         assert registry.live_runs() == [live]
-        assert registry.kill(live, grace=5) and stranger.wait(5) is not None
+        assert registry.kill(live) and stranger.wait(5) is not None
         assert not (tmp_path / "stop-requested").is_symlink() and (tmp_path / "stop-requested").exists()
     finally:
         stranger.kill()
@@ -46,7 +46,7 @@ def test_an_entry_of_an_older_nbddp_without_start_times_still_works(tmp_path):
     sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
         run = _entry(tmp_path, sleeper.pid, 0.0)
-        assert registry.live_runs() == [run] and registry.kill(run, grace=5) and sleeper.wait(5) is not None
+        assert registry.live_runs() == [run] and registry.kill(run) and sleeper.wait(5) is not None
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -34,6 +34,7 @@ from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import NotYours, check_owned, private_folder, touch
+from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
 
 #: How often an attached door reads the run dir (a detached run is long; a tenth of a second is live).
 POLL_SECONDS = 0.1
@@ -178,9 +179,9 @@ def supervisor_alive(paths: RunDir) -> bool:
         return False
 
 
-def stop(run_dir: Path, grace: float = 10.0) -> bool:
+def stop(run_dir: Path, grace: float = STOP_GRACE + RECORD_SECONDS) -> bool:
     """``nbddp kill`` of a detached run whose job isn't registered yet (or any more): SIGTERM its supervisor,
-    which records why it ends; True once it has."""
+    which records why it ends (no launcher's ranks to stop: a local one's grace at most); True once it has."""
     paths = RunDir(run_dir)
     if not supervisor_alive(paths):
         return True

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.errors import UsageError
-from nbddp.launchers.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
+from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE, group_alive, process_alive, stop_groups
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import touch
 
@@ -142,8 +142,9 @@ def find(which: str) -> LiveRun:
     raise UsageError(f"no live run {which!r}. `nbddp ps` lists the runs alive now.")
 
 
-def kill(run: LiveRun, grace: float = 10.0) -> bool:
-    """End a run: ask its owner to stop it (recorded as interrupted), else stop its processes.
+def kill(run: LiveRun) -> bool:
+    """End a run: ask its owner to stop it (recorded as interrupted), giving it its launcher's stop grace and
+    :data:`~nbddp.launchers.process_groups.RECORD_SECONDS`, else stop its processes.
 
     Returns True when nothing of the run is left.
     """
@@ -153,7 +154,7 @@ def kill(run: LiveRun, grace: float = 10.0) -> bool:
         return True
     touch(paths.stop_mark)  # the owner records the run as interrupted, not failed
     # A cluster's launcher (Slurm's watcher, the Ray driver) stops the job and waits until it is gone.
-    grace = max(grace, run.stop_grace)
+    grace = run.stop_grace + RECORD_SECONDS
     if run.owner in SIGNALLED_OWNERS and run.owner_is_alive() and run.owner_pid != os.getpid():
         os.kill(run.owner_pid, signal.SIGTERM)  # nbddp run stops its ranks and kernel itself
         deadline = time.monotonic() + grace

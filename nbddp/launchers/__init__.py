@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable
 from nbddp.contracts.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
+from nbddp.launchers.process_groups import RECORD_SECONDS
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
@@ -88,12 +89,32 @@ def topology_notes(launch: "LaunchOptions") -> list[str]:
             "anyone who can reach it can join or disrupt the run. Run multi-node jobs on a trusted network."]
 
 
+def cluster_launcher_name(launch: "LaunchOptions") -> str | None:
+    """The launcher of a cluster's job (``slurm``, ``ray``), or ``None``: the job runs on this machine."""
+    if launch.slurm is not None:
+        return "slurm"
+    if launch.ray is not None:
+        return "ray"
+    return None
+
+
+#: Launchers that may run a job on this machine, one of them picked per job by :func:`launcher_name`.
+LOCAL_LAUNCHERS = ("direct", "torchrun", "catalyst-spawn", "warm")
+
+
+def run_stop_grace(launch: "LaunchOptions") -> float:
+    """Seconds between the signal that stops a whole run under ``launch`` (a batch's run, its own ``nbddp run``
+    process) and SIGKILL: its launcher's :attr:`~nbddp.launchers.base.Launcher.stop_grace` (the longest of this
+    machine's, where the job picks one per run) and :data:`RECORD_SECONDS`."""
+    cluster = cluster_launcher_name(launch)
+    names = (cluster,) if cluster else LOCAL_LAUNCHERS
+    return max(launcher_class(name).stop_grace for name in names) + RECORD_SECONDS
+
+
 def launcher_name(spec: "JobSpec") -> str:
     """Which launcher runs ``spec``'s job: the one rule."""
-    if spec.launch.slurm is not None:
-        return "slurm"
-    if spec.launch.ray is not None:
-        return "ray"
+    if (cluster := cluster_launcher_name(spec.launch)) is not None:
+        return cluster
     if spec.pool is not None:
         return "warm"
     if spawns_its_own_ranks(spec.script.engine):

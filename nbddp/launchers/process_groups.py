@@ -43,6 +43,9 @@ def group_alive(pgid: int) -> bool:
 #: what is left: long enough for a rank to leave its group and flush its log. A launcher that needs longer says
 #: so (:attr:`nbddp.launchers.base.Launcher.stop_grace`: Slurm's cancel, Ray's actors); every stop takes it from there.
 STOP_GRACE = 5.0
+#: What a whole run (``nbddp run``'s process, a detached run's supervisor) needs beyond its launcher's stop grace
+#: once signalled: to stop its kernel and record how the run ended.
+RECORD_SECONDS = 7.0
 
 
 def signal_group(pgid: int, sig: int) -> None:

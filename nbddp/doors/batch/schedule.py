@@ -27,9 +27,7 @@ from nbddp.contracts.atomic import read_json
 from nbddp.contracts.devices import FREE, free_devices, gpu_usage, requested_gpus, resolve, visible_gpu_count
 from nbddp.contracts.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.contracts.owned import private_folder
-from nbddp.launchers import devices_for
-from nbddp.launchers.ray import STOP_SECONDS as RAY_STOP_SECONDS
-from nbddp.launchers.slurm import CANCEL_SECONDS
+from nbddp.launchers import devices_for, run_stop_grace
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.plan.options import LaunchOptions, machine_gpus_refusal
 from nbddp.contracts.status import BatchState, Status
@@ -42,13 +40,8 @@ from nbddp.launchers.warm.keepers import POOL_ENV, PoolKeeper
 from nbddp.launchers.warm.rules import why_not_warm
 
 POLL_SECONDS = 0.2
-STOP_GRACE_SECONDS = 12.0
-#: A ``--slurm`` run cancels its job and waits for it to leave the queue before it exits.
-SLURM_STOP_GRACE_SECONDS = CANCEL_SECONDS + 30.0
 #: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
 SLURM_PARALLEL = 4
-#: A ``--ray`` run stops every rank through its actor before it exits.
-RAY_STOP_GRACE_SECONDS = RAY_STOP_SECONDS + 30.0
 
 
 @dataclass(frozen=True)
@@ -295,9 +288,7 @@ class Batch:
     def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
         """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and
         records it: the user's Ctrl-C as SIGINT, ``nbddp kill``'s SIGTERM as SIGTERM), then SIGKILL stragglers."""
-        grace = {"slurm": SLURM_STOP_GRACE_SECONDS, "ray": RAY_STOP_GRACE_SECONDS}.get(self.device_kind,
-                                                                                     STOP_GRACE_SECONDS)
-        stop_groups([s.process.pid for s in running], sig, grace=grace,
+        stop_groups([s.process.pid for s in running], sig, grace=run_stop_grace(self.options.launch),
                     reap=lambda: [s.process.poll() for s in running])
         for state in running:
             try:
