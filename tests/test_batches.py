@@ -334,10 +334,10 @@ def test_a_batch_knows_its_pool_busy_with_a_job_a_dead_run_handed_out(tmp_path):
     pool = WarmPool.__new__(WarmPool)  # the batch's own view of its pool: it started it, handed out nothing
     pool.devices, pool.dir, pool.runs = resolve(cpu=True, nproc=2), PoolDir(tmp_path), 0
     pool.dir.jobs.mkdir(parents=True)
-    pool.dir.ended_dir.mkdir()
+    pool.dir.job_exits_dir.mkdir()
     assert not pool.busy()
     pool.dir.job(0).write_text("{}")  # a run adopted the pool and handed it job 0
-    pool.dir.ended(0, 0).write_text('{"status": "ok"}')
+    pool.dir.job_exit(0, 0).write_text('{"status": "ok"}')
     assert pool.busy()  # rank 1 is still in it: the run died before it ended
-    pool.dir.ended(0, 1).write_text('{"status": "ok"}')
+    pool.dir.job_exit(0, 1).write_text('{"status": "ok"}')
     assert not pool.busy()

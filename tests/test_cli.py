@@ -91,7 +91,7 @@ def test_export_of_an_unmarked_notebook_says_which_cells_nbddp_chose(notebook, c
     assert captured.err.startswith(f"nbddp: {line}\n")
     header = captured.out.split("\n\n")[0]
     assert "(cells 1, 2, 4); engine: lightning." in header
-    assert f"# No cell is marked: cell 4 (trainer.fit) is the training cell, cells 1, 2 its setup; cells 3, 5 run " \
+    assert "# No cell is marked: cell 4 (trainer.fit) is the training cell, cells 1, 2 its setup; cells 3, 5 run " \
            "only in the kernel (nbddp's choice: mark cells '#| ddp-train' / '#| ddp' to choose otherwise)." in header
 
 

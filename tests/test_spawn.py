@@ -209,7 +209,7 @@ def test_a_failing_function_is_named_in_the_cell_that_defines_it_and_an_own_mode
 @pytest.mark.slow
 def test_ddp_train_runs_the_tutorial_on_warm_ranks(tmp_path):
     from tests.test_magic import ProtocolKernel
-    from tests.test_warm import pids, weight
+    from tests.test_warm import pids
 
     kernel = ProtocolKernel(tmp_path)
     try:

@@ -3,7 +3,6 @@
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import time

@@ -76,8 +76,8 @@ def take(pool: WarmPool, *ranks: int) -> None:
 
 def end(pool: WarmPool, rank: int, status: str = "interrupted", released: bool = True) -> None:
     """Rank ``rank`` ended job 0 with ``status`` (and, when that isn't ``ok``, freed its group if ``released``)."""
-    pool.dir.ended_dir.mkdir(exist_ok=True)
-    write_json(pool.dir.ended(0, rank), {"status": status})
+    pool.dir.job_exits_dir.mkdir(exist_ok=True)
+    write_json(pool.dir.job_exit(0, rank), {"status": status})
     if released and status != "ok":
         pool.dir.mark(pool.dir.released(0, rank))
 

@@ -84,11 +84,12 @@ class PoolDir:
         return len(list(self.jobs.glob("*.json")))
 
     @property
-    def ended_dir(self) -> Path:
+    def job_exits_dir(self) -> Path:
         return self.path / "ended"
 
-    def ended(self, number: int, rank: int) -> Path:
-        return self.ended_dir / f"{number}-{rank}.json"
+    def job_exit(self, number: int, rank: int) -> Path:
+        """How ``rank`` left job ``number`` (its status), written as it leaves."""
+        return self.job_exits_dir / f"{number}-{rank}.json"
 
     def taken(self, number: int, rank: int) -> Path:
         return self.path / "taken" / f"{number}-{rank}"

@@ -308,10 +308,10 @@ def replay(run_dir: Path, write: Callable[[str], Any]) -> Any:
     info = _supervisor_info(paths)
     transcript = Followed(paths.supervisor_log, None)
     while True:
-        ended = not supervisor_alive(paths)  # before the read: then that read is the last
-        for line in read_complete(transcript, final=ended):
+        supervisor_gone = not supervisor_alive(paths)  # before the read: then that read is the last
+        for line in read_complete(transcript, final=supervisor_gone):
             write(line.decode("utf-8", errors="replace") + "\n")
-        if ended:
+        if supervisor_gone:
             record = RunRecord.read(paths.path)
             if record is None:
                 raise _gone(paths, read_json(paths.supervisor) or info)

@@ -53,7 +53,7 @@ class BatchSlotPool:
 
         return adopt_batch_pool(devices, cwd, launch)
 
-    def ended(self, pool: WarmHandle, status: Status) -> None:
+    def after_run(self, pool: WarmHandle, status: Status) -> None:
         """The batch, which owns the pool, replaces it after a run that did not succeed."""
 
     def held_gpus(self) -> tuple[str, ...]:

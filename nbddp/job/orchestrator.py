@@ -52,7 +52,7 @@ class WarmSource(Protocol):
     def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmHandle | None, str]:
         """``(pool or None, a line to say)``: warm ranks that can take this run, or why it starts fresh ones."""
 
-    def ended(self, pool: WarmHandle, status: Status) -> None:
+    def after_run(self, pool: WarmHandle, status: Status) -> None:
         """The run on ``pool`` ended with ``status`` (ranks whose run did not succeed can't be trusted)."""
 
     def held_gpus(self) -> tuple[str, ...]:
@@ -267,9 +267,9 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         if job is not None and result.record is None:
             job.record(Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None, request.parameters,
                        request.source or str(request.notebook), request.overrides, request.command)
-        _warm_ended(request, pool, Status.FAILED)
+        _warm_after_run(request, pool, Status.FAILED)
         raise
-    _warm_ended(request, pool, result.status)
+    _warm_after_run(request, pool, result.status)
     return result
 
 
@@ -305,6 +305,6 @@ def _warm_pool(request: RunRequest, devices: Devices, say: Say) -> WarmHandle | 
     return pool
 
 
-def _warm_ended(request: RunRequest, pool: WarmHandle | None, status: Status) -> None:
+def _warm_after_run(request: RunRequest, pool: WarmHandle | None, status: Status) -> None:
     if pool is not None and request.warm is not None:
-        request.warm.ended(pool, status)
+        request.warm.after_run(pool, status)

@@ -158,11 +158,11 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
     ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
     ``failure``: what was judged of the exception that ended it (:meth:`nbddp.contracts.errors.RunError.judged`).
     """
-    paths, ended = RunDir(spec.run_dir), time.time()
+    paths, ended_at = RunDir(spec.run_dir), time.time()
     record = RunRecord(
         status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=spec.script.engine,
         devices={"kind": spec.devices.kind, "nproc": spec.devices.nproc}, world_size=spec.world_size,
-        parameters=dict(parameters), started_at=started_at, ended_at=ended, wall_time_s=round(ended - started_at, 3),
+        parameters=dict(parameters), started_at=started_at, ended_at=ended_at, wall_time_s=round(ended_at - started_at, 3),
         rank_exit_codes={str(k): v for k, v in rank_exit_codes.items()},
         final_metrics=last_metrics(spec.run_dir) if final_metrics is None else final_metrics,
         restarts=paths.restarts(), checkpoint=str(paths.weights) if paths.weights.exists() else None,

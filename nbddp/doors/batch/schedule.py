@@ -283,7 +283,7 @@ class Batch:
         state.status = _status_of(state.run_dir, code)
         keeper = self.keepers.get(state.slot)
         if keeper is not None and keeper.pool is not None:
-            keeper.ended(keeper.pool, Status(state.status.value))
+            keeper.after_run(keeper.pool, Status(state.status.value))
 
     def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
         """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and

@@ -11,7 +11,7 @@ run's setup leaves; the ranks keep the setup cells that didn't change since they
 
 Three rules decide, and only they: :func:`~.rules.why_not_warm` (can warm ranks serve this run at all: the
 engine, several nodes, Slurm, ``--max-restarts``), :func:`~.keepers.why_fresh` (can *this* pool serve it:
-what the ranks were started with, whether they are alive and idle) and :meth:`PoolKeeper.ended`
+what the ranks were started with, whether they are alive and idle) and :meth:`PoolKeeper.after_run`
 (after a run that didn't succeed, keyed by its :class:`~nbddp.contracts.status.Status`: the pool is kept
 unless :meth:`WarmPool.why_not_kept` says why not). ``%%ddp_train`` keeps one pool per kernel
 (:class:`KernelPool`); ``nbddp batch`` one per device slot (a :class:`PoolKeeper` each), which its

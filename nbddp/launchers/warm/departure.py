@@ -112,7 +112,7 @@ class Departure:
         freeing its group), ``in`` (took the job, still in it) or ``pending`` (hasn't taken it)."""
         directory, found = self.pool.dir, {}
         for rank in range(self.pool.devices.nproc):
-            ending = _json(directory.ended(self.number, rank))
+            ending = _json(directory.job_exit(self.number, rank))
             if ending is not None:
                 done = ending.get("status") == JobEnd.OK or directory.released(self.number, rank).exists()
                 found[rank] = "out" if done else "releasing"

@@ -99,7 +99,7 @@ class PoolKeeper:
     def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
         return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ)
 
-    def ended(self, pool: WarmPool, status: Status) -> None:
+    def after_run(self, pool: WarmPool, status: Status) -> None:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
         left the job (or is on its way out), else stop them (and start fresh ones, ``replace_at_once``)."""
         note = ending_note(status)

@@ -135,7 +135,7 @@ class WarmPool:
         found: list[dict | None] = []
         for rank in range(self.devices.nproc):
             try:
-                found.append(json.loads(self.dir.ended(number, rank).read_text()))
+                found.append(json.loads(self.dir.job_exit(number, rank).read_text()))
             except (OSError, ValueError):
                 found.append(None)
         return found

@@ -101,7 +101,7 @@ def main(folder: Path) -> int:
         sys.stderr.flush()
         os.dup2(pool_stdout, 1)
         os.dup2(pool_stderr, 2)
-        write_json(pool.ended(number, rank), {"status": status.value})
+        write_json(pool.job_exit(number, rank), {"status": status.value})
         if status != JobEnd.OK:  # (said first: should freeing the group block, the kernel still ends the job)
             rank_process.release_group()  # wakes the peers still in a collective with this rank
             pool.mark(pool.released(number, rank))
@@ -180,7 +180,7 @@ def _every_rank_ended_well(pool: PoolDir, number: int, size: int) -> bool:
         for other in range(size):
             if statuses[other] is None:
                 try:
-                    statuses[other] = json.loads(pool.ended(number, other).read_text())["status"]
+                    statuses[other] = json.loads(pool.job_exit(number, other).read_text())["status"]
                 except (OSError, ValueError, KeyError):
                     pass
         if None in statuses:
