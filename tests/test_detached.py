@@ -119,13 +119,13 @@ def test_a_supervisor_gone_without_a_result_is_said_not_waited_for(tmp_path):
     paths.detached.mkdir()
     write_json(paths.supervisor, {"pid": dead.pid, "started": time.time()})
     with pytest.raises(RunFailed, match=f"supervisor \\(pid {dead.pid}\\) is gone and left no result"):
-        detached.follow(tmp_path, [])
+        detached.follow(paths, [])
     write_json(paths.supervisor, {"pid": os.getpid(), "created": 0.0})  # a live process that got its pid since
     with pytest.raises(RunFailed, match=f"supervisor \\(pid {os.getpid()}\\) is gone"):
-        detached.replay(tmp_path, lambda text: None)
+        detached.replay(paths, lambda text: None)
     write_json(paths.supervisor, {"pid": os.getpid(), "error": "no GPU here: use --cpu"})
     with pytest.raises(RunFailed, match="ended before it started: no GPU here"):
-        detached.follow(tmp_path, [])
+        detached.follow(paths, [])
 
 
 def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
@@ -135,10 +135,10 @@ def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
 
     run_dir = tmp_path / "runs" / "gone-1"
     run_dir.mkdir(parents=True)
-    pid = detached.start(RunOptions(tmp_path / "gone.ipynb", LaunchOptions(run_dir=run_dir)), run_dir, tmp_path)
+    pid = detached.start(RunOptions(tmp_path / "gone.ipynb", LaunchOptions(run_dir=run_dir)), RunDir(run_dir), tmp_path)
     assert pid != os.getpid()
     with pytest.raises(RunFailed, match="ended before it started: .*gone.ipynb"):
-        detached.follow(run_dir, [])
+        detached.follow(RunDir(run_dir), [])
     result = _nbddp("attach", run_dir, cwd=tmp_path)
     assert result.returncode == 1 and "ended before it started" in result.stderr, result.stderr
 

@@ -4,6 +4,7 @@ from nbddp.contracts.devices import Devices
 from nbddp.job.lifecycle import Job, JobSpec
 from nbddp.notebook.script import Script
 from nbddp.contracts.sourcemap import SourceMap
+from nbddp.contracts.rundir import RunDir
 from tests.conftest import alive
 
 
@@ -16,7 +17,7 @@ def test_stragglers_of_a_failed_launcher_are_reaped_without_calling_it_an_interr
     script = Script(text, SourceMap("nb.ipynb", "train.py", ()), "catalyst", ())
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    with Job.start(JobSpec(script, Devices("cpu", 2), run_dir, tmp_path)) as job:
+    with Job.start(JobSpec(script, Devices("cpu", 2), RunDir(run_dir), tmp_path)) as job:
         outcome = job.wait([])
     assert outcome.status == "failed" and outcome.exit_code == 1, outcome
     assert "the launcher failed (exit code 3)" in outcome.message

@@ -25,7 +25,7 @@ def launcher_for(engine, nodes=None, slurm=None, rdzv_timeout=300.0, max_restart
     """The seam's choice for a job of ``engine`` (a spec with an empty script)."""
     script = Script("", SourceMap("nb.ipynb", "train.py", ()), engine, ())
     launch = LaunchOptions(nodes=nodes, slurm=slurm, rdzv_timeout=rdzv_timeout, max_restarts=max_restarts)
-    spec = JobSpec(script, Devices("cpu", 2), Path("/r"), Path("/"), launch=launch)
+    spec = JobSpec(script, Devices("cpu", 2), RunDir(Path("/r")), Path("/"), launch=launch)
     return launcher_for_spec(spec)
 
 

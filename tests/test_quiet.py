@@ -3,6 +3,7 @@
 from nbddp.job.rank_output import QuietStream
 from nbddp.contracts.sourcemap import Segment, SourceMap
 from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
+from nbddp.contracts.rundir import RunDir
 from tests.test_stream import GLUED, append
 
 SCRIPT = "/runs/x/train.py"
@@ -100,7 +101,7 @@ def test_torchs_warning_glued_to_a_progress_bar_is_shown_once_for_every_rank_wit
                GLUED.replace(b"rank 0/2", f"rank {rank}/2".encode()).replace(b"[rank0]:", f"[rank{rank}]:".encode())
                .replace(b"23.384552090", b"23.384552090" if rank == 0 else b"23.400858476"))  # each its own time
     quiet = QuietStream(SOURCE_MAP, [0, 1])
-    out = shown(quiet.feed(RunFollower(tmp_path).poll(final=True), final=True, now=0.0))
+    out = shown(quiet.feed(RunFollower(RunDir(tmp_path)).poll(final=True), final=True, now=0.0))
     warnings = [line for line in out if "find_unused_parameters=True" in line[1]]
     assert warnings == [(0, "[W1125 16:48:23.384552090 reducer.cpp:1529] Warning: find_unused_parameters=True was "
                             "specified in DDP constructor, but did not find any unused parameters in the forward pass. "

@@ -250,6 +250,7 @@ def test_peak_memory_is_reported_read_and_said(tmp_path, as_cpu_rank):
     """A CPU rank's peak is its RSS, on a machine with GPUs too (even where this process used CUDA); a GPU
     rank's is CUDA's (tests/test_gpu.py)."""
     from nbddp.contracts.rank_memory import describe, read_peaks
+    from nbddp.contracts.rundir import RunDir
     from nbddp.rank_side import memory
 
     memory.watch(tmp_path / "ranks" / "memory-1.json", 1, fresh=True)
@@ -259,7 +260,7 @@ def test_peak_memory_is_reported_read_and_said(tmp_path, as_cpu_rank):
         memory.watch(None)
     assert report["kind"] == "rss" and 10e6 < report["peak_bytes"] < 20e9
     (tmp_path / "ranks" / "memory-0.json").write_text(json.dumps({"peak_bytes": 1_234_000_000}))
-    assert read_peaks(tmp_path)[0] == 1_234_000_000 and list(read_peaks(tmp_path)) == [0, 1]
+    assert read_peaks(RunDir(tmp_path))[0] == 1_234_000_000 and list(read_peaks(RunDir(tmp_path))) == [0, 1]
     assert describe({0: 1_234_000_000, 1: 987_000_000}) == "peak memory 1.23 GB, 987 MB (ranks 0-1)"
     assert describe({}) == ""
 

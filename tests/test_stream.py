@@ -5,6 +5,7 @@ import json
 import pytest
 
 from nbddp.job.follow import LogLine, MetricsEvent, RunFollower
+from nbddp.contracts.rundir import RunDir
 
 
 def append(path, data: bytes):
@@ -14,7 +15,7 @@ def append(path, data: bytes):
 
 
 def test_lines_arrive_as_written_and_partial_lines_wait(tmp_path):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     log = tmp_path / "logs" / "rank-1.log"
     append(log, b"first\nsec")
     assert list(follower.poll()) == [LogLine(1, "first")]
@@ -26,7 +27,7 @@ def test_lines_arrive_as_written_and_partial_lines_wait(tmp_path):
 
 
 def test_utf8_split_across_writes_and_invalid_bytes(tmp_path):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     log = tmp_path / "logs" / "rank-0.log"
     snowman = "☃".encode()
     append(log, b"a" + snowman[:1])
@@ -36,7 +37,7 @@ def test_utf8_split_across_writes_and_invalid_bytes(tmp_path):
 
 
 def test_carriage_return_progress_bars(tmp_path):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     log = tmp_path / "logs" / "rank-0.log"
     append(log, b" 10%\r 20%\r 3")
     assert list(follower.poll()) == [LogLine(0, " 20%", progress=True)]
@@ -46,14 +47,14 @@ def test_carriage_return_progress_bars(tmp_path):
 
 
 def test_metrics_and_launcher_log(tmp_path):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     append(tmp_path / "metrics.jsonl", json.dumps({"epoch": 1, "loss": 0.5}).encode() + b"\n{broken\n")
     append(tmp_path / "logs" / "launcher.log", b"from torchrun\n")
     events = list(follower.poll())
     assert LogLine(None, "from torchrun") in events
     assert MetricsEvent({"epoch": 1, "loss": 0.5}) in events
     assert len(events) == 2
-    assert list(RunFollower(tmp_path, include_launcher=False).poll())[0] == MetricsEvent({"epoch": 1, "loss": 0.5})
+    assert list(RunFollower(RunDir(tmp_path), include_launcher=False).poll())[0] == MetricsEvent({"epoch": 1, "loss": 0.5})
 
 
 #: What rank 0 of a DDP model with ``find_unused_parameters=True`` wrote while ``tqdm(range(3))`` ran (torch 2.13):
@@ -69,7 +70,7 @@ GLUED = (b"[nbddp] rank 0/2 started (pid 11078)\n"
 
 @pytest.mark.parametrize("chunk", [len(GLUED), 7])  # all at once, and as a slow rank writes it
 def test_a_line_written_after_a_progress_bars_state_is_a_line_of_its_own(tmp_path, chunk):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     events = []
     for start in range(0, len(GLUED), chunk):
         append(tmp_path / "logs" / "rank-0.log", GLUED[start:start + chunk])
@@ -86,7 +87,7 @@ def test_a_line_written_after_a_progress_bars_state_is_a_line_of_its_own(tmp_pat
 
 
 def test_a_bar_padded_over_a_longer_state_and_bars_without_a_total(tmp_path):
-    follower = RunFollower(tmp_path)
+    follower = RunFollower(RunDir(tmp_path))
     append(tmp_path / "logs" / "rank-1.log",
            b"\r10it [00:01, 9.50it/s, loss=0.3]   /x.py:3: UserWarning: w\n"  # tqdm pads a shorter state
            b"\rdone [00:01] not a bar's timing\n")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from nbddp.contracts.rundir import RunDir
@@ -18,9 +17,9 @@ from nbddp.contracts.rundir import RunDir
 COUNTERS = frozenset({"epoch", "epochs", "step", "steps", "time"})
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: RunDir) -> list[dict[str, Any]]:
     """Every ``nbddp.log`` record of a run, in order; unreadable lines skipped."""
-    path = RunDir(run_dir).metrics
+    path = run_dir.metrics
     records: list[dict[str, Any]] = []
     if path.exists():
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
@@ -33,7 +32,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def last_metrics(run_dir: Path) -> dict[str, Any]:
+def last_metrics(run_dir: RunDir) -> dict[str, Any]:
     """The final ``nbddp.log`` record (without its timestamp)."""
     records = read_metrics(run_dir)
     return {k: v for k, v in records[-1].items() if k != "time"} if records else {}

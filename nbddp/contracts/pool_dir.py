@@ -129,16 +129,22 @@ class PoolDir:
         return self.path / "stop"
 
     @property
+    def as_run_dir(self) -> RunDir:
+        """The pool's starter writes where a run's starter does (its log, its launch report, the store the
+        ranks meet in): those files are named as a run dir's."""
+        return RunDir(self.path)
+
+    @property
     def launcher_log(self) -> Path:
-        return RunDir(self.path).launcher_log
+        return self.as_run_dir.launcher_log
 
     @property
     def launch_report(self) -> Path:
-        return RunDir(self.path).launch_report
+        return self.as_run_dir.launch_report
 
     @property
     def store(self) -> Path:
-        return RunDir(self.path).store
+        return self.as_run_dir.store
 
     def owner(self) -> int | None:
         """The pid of the process that started the pool, from the folder's name."""

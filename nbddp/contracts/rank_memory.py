@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from nbddp.contracts.atomic import read_json
 from nbddp.contracts.rundir import RunDir, rank_of
 
 
-def read_peaks(run_dir: Path) -> dict[int, int]:
+def read_peaks(run_dir: RunDir) -> dict[int, int]:
     """``{rank: peak bytes}`` of every rank that reported; unreadable reports skipped."""
     peaks: dict[int, int] = {}
-    for path in RunDir(run_dir).memory_reports():
+    for path in run_dir.memory_reports():
         try:
             peaks[rank_of(path)] = int(read_json(path)["peak_bytes"])
         except (ValueError, KeyError, TypeError, IndexError):

@@ -270,7 +270,7 @@ class RunDir:
         return [cls(path.parent) for path in sorted(Path(folder).glob(f"*/{_RESULT}"))]
 
 
-def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
+def create_run_dir(notebook: Path, run_dir: Path | None = None) -> RunDir:
     """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private; or
     ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten).
 
@@ -282,14 +282,14 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> Path:
         run_dir = Path(run_dir)
         if RunDir(run_dir).holds_a_run():
             raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
-        return private_folder(run_dir, "--run-dir", parents=True).resolve()
+        return RunDir(private_folder(run_dir, "--run-dir", parents=True).resolve())
     parent = private_folder(notebook.resolve().parent / "runs", "the runs folder")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 10_000):
         candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))
         try:
             candidate.mkdir(mode=0o700)  # atomic: two runs in the same second get different dirs
-            return candidate
+            return RunDir(candidate)
         except FileExistsError:
             continue
     raise NbddpError(f"could not create a run dir in {parent}.")

@@ -11,7 +11,7 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from nbddp._version import __version__
 from nbddp.doors.signals import signals_interrupt
@@ -19,6 +19,9 @@ from nbddp.contracts.errors import NbddpError, SignalReceived, UsageError
 from nbddp.contracts.owned import NotYours
 from nbddp.contracts.status import BatchState, Status
 from nbddp.plan.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
+
+if TYPE_CHECKING:
+    from nbddp.contracts.rundir import RunDir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,7 +137,7 @@ def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
 
     check_notebook(options)
     run_dir = create_run_dir(options.notebook, options.launch.run_dir)
-    options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir), owner="detached")
+    options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir.path), owner="detached")
     pid = detached.start(options, run_dir, Path.cwd())
     print(f"nbddp: detached (supervisor pid {pid}): closing this terminal leaves the run going; "
           f"`nbddp attach {run_dir}` follows it again, `nbddp kill {run_dir}` stops it", file=sys.stderr, flush=True)
@@ -147,7 +150,7 @@ def _attach(args: argparse.Namespace) -> int:
     return _follow(detached.find_run(args.run, Path.cwd()))
 
 
-def _follow(run_dir: Path) -> int:
+def _follow(run_dir: RunDir) -> int:
     """What the run's terminal shows (the supervisor's transcript), from its first line until it ends; its exit code.
 
     Ctrl-C (or SIGTERM, SIGHUP: a closed terminal) stops the following only, never the run."""
@@ -250,7 +253,6 @@ def _kill(args: argparse.Namespace) -> int:
 def _stop_detached(which: str) -> bool:
     """A detached run whose job isn't registered (yet): its supervisor is stopped; False if ``which`` is none."""
     from nbddp.doors import detached
-    from nbddp.contracts.rundir import RunDir
 
     try:
         run_dir = detached.find_run(which, Path.cwd())
@@ -258,12 +260,12 @@ def _stop_detached(which: str) -> bool:
         raise  # another user's run: say whose, not "no live run"
     except UsageError:
         return False
-    if not detached.supervisor_alive(RunDir(run_dir)):
+    if not detached.supervisor_alive(run_dir):
         return False
     if detached.stop(run_dir):
-        print(f"stopped {run_dir.name}")
+        print(f"stopped {run_dir.path.name}")
         return True
-    raise NbddpError(f"the supervisor of {run_dir.name} did not stop; see {RunDir(run_dir).supervisor_log}")
+    raise NbddpError(f"the supervisor of {run_dir.path.name} did not stop; see {run_dir.supervisor_log}")
 
 
 def _command() -> str:

@@ -46,15 +46,14 @@ ONLY_YOURS = "You can follow and stop only runs of your own."
 WEIGHTS_WAIT = "the weights wait in the run dir for %ddp_attach"
 
 
-def start(what: Any, run_dir: Path, cwd: Path) -> int:
+def start(what: Any, paths: RunDir, cwd: Path) -> int:
     """Start the supervisor of ``what`` (``nbddp run``'s ``RunOptions`` or ``%%ddp_train``'s ``RunRequest``,
-    whose ``launch.run_dir`` is ``run_dir``); returns its pid once it runs.
+    whose ``launch.run_dir`` is ``paths``' folder); returns its pid once it runs.
 
     Raises:
         NbddpError: it could not start (the run dir is removed: nothing ran).
         KeyboardInterrupt: Ctrl-C while it started (a supervisor that got to start is stopped).
     """
-    paths = RunDir(run_dir)
     private_folder(paths.detached, "the detached run's folder")
     write_request(paths, what)
     try:  # returns once the supervisor has written its pid and let go of the pipes (or failed)
@@ -179,10 +178,9 @@ def supervisor_alive(paths: RunDir) -> bool:
         return False
 
 
-def stop(run_dir: Path, grace: float = STOP_GRACE + RECORD_SECONDS) -> bool:
+def stop(paths: RunDir, grace: float = STOP_GRACE + RECORD_SECONDS) -> bool:
     """``nbddp kill`` of a detached run whose job isn't registered yet (or any more): SIGTERM its supervisor,
     which records why it ends (no launcher's ranks to stop: a local one's grace at most); True once it has."""
-    paths = RunDir(run_dir)
     if not supervisor_alive(paths):
         return True
     touch(paths.stop_mark)
@@ -193,12 +191,12 @@ def stop(run_dir: Path, grace: float = STOP_GRACE + RECORD_SECONDS) -> bool:
     return not supervisor_alive(paths)
 
 
-def is_detached(run_dir: Path) -> bool:
+def is_detached(paths: RunDir) -> bool:
     """A run dir whose run a supervisor owns (``--detach``)."""
-    return RunDir(run_dir).supervisor.exists()
+    return paths.supervisor.exists()
 
 
-def find_run(which: str, cwd: Path) -> Path:
+def find_run(which: str, cwd: Path) -> RunDir:
     """A detached run by its run dir (as a run prints it), its name under ``cwd/runs``, or a live run's name."""
     from nbddp.job.registry import find
 
@@ -209,24 +207,26 @@ def find_run(which: str, cwd: Path) -> Path:
     else:
         run_dir = Path(find(which).run_dir)  # (raises: no live run of that name)
     check_owned(run_dir, "the run", follow=True, then=ONLY_YOURS)
-    if not is_detached(run_dir):
+    paths = RunDir(run_dir)
+    if not is_detached(paths):
         raise UsageError(f"{run_dir} is not a detached run: only runs started with --detach can be attached "
-                         f"(its logs are in {RunDir(run_dir).logs}).")
-    return run_dir
+                         f"(its logs are in {paths.logs}).")
+    return paths
 
 
-def latest(notebook: Path) -> Path:
+def latest(notebook: Path) -> RunDir:
     """The newest detached run of ``notebook`` (``runs/<stem>-<time>`` beside it) of the user's own: what
     ``--attach`` alone means."""
     import re
 
     runs = Path(notebook).resolve().parent / "runs"
     named = re.compile(re.escape(Path(notebook).stem) + r"-\d{8}-\d{6}(-\d+)?$")
-    found = [d for d in runs.iterdir() if named.match(d.name) and _yours(d) and is_detached(d)] if runs.is_dir() else []
+    found = [RunDir(d) for d in runs.iterdir() if named.match(d.name) and _yours(d)] if runs.is_dir() else []
+    found = [paths for paths in found if is_detached(paths)]
     if not found:
         raise UsageError(f"no detached run of {Path(notebook).name} in {runs}: start one with --detach, "
                          "or name the run dir to attach to.")
-    return max(found, key=lambda d: (read_json(RunDir(d).supervisor) or {}).get("started", 0.0))
+    return max(found, key=lambda paths: (read_json(paths.supervisor) or {}).get("started", 0.0))
 
 
 def _yours(run_dir: Path) -> bool:
@@ -238,11 +238,11 @@ def _yours(run_dir: Path) -> bool:
         return False
 
 
-def raise_judged(run_dir: Path, record: Any) -> None:
+def raise_judged(run_dir: RunDir, record: Any) -> None:
     """Raise the error a run that didn't succeed raised in its supervisor (the judged one: rank, cell, line)."""
     from nbddp.contracts.errors import JUDGED, error_for
 
-    error = read_error(RunDir(run_dir))
+    error = read_error(run_dir)
     if error is not None:
         raise error
     judged = {name: value for name, value in (record.failure or {}).items() if name in JUDGED}
@@ -250,7 +250,7 @@ def raise_judged(run_dir: Path, record: Any) -> None:
                     **judged)
 
 
-def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Callable[[], Any] | None = None,
+def follow(paths: RunDir, sinks: Sequence[Callable[[Any], None]], heartbeat: Callable[[], Any] | None = None,
            on_ranks: Callable[[list[int]], Any] | None = None) -> Any:
     """Stream the run's every line (the earlier ones first) until it ends; returns its ``RunRecord``.
 
@@ -258,7 +258,7 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
     (whatever it raises stops the following, not the run).
 
     Raises:
-        UsageError: ``run_dir`` is not a detached run.
+        UsageError: ``paths`` is not a detached run.
         RunFailed: the supervisor is gone without a result (it was killed), or refused the run.
     """
     from nbddp.job.follow import RunFollower
@@ -266,17 +266,16 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
     from nbddp.job.record import RunRecord
     from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 
-    paths = RunDir(run_dir)
     _supervisor_info(paths)
     follower = quiet = None
     while True:
         info = read_json(paths.supervisor) or {}
-        record = RunRecord.read(paths.path)
+        record = RunRecord.read(paths)
         if follower is None and ("ranks" in info or record is not None):
             ranks = info["ranks"] if "ranks" in info else list(range(record.world_size))
             if on_ranks is not None:
                 on_ranks(ranks)
-            follower = RunFollower(paths.path, include_launcher=bool(info.get("launcher_log")))
+            follower = RunFollower(paths, include_launcher=bool(info.get("launcher_log")))
             source_map = sourcemap_path(paths.script)
             quiet = QuietStream(SourceMap.load(source_map) if source_map.exists() else None, ranks)
         if follower is not None:
@@ -292,19 +291,18 @@ def follow(run_dir: Path, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
         time.sleep(POLL_SECONDS)
 
 
-def replay(run_dir: Path, write: Callable[[str], Any]) -> Any:
+def replay(paths: RunDir, write: Callable[[str], Any]) -> Any:
     """``write`` the supervisor's transcript (what ``nbddp run`` would have shown in its terminal: the
     ranks' lines, the notebook's cells, the ending), from its first line until the supervisor has
     ended; returns the run's ``RunRecord``.
 
     Raises:
-        UsageError: ``run_dir`` is not a detached run.
+        UsageError: ``paths`` is not a detached run.
         RunFailed: the supervisor is gone without a result (it was killed).
     """
     from nbddp.job.follow import Followed, read_complete
     from nbddp.job.record import RunRecord
 
-    paths = RunDir(run_dir)
     info = _supervisor_info(paths)
     transcript = Followed(paths.supervisor_log, None)
     while True:
@@ -312,7 +310,7 @@ def replay(run_dir: Path, write: Callable[[str], Any]) -> Any:
         for line in read_complete(transcript, final=supervisor_gone):
             write(line.decode("utf-8", errors="replace") + "\n")
         if supervisor_gone:
-            record = RunRecord.read(paths.path)
+            record = RunRecord.read(paths)
             if record is None:
                 raise _gone(paths, read_json(paths.supervisor) or info)
             return record
@@ -333,22 +331,23 @@ def _gone(paths: RunDir, info: dict) -> RunFailed:
                      f"killed, and its ranks with it. Its last words: {paths.supervisor_log}", run_dir=str(paths.path))
 
 
-def ending(record: Any, run_dir: Path, weights: str | None = None) -> Any:
+def ending(record: Any, run_dir: RunDir, weights: str | None = None) -> Any:
     """The one line a followed run ends with, from its ``result.json``."""
     from nbddp.display.ending import NO_WEIGHTS, Ending, first_line
 
     weights = weights or NO_WEIGHTS
-    return Ending(record.status, record.wall_time_s, Path(run_dir), weights, first_line(record.error or ""),
+    return Ending(record.status, record.wall_time_s, run_dir.path, weights, first_line(record.error or ""),
                   record.final_metrics, {int(rank): peak for rank, peak in record.peak_memory.items()},
                   {int(rank): n for rank, n in record.dropped_output.items()})
 
 
-def how_to_return(run_dir: Path, in_kernel: bool) -> str:
+def how_to_return(run_dir: RunDir, in_kernel: bool) -> str:
     """What a door says when it stops following: the run goes on, and how to reach it again."""
     from nbddp.display.ending import shown_path
 
-    again = f"%ddp_attach {shown_path(run_dir)}" if in_kernel else f"nbddp attach {shown_path(run_dir)}"
-    return f"the run goes on: `{again}` follows it again, `nbddp kill {shown_path(run_dir)}` stops it"
+    where = shown_path(run_dir.path)
+    again = f"%ddp_attach {where}" if in_kernel else f"nbddp attach {where}"
+    return f"the run goes on: `{again}` follows it again, `nbddp kill {where}` stops it"
 
 
 if __name__ == "__main__":

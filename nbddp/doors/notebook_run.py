@@ -22,7 +22,6 @@ from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
 from nbddp.job.follow import Sink
 from nbddp.contracts.devices import Devices
-from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
 from nbddp.launchers.warm.keepers import POOL_ENV
 from nbddp.contracts.freevars import check_defined
@@ -123,7 +122,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
 
     def on_start(job) -> None:  # noqa: ANN001
         collector.run_dir = job.run_dir
-        where["output"] = Path(output or RunDir(job.run_dir).output)
+        where["output"] = Path(output or job.paths.output)
         say(f"nbddp: {describe(job.spec)}")
         if started is not None:
             started(job)
@@ -132,7 +131,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
                             request.script.training, save=save,
                             echo=terminal.line if terminal is not None else None)  # above the epoch bar
     result = orchestrator.run(request, kernel, [collector, *sinks], _prefixed(say), on_start=on_start)
-    out = where.get("output", Path(output or RunDir(result.run_dir).output))
+    out = where.get("output", Path(output or result.paths.output))
     write_notebook(executed, out)
     result.extra.update(output=out, executed=executed)
     _end_bar(terminal)
@@ -175,7 +174,7 @@ def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
 
 def summary(result: orchestrator.RunResult, output: Path) -> str:
     """The run's ending: its error (if any), then one line, then the final metrics."""
-    weights = RunDir(result.run_dir).weights
+    weights = result.paths.weights
     ending = replace(ending_of(result), weights=f"weights {shown_path(weights)}" if weights.exists()
                      else ending_of(result).weights if result.status == Status.SUCCEEDED else NO_WEIGHTS)
     lines = [f"nbddp: error: {result.message}"] if result.message else []

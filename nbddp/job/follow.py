@@ -88,11 +88,11 @@ class Followed:
 class RunFollower:
     """Reads what was appended to a run dir's log and metrics files since the last poll."""
 
-    def __init__(self, run_dir: Path, include_launcher: bool = True) -> None:
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: RunDir, include_launcher: bool = True) -> None:
+        self.run_dir = run_dir
         self.include_launcher = include_launcher
         self._files: dict[Path, Followed] = {}
-        self._metrics = Followed(RunDir(self.run_dir).metrics, None)
+        self._metrics = Followed(run_dir.metrics, None)
         self._peaks: dict[int, int] = {}
         self._peaks_read = 0.0
 
@@ -116,7 +116,7 @@ class RunFollower:
                 yield MemoryEvent(peaks)
 
     def _discover(self) -> list[Followed]:
-        paths = RunDir(self.run_dir)
+        paths = self.run_dir
         logs = paths.logs
         if logs.is_dir():
             for path in logs.iterdir():
@@ -131,7 +131,7 @@ class RunFollower:
 
     def _read_lines(self, followed: Followed, final: bool) -> Iterator[LogLine]:
         if followed.rank is not None and followed.kept is None:
-            report = read_json(RunDir(self.run_dir).rank_log_cap(followed.rank))
+            report = read_json(self.run_dir.rank_log_cap(followed.rank))
             followed.kept = report.get("kept") if isinstance(report, dict) else None
         for raw in read_complete(followed, final, limit=None if final else followed.kept, budget=READ_BYTES):
             text = raw.rstrip(b"\r").rsplit(b"\r", 1)[-1]  # what a terminal shows after redraws

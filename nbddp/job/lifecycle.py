@@ -29,7 +29,7 @@ from nbddp.job.rank_output import QuietStream
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.metrics import last_metrics
 from nbddp.job.record import RunRecord, rank_errors, record_job
-from nbddp.contracts.rundir import RunDir, rank_of
+from nbddp.contracts.rundir import rank_of
 from nbddp.plan.job_spec import JobSpec
 from nbddp.job.torch_leftovers import TorchLeftovers
 from nbddp.notebook.script import write_script
@@ -53,8 +53,9 @@ class Job:
         self.spec, self.launcher, self.launch, self.live = spec, launcher, launch, live
         self.leftovers = leftovers
         self.script, self.devices = spec.script, spec.devices
-        self.run_dir = spec.run_dir
-        self.paths = RunDir(spec.run_dir)
+        self.paths = spec.run_dir
+        self.run_dir = spec.run_dir.path
+        """Where the run's files are, as the user is shown it."""
         self.checkpoint = self.paths.weights
         self.script_path = self.paths.script
         self.collective_timeout = spec.launch.collective_timeout
@@ -76,7 +77,7 @@ class Job:
         if spec.launch.max_restarts and not launcher.supports_restarts:
             raise UsageError(f"--max-restarts needs torchrun to restart the ranks; this run's launcher "
                              f"({launcher.name}) can't.")
-        paths = RunDir(spec.run_dir)
+        paths = spec.run_dir
         script_path, _ = write_script(spec.script, paths.script)
         paths.logs.mkdir(exist_ok=True)
         rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
@@ -84,7 +85,7 @@ class Job:
         rank_env |= spec.devices.environment()  # the GPUs chosen by name (--gpus free, --wait)
         launch = launcher.start(script_path, spec, rank_env)
         try:
-            live = registry.register(spec.run_dir, launch.pgid, spec.script.engine, spec.world_size, spec.owner,
+            live = registry.register(spec.run_dir.path, launch.pgid, spec.script.engine, spec.world_size, spec.owner,
                                      launcher.stop_grace)
             return cls(spec, launcher, launch, live, leftovers)
         except BaseException:
@@ -155,7 +156,7 @@ class Job:
         if attempt <= self.restarts_said:
             return
         self.restarts_said = attempt
-        raised = [error for error in rank_errors(self.run_dir, self.script.source_map) if error.attempt == attempt - 1]
+        raised = [error for error in rank_errors(self.paths, self.script.source_map) if error.attempt == attempt - 1]
         raised = [error for error in raised if not PEER_GONE.search(error.message)] or raised  # not those it broke
         why = "; ".join(f"rank {error.rank} raised {error.type}: {error.message.strip()[:160]}" for error in raised
                         ) or self.launcher.failed_attempt(self.launcher.report(self.paths))
@@ -217,7 +218,7 @@ class Job:
     def evidence(self, timed_out: bool = False, interrupted_by: int | None = None) -> Evidence:
         """What the job's processes left behind, for :func:`nbddp.job.outcome.judge`."""
         latest = self.paths.restarts()  # errors of attempts torchrun recovered from don't count
-        errors = tuple(e for e in rank_errors(self.run_dir, self.script.source_map) if e.attempt >= latest)
+        errors = tuple(e for e in rank_errors(self.paths, self.script.source_map) if e.attempt >= latest)
         seen = self.launcher.observe(self.paths, expired=self.rendezvous_expired)
         evidence = Evidence(
             run_dir=self.paths, notebook=self.script.source_map.notebook, launcher_exit=self.launch.poll(),
@@ -229,7 +230,7 @@ class Job:
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
             checkpoint_expected=bool(self.script.returns) and (self.spec.launch.nodes is None or self.spec.launch.nodes.rank == 0),
-            final_metrics=last_metrics(self.run_dir), rendezvous_failure=seen.rendezvous_failure,
+            final_metrics=last_metrics(self.paths), rendezvous_failure=seen.rendezvous_failure,
             scheduler_end=seen.scheduler_end,
         )
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?

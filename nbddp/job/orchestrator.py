@@ -36,7 +36,7 @@ from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.record import RunRecord
-from nbddp.contracts.rundir import create_run_dir
+from nbddp.contracts.rundir import RunDir, create_run_dir
 from nbddp.plan.job_spec import JobSpec, WarmHandle
 from nbddp.contracts.status import Status
 from nbddp.launchers import devices_for, topology_notes
@@ -162,6 +162,7 @@ class RunResult:
     status: Status
     exit_code: int
     run_dir: Path
+    """The run's folder, as the user is shown it (its files: :attr:`paths`)."""
     message: str = ""
     """Why it didn't succeed (``""`` when it did)."""
     record: RunRecord | None = None
@@ -179,6 +180,11 @@ class RunResult:
     @property
     def succeeded(self) -> bool:
         return self.status == Status.SUCCEEDED
+
+    @property
+    def paths(self) -> RunDir:
+        """The run dir's files (``weights.pt``, ``output.ipynb``, …), named by the one owner of their names."""
+        return RunDir(self.run_dir)
 
     @property
     def loaded(self) -> list[str]:
@@ -230,7 +236,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                    launch=launch, owner=request.owner, pool=pool)
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
-    result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir)
+    result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)
     job: Job | None = None
 
     def train(own_deadline: float | None = None, name: str | None = None) -> JobOutcome:

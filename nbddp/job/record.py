@@ -51,10 +51,10 @@ class RankError:
         return text
 
 
-def rank_errors(run_dir: Path, source_map: SourceMap) -> list[RankError]:
+def rank_errors(run_dir: RunDir, source_map: SourceMap) -> list[RankError]:
     """Every rank's recorded exception, earliest first."""
     errors = []
-    for path in RunDir(run_dir).error_reports():
+    for path in run_dir.error_reports():
         data = read_json(path)
         if not isinstance(data, dict):
             continue
@@ -133,13 +133,13 @@ class RunRecord:
     versions: dict[str, str] = field(default_factory=lambda: versions())
     """nbddp, torch and Python, as installed where the run was launched."""
 
-    def write(self, run_dir: Path) -> Path:
-        return write_json(RunDir(run_dir).result, asdict(self), indent=1)
+    def write(self, run_dir: RunDir) -> Path:
+        return write_json(run_dir.result, asdict(self), indent=1)
 
     @classmethod
-    def read(cls, run_dir: Path) -> "RunRecord | None":
+    def read(cls, run_dir: RunDir) -> "RunRecord | None":
         """The run dir's ``result.json`` (``None`` before the run has ended); fields it doesn't know are ignored."""
-        data = read_json(RunDir(run_dir).result)
+        data = read_json(run_dir.result)
         if not isinstance(data, dict):
             return None
         known = {f.name for f in fields(cls)}
@@ -158,21 +158,21 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
     ``parameters``: every value the run used; ``overrides``: those given on top of the defaults;
     ``failure``: what was judged of the exception that ended it (:meth:`nbddp.contracts.errors.RunError.judged`).
     """
-    paths, ended_at = RunDir(spec.run_dir), time.time()
+    paths, ended_at = spec.run_dir, time.time()
     record = RunRecord(
         status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=spec.script.engine,
         devices={"kind": spec.devices.kind, "nproc": spec.devices.nproc}, world_size=spec.world_size,
         parameters=dict(parameters), started_at=started_at, ended_at=ended_at, wall_time_s=round(ended_at - started_at, 3),
         rank_exit_codes={str(k): v for k, v in rank_exit_codes.items()},
-        final_metrics=last_metrics(spec.run_dir) if final_metrics is None else final_metrics,
+        final_metrics=last_metrics(paths) if final_metrics is None else final_metrics,
         restarts=paths.restarts(), checkpoint=str(paths.weights) if paths.weights.exists() else None,
         error=message or None, failure=failure, script=str(paths.script), overrides=dict(overrides or {}),
         command=command, nodes=paths.roster(),
         **({launcher.job_record: launcher.job_info(paths)} if launcher.job_record else {}),
-        peak_memory={str(rank): peak for rank, peak in read_peaks(spec.run_dir).items()},
+        peak_memory={str(rank): peak for rank, peak in read_peaks(paths).items()},
         dropped_output={str(rank): dropped for rank, dropped in paths.dropped_output().items()},
     )
-    record.write(spec.run_dir)
+    record.write(paths)
     return record
 
 

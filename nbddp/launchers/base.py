@@ -98,7 +98,7 @@ class Launcher:
 
         ``rank_env``: the ``NBDDP_*`` variables of this run (:class:`~nbddp.contracts.rank_env.RankEnv`).
         """
-        paths = RunDir(spec.run_dir)
+        paths = spec.run_dir
         env = {**os.environ, **rank_env, **self.environment(paths)}
         argv = self.command(script, spec.devices, paths, python=spec.python, max_restarts=spec.launch.max_restarts)
         return LocalProcess(LaunchSpec(tuple(argv), env, spec.cwd, paths.launcher_log, self.stop_grace))

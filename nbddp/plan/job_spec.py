@@ -15,6 +15,7 @@ from typing import Any, Mapping, Protocol
 
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.pool_dir import PoolDir
+from nbddp.contracts.rundir import RunDir
 from nbddp.notebook.script import Script
 from nbddp.plan.options import LaunchOptions
 
@@ -37,7 +38,8 @@ class JobSpec:
 
     script: Script
     devices: Devices
-    run_dir: Path
+    run_dir: RunDir
+    """The run's folder, its files named by :class:`~nbddp.contracts.rundir.RunDir` (created, private)."""
     cwd: Path
     python: str = sys.executable
     launch: LaunchOptions = LaunchOptions()

@@ -169,6 +169,11 @@ class RunState:
     started: float = 0.0
     status: BatchState = BatchState.PENDING
 
+    @property
+    def paths(self) -> RunDir:
+        """Its run dir's files (the folder itself is moved aside as ``.tryN`` when the run is tried again)."""
+        return RunDir(self.run_dir)
+
 
 class Batch:
     """Schedules the planned runs onto device slots and records how each ended."""
@@ -242,8 +247,8 @@ class Batch:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
         launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
         argv = [sys.executable, "-m", "nbddp", "run", str(self.options.notebook),
-                "-o", str(RunDir(state.run_dir).output), *launch.to_argv()]
-        log = open(RunDir(state.run_dir).batch_log, "ab")
+                "-o", str(state.paths.output), *launch.to_argv()]
+        log = open(state.paths.batch_log, "ab")
         try:
             env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
             pool = self._warm_pool(index, launch, env, log)
@@ -280,7 +285,7 @@ class Batch:
     def _finish(self, state: RunState) -> None:
         self.free_slots.append(state.slot)
         code = state.process.returncode
-        state.status = _status_of(state.run_dir, code)
+        state.status = _status_of(state.paths, code)
         keeper = self.keepers.get(state.slot)
         if keeper is not None and keeper.pool is not None:
             keeper.after_run(keeper.pool, Status(state.status.value))
@@ -296,13 +301,13 @@ class Batch:
             except subprocess.TimeoutExpired:  # out of its group (it can't be: SIGKILL it by pid)
                 state.process.kill()
                 state.process.wait()
-            state.status = _status_of(state.run_dir, state.process.returncode, default=BatchState.INTERRUPTED)
+            state.status = _status_of(state.paths, state.process.returncode, default=BatchState.INTERRUPTED)
 
 
-def _status_of(run_dir: Path, code: int | None, default: BatchState = BatchState.FAILED) -> BatchState:
+def _status_of(run_dir: RunDir, code: int | None, default: BatchState = BatchState.FAILED) -> BatchState:
     """How a run ended, from its ``result.json`` (its exit code when it wrote none)."""
     try:
-        return BatchState((read_json(RunDir(run_dir).result) or {})["status"])
+        return BatchState((read_json(run_dir.result) or {})["status"])
     except (ValueError, KeyError, TypeError):
         return BatchState.SUCCEEDED if code == 0 else default
 
@@ -369,6 +374,6 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     try:
         states = batch.run()
     finally:
-        rows = summarize(out, [(s.run, s.run_dir, s.status) for s in batch.states])
+        rows = summarize(out, [(s.run, s.paths, s.status) for s in batch.states])
     failed = [s for s in states if not s.status.ok]
     return rows, Status.FAILED.exit_code if failed else Status.SUCCEEDED.exit_code

@@ -18,12 +18,11 @@ from nbddp.contracts.status import BatchState
 from nbddp.contracts.rundir import RunDir
 
 
-
-def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str, Any]]:
+def summarize(out: Path, runs: Sequence[tuple[Any, RunDir, str]]) -> list[dict[str, Any]]:
     """Write the summary files for ``runs`` (``(planned run, run dir, status)``) and return the rows."""
     rows, curves, metric_names = [], {}, []
-    for run, run_dir, status in runs:
-        result = read_json(RunDir(run_dir).result) or {}
+    for run, paths, status in runs:
+        result = read_json(paths.result) or {}
         state = BatchState(status)
         row: dict[str, Any] = {"run": run.name, **run.parameters,
                                "status": str(BatchState.SUCCEEDED if state.ok else state)}
@@ -34,10 +33,10 @@ def summarize(out: Path, runs: Sequence[tuple[Any, Path, str]]) -> list[dict[str
                 if key not in metric_names:
                     metric_names.append(key)
         row["error"] = error_line(result.get("status", ""), result.get("error"), result.get("failure")) or (
-            "" if state.ok else _last_line(RunDir(run_dir).batch_log, state))
-        row["run_dir"] = str(run_dir)
+            "" if state.ok else _last_line(paths.batch_log, state))
+        row["run_dir"] = str(paths)
         rows.append(row)
-        curves[run.name] = read_metrics(run_dir)
+        curves[run.name] = read_metrics(paths)
     columns = _columns(rows)
     _write_csv(out / "summary.csv", rows, columns)
     metric = main_metric(metric_names)

@@ -165,7 +165,7 @@ class DdpMagics(Magics):
 
         devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor
         run_dir = create_run_dir(request.notebook, request.launch.run_dir)
-        request = replace(request, launch=replace(request.launch, run_dir=run_dir), owner="detached", warm=None)
+        request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None)
         pid = detached.start(request, run_dir, request.cwd)
         print(f"[nbddp] detached (supervisor pid {pid}): restarting this kernel or closing the notebook leaves the "
               f"run going; %ddp_attach {run_dir} follows it again, `nbddp kill {run_dir}` stops it")
@@ -181,17 +181,18 @@ class DdpMagics(Magics):
         shown = _Shown(self.shell)
 
         try:
-            record = detached.follow(run_dir, [shown], shown.heartbeat, lambda ranks: shown.open(ranks, run_dir))
+            record = detached.follow(run_dir, [shown], shown.heartbeat, lambda ranks: shown.open(ranks, run_dir.path))
         except KeyboardInterrupt:
             again = detached.how_to_return(run_dir, in_kernel=True)
-            shown.close(Ending("detached", time.monotonic() - started, run_dir, "", again), say=True)
+            shown.close(Ending("detached", time.monotonic() - started, run_dir.path, "", again), say=True)
             return None
         except BaseException as exc:
-            shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir, NO_WEIGHTS, first_line(str(exc))))
+            shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir.path, NO_WEIGHTS, first_line(str(exc))))
             raise
         weights = NO_WEIGHTS
-        if record.status == Status.SUCCEEDED and RunDir(run_dir).weights.exists():
-            loaded = orchestrator.InProcess(self.shell.user_ns).load(RunDir(run_dir).weights)
+        weights_file = run_dir.weights
+        if record.status == Status.SUCCEEDED and weights_file.exists():
+            loaded = orchestrator.InProcess(self.shell.user_ns).load(weights_file)
             if loaded.error is not None:
                 shown.close(detached.ending(record, run_dir, first_line(loaded.message)))
                 raise loaded.error
@@ -205,21 +206,20 @@ class DdpMagics(Magics):
         """Run the job with its live view; end with one line, or an error without nbddp's frames."""
         started = time.monotonic()
         shown = _Shown(self.shell)
-        run_dir: Path | None = None
+        paths: RunDir | None = None
         nodes = request.launch.nodes
         kernel = orchestrator.NoKernel("node 0 holds the weights") if nodes and nodes.rank != 0 \
             else orchestrator.InProcess(self.shell.user_ns)
 
         def on_start(job) -> None:  # noqa: ANN001
-            nonlocal run_dir
-            run_dir = job.run_dir
+            nonlocal paths
+            paths = job.paths
             shown.open(job.local_ranks(), job.run_dir)
 
         def end(status: str, reason: str = "", weights: str = NO_WEIGHTS, metrics: dict | None = None) -> None:
-            metrics = metrics if metrics is not None else (last_metrics(run_dir) if run_dir else {})
-            shown.close(Ending(status, time.monotonic() - started, run_dir, weights, reason, metrics,
-                               read_peaks(run_dir) if run_dir else {},
-                               RunDir(run_dir).dropped_output() if run_dir else {}))
+            metrics = metrics if metrics is not None else (last_metrics(paths) if paths else {})
+            shown.close(Ending(status, time.monotonic() - started, paths.path if paths else None, weights, reason,
+                               metrics, read_peaks(paths) if paths else {}, paths.dropped_output() if paths else {}))
 
         try:
             result = orchestrator.run(request, kernel, [shown], lambda text: print(f"[nbddp] {text}"),
@@ -231,7 +231,7 @@ class DdpMagics(Magics):
             shutting_down = getattr(self.shell, "exit_now", False)
             end(Status.INTERRUPTED, "the kernel is restarting or shutting down" if shutting_down
                 else "every rank stopped")
-            raise _short_interrupt(time.monotonic() - started, run_dir) from None
+            raise _short_interrupt(time.monotonic() - started, paths.path if paths else None) from None
         if not result.succeeded:
             end(result.status, first_line(result.message))
             result.raise_for_status()
