@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nbddp.contracts.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
 from tests.conftest import code, write_notebook
 from tests.lab_browser import JupyterLab, Notebook, browser_missing, open_browser
 
@@ -97,6 +98,15 @@ def run_processes(run_dir: Path) -> set[int]:
             pids.add(proc.pid)
             proc = proc.parent()
     return pids
+
+
+def pool_of(pids: set[int]) -> PoolDir:
+    """The warm pool the run's processes belong to: its folder is their starter's argument."""
+    for pid in pids:
+        for arg in psutil.Process(pid).cmdline():
+            if Path(arg).name.startswith(FOLDER_PREFIX):
+                return PoolDir(Path(arg))
+    raise AssertionError(f"no warm pool among {pids}")
 
 
 def no_processes_left(pids: set[int], within: float = 15.0) -> None:
@@ -215,11 +225,16 @@ def test_stop_button_interrupts_within_seconds_then_a_kernel_restart_mid_run_lea
     assert len(text.strip().splitlines()) <= 2 and "magics.py" not in text and "ddp_train" not in text, text
     assert "interrupted after" in page.inner_text(".nbddp-snapshot")
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
-    # Warm ranks stop the run and stay, idle, for the next one: their logs stop growing.
-    logged = lambda: sum(p.stat().st_size for p in (run_dir / "logs").glob("rank-*.log"))  # noqa: E731
-    before = logged()
-    time.sleep(2)
-    assert logged() == before and all(psutil.pid_exists(p) for p in pids)
+    # Warm ranks stop the run and stay, idle, for the next one: each has left the job (its report says so, and
+    # it writes one only once back in its loop) and is alive.
+    pool = pool_of(pids)
+    job = pool.jobs_handed_out() - 1
+    deadline = time.monotonic() + 30
+    while not all(pool.job_exit(job, rank).exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, f"the ranks never left job {job} of {pool}"
+        time.sleep(0.1)
+    assert {json.loads(pool.job_exit(job, rank).read_text())["status"] for rank in (0, 1)} == {JobEnd.INTERRUPTED.value}
+    assert all(psutil.pid_exists(p) for p in pids)
     screenshot(page, "ddp_train_interrupted.png")
 
     notebook.wait_idle(60)

@@ -25,6 +25,7 @@ from nbddp.launchers.warm import departure as warm_departure
 from nbddp.launchers.local_process import AdoptedGroup
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm.departure import Departure, main_thread_frames, where
+from nbddp.launchers.warm import pool as warm_pool
 from nbddp.launchers.warm.pool import WarmPool
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -212,3 +213,20 @@ def test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump(tmp_
     assert where(frames[:names.index("in_the_script") + 1], __file__) == f"at test_warm_departure.py, line {mine[1]}"
     assert where(frames, "elsewhere.py") == f"in wait at threading.py:{inner[1]}"
     assert where([], __file__) == ""
+
+
+def test_a_rank_that_took_a_stopped_job_is_given_a_moment_to_end_it(tmp_path, ranks, monkeypatch):
+    """The next run right after an interrupt: a rank that has just taken the stopped job (it ends it at once)
+    is waited for, not taken for a rank busy with the job; one that never ends it is, after the wait."""
+    monkeypatch.setattr(warm_pool, "STOPPED_JOB_ENDS_WITHIN", 1.0)
+    pool = pool_of(tmp_path, ranks(BLOCKED), ranks(BLOCKED))
+    end(pool, 0)
+    take(pool, 1)
+    ending = threading.Timer(0.3, end, (pool, 1))
+    ending.start()
+    started = time.monotonic()
+    assert not pool.busy() and time.monotonic() - started < 1.0
+    ending.join()
+    pool.dir.job_exit(0, 1).unlink()  # rank 1 took it and never ends it
+    started = time.monotonic()
+    assert pool.busy() and time.monotonic() - started >= 1.0

@@ -31,6 +31,10 @@ from nbddp.launchers.warm.run import WarmRun
 from nbddp.plan.options import DEFAULT_WARM_IDLE
 from nbddp.contracts.rank_env import RankEnv
 
+#: Seconds a rank that took a stopped job is given to end it (it does so at once, once scheduled) before the
+#: pool is judged busy: the next run right after an interrupt finds the ranks it left.
+STOPPED_JOB_ENDS_WITHIN = 3.0
+
 
 class WarmPool:
     """N warm ranks under one starter, and the jobs handed to them in turn."""
@@ -150,8 +154,16 @@ class WarmPool:
         endings = self.endings(handed - 1) if handed else []
         if None not in endings:
             return False
-        return not self.dir.stopped(handed - 1).exists() or any(
-            ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings))
+        if not self.dir.stopped(handed - 1).exists():
+            return True
+        # A rank that took the stopped job ends it at once: a moment (a loaded machine's) is waited for.
+        deadline = time.monotonic() + STOPPED_JOB_ENDS_WITHIN
+        while any(ending is None and self.dir.taken(handed - 1, rank).exists() for rank, ending in enumerate(endings)):
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.05)
+            endings = self.endings(handed - 1)
+        return False
 
     def kept(self, wait: float = 10.0) -> list[dict | None]:
         """What each rank keeps of the setup (its cells, names and sizes, nbddp's copies; ``None``: nothing said),
