@@ -42,6 +42,8 @@ VARIABLES = {
     "store": "NBDDP_STORE",
     "parent": "NBDDP_PARENT",
     "log_cap": "NBDDP_LOG_CAP",
+    "track_every_rank": "NBDDP_TRACK_EVERY_RANK",
+    "tensorboard_dir": "NBDDP_TENSORBOARD_DIR",
 }
 
 
@@ -90,6 +92,12 @@ class RankEnv:
     store: Path | None = None
     """``NBDDP_STORE``: a run on one machine: the private folder where its ranks meet (a FileStore per
     attempt, :mod:`nbddp.launchers.private_rendezvous`), instead of a TCPStore at ``MASTER_ADDR``."""
+    track_every_rank: bool = False
+    """``NBDDP_TRACK_EVERY_RANK``: every rank keeps its MLflow, TensorBoard and W&B records, named by rank
+    (by default only rank 0's are: :mod:`nbddp.rank_side.trackers`)."""
+    tensorboard_dir: Path | None = None
+    """``NBDDP_TENSORBOARD_DIR``: the folder of the kernel's open TensorBoard writer: rank 0's writer that names
+    no folder of its own writes there."""
 
     def variables(self) -> dict[str, str]:
         """The variables this environment sets (empty fields left out)."""
@@ -138,4 +146,6 @@ class RankEnv:
             store=Path(get["store"]) if get["store"] else None,
             parent=int(get["parent"]) if get["parent"].isdigit() else None,
             log_cap=int(get["log_cap"]) if get["log_cap"].isdigit() and int(get["log_cap"]) > 0 else None,
+            track_every_rank=get["track_every_rank"] == "1",
+            tensorboard_dir=Path(get["tensorboard_dir"]) if get["tensorboard_dir"] else None,
         )

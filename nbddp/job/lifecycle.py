@@ -83,6 +83,7 @@ class Job:
         rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
                            spec.launch.collective_timeout, log_cap=spec.launch.log_cap).variables()
         rank_env |= spec.devices.environment()  # the GPUs chosen by name (--gpus free, --wait)
+        rank_env |= spec.environment  # the kernel's open experiment records, for rank 0
         launch = launcher.start(script_path, spec, rank_env)
         try:
             live = registry.register(spec.run_dir.path, launch.pgid, spec.script.engine, spec.world_size, spec.owner,

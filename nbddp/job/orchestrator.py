@@ -36,6 +36,7 @@ from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.job.record import RunRecord
+from nbddp.job import trackers
 from nbddp.contracts.rundir import RunDir, create_run_dir
 from nbddp.plan.job_spec import JobSpec, WarmHandle
 from nbddp.contracts.status import Status
@@ -232,8 +233,11 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)
+    records, names = trackers.open_records() if isinstance(kernel, InProcess) else ({}, [])
+    if names:
+        say(trackers.start_line(names))
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
-                   launch=launch, owner=request.owner, pool=pool)
+                   launch=launch, owner=request.owner, pool=pool, environment=trackers.rank_variables(records))
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)

@@ -9,7 +9,7 @@ that read it, so that they need nothing of the job that runs them.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
@@ -48,6 +48,8 @@ class JobSpec:
     """``cli`` (an ``nbddp run`` process) or ``kernel`` (``%%ddp_train``): how ``nbddp kill`` stops it."""
     pool: WarmHandle | None = None
     """Warm ranks to hand the job to, instead of starting ranks."""
+    environment: Mapping[str, str] = field(default_factory=dict)
+    """Variables the ranks get beside nbddp's own: where rank 0's experiment records go (:mod:`nbddp.job.trackers`)."""
 
     @property
     def node_count(self) -> int:

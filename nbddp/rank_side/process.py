@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 from nbddp.contracts.errors import NbddpError
-from nbddp.rank_side import log_cap, memory
+from nbddp.rank_side import log_cap, memory, trackers
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.parent_death import die_with_parent
 from nbddp.contracts.rundir import SCRIPT_NAME, RunDir
@@ -47,6 +47,7 @@ def become_rank(global_rank: int, size: int) -> None:
     die_with_parent(always=True)  # (an nbddp launcher's rank armed it before importing torch)
     guard_destroy()
     if not log_to_run_dir(global_rank):
+        trackers.guard(global_rank)
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
         map_tracebacks_to_the_notebook()
         return
@@ -83,6 +84,7 @@ def log_to_run_dir(global_rank: int) -> bool:
 
 def announce(global_rank: int, size: int, note: str = "") -> None:
     """``ranks/rank-N.json`` (pid, host, world size, attempt) and the "started" line: the rank is running."""
+    trackers.guard(global_rank)  # (a warm rank's every job: its environment is the job's)
     directory = run_dir()
     directory.ranks.mkdir(exist_ok=True)
     write_json(directory.rank_info(global_rank),

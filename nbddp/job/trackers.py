@@ -1,0 +1,99 @@
+"""The kernel's side of one experiment record per run (:mod:`nbddp.rank_side.trackers` is the ranks'): the
+records the kernel has open, for rank 0 to write into, so that a cell after the training can log the CPU
+evaluation into the same record.
+
+* an **MLflow** run (``mlflow.active_run()``): rank 0's ``mlflow.start_run()`` resumes it (MLflow's own
+  ``MLFLOW_RUN_ID``, with its tracking URI and experiment);
+* a **W&B** run (``wandb.run``): rank 0's ``wandb.init()`` resumes it (``WANDB_RUN_ID``, ``WANDB_RESUME=allow``, its
+  project, mode and folder);
+* a **TensorBoard** writer left open (``torch.utils.tensorboard`` or ``tensorboardX``): rank 0's writer that names
+  no folder of its own writes into its folder.
+
+Each run of the cell writes into the same open record: its points come after the ones already there (a
+re-run's steps start again at its own first step, later in time). Nothing here imports a tracker: only one the
+kernel has imported is asked.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+from nbddp.contracts.rank_env import RankEnv
+
+#: Variables of the trackers' own that carry a record to rank 0 (and nothing secret: no key, no token).
+RECORD_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "WANDB_RUN_ID", "WANDB_RESUME",
+                    "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE", "WANDB_DIR", "WANDB_SERVICE")
+
+
+def open_records() -> tuple[dict[str, str], list[str]]:
+    """``(variables for the ranks, what each names)``: the records this process (the kernel) has open."""
+    found: dict[str, str] = {}
+    said: list[str] = []
+    for reader in (_mlflow, _wandb, _tensorboard):
+        try:
+            variables, name = reader()
+        except Exception:  # noqa: BLE001 - a tracker's odd state never costs a run: its record is just not shared
+            continue
+        if variables:
+            found |= variables
+            said.append(name)
+    return found, said
+
+
+def rank_variables(kernel_records: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables a job's ranks get for their records: the kernel's open ones and, when this process was
+    asked (``NBDDP_TRACK_EVERY_RANK=1``), every rank keeping its own."""
+    every = RankEnv.from_environ().track_every_rank
+    return {**(kernel_records or {}), **RankEnv(track_every_rank=every).variables()}
+
+
+def start_line(names: list[str]) -> str:
+    """The start line's word on where rank 0's records go (``""``: the kernel has none open)."""
+    return f"rank 0 writes into the kernel's open {', '.join(names)}; the other ranks write none" if names else ""
+
+
+def _mlflow() -> tuple[dict[str, str], str]:
+    mlflow = sys.modules.get("mlflow")
+    run = mlflow.active_run() if mlflow is not None else None
+    if run is None:
+        return {}, ""
+    info = run.info
+    return ({"MLFLOW_RUN_ID": info.run_id, "MLFLOW_EXPERIMENT_ID": str(info.experiment_id),
+             "MLFLOW_TRACKING_URI": str(mlflow.get_tracking_uri())},
+            f"MLflow run {info.run_name or info.run_id!r}")
+
+
+def _wandb() -> tuple[dict[str, str], str]:
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None:
+        return {}, ""
+    settings: Any = run.settings
+    found = {"WANDB_RUN_ID": run.id, "WANDB_RESUME": "allow", "WANDB_PROJECT": run.project or "",
+             "WANDB_ENTITY": run.entity or "", "WANDB_MODE": str(settings.mode or ""),
+             "WANDB_DIR": str(settings.root_dir or "")}
+    # Not the kernel's wandb-core service (WANDB_SERVICE, inherited): it holds the run and refuses it to another
+    # process ("run ID is in use"); rank 0 starts its own and resumes the run there.
+    return {**{k: v for k, v in found.items() if v}, "WANDB_SERVICE": ""}, f"W&B run {run.name or run.id!r}"
+
+
+def _tensorboard() -> tuple[dict[str, str], str]:
+    classes = tuple(module.SummaryWriter for name in ("torch.utils.tensorboard", "tensorboardX")
+                    if (module := sys.modules.get(name)) is not None and hasattr(module, "SummaryWriter"))
+    if not classes:
+        return {}, ""
+    writers = [o for o in gc.get_objects() if issubclass(type(o), classes) and _open(o)]  # (type(): no proxy's
+    # __class__ is asked, which warns for some of torch's deprecated names)
+    if not writers:
+        return {}, ""
+    folder = str(writers[-1].get_logdir() if hasattr(writers[-1], "get_logdir") else writers[-1].logdir)
+    return RankEnv(tensorboard_dir=folder).variables(), f"TensorBoard folder {folder}"
+
+
+def _open(writer: Any) -> bool:
+    """A writer not closed yet (torch's drops its file writers when closed; tensorboardX's its file writer)."""
+    if hasattr(writer, "all_writers"):
+        return writer.all_writers is not None
+    return getattr(writer, "file_writer", None) is not None

@@ -1,0 +1,234 @@
+"""One experiment record per run: the notebook's own MLflow, TensorBoard and W&B calls, written as their docs
+write them (no rank guard), land once, from rank 0, as Lightning's ``rank_zero_only`` and Accelerate's
+``main_process_only`` would have them land.
+
+On every other rank (:func:`guard`, called as the rank starts, and for each job of a warm rank):
+
+* **W&B** is disabled: ``wandb.init`` gets ``mode="disabled"`` (its run records nothing, writes no file and sends
+  nothing), whatever mode the code asks for;
+* **MLflow**'s fluent API (``mlflow.start_run``, ``log_param(s)``, ``log_metric(s)``, ``log_artifact(s)``,
+  ``set_tag(s)``, ``set_experiment``, ``autolog``, …) does nothing: no run, no file, no request. A
+  ``MlflowClient`` the code builds itself is its own, and is left alone;
+* **TensorBoard**'s ``SummaryWriter`` (``torch.utils.tensorboard`` and ``tensorboardX``) writes nothing: no
+  folder, no event file.
+
+Modules the rank imported before (a warm rank's kept setup) are patched at once, the others as they are
+imported (an import hook that patches each once it has run). Rank 0 is left as it is, but for where it writes:
+into the kernel's open records when it has some (:mod:`nbddp.job.trackers` passes them; MLflow and W&B resume
+the kernel's run through their own variables, ``MLFLOW_RUN_ID`` and ``WANDB_RUN_ID``; a ``SummaryWriter``
+naming no folder of its own writes into the kernel's writer's, ``NBDDP_TENSORBOARD_DIR``).
+
+``NBDDP_TRACK_EVERY_RANK=1`` keeps every rank's records (per-rank system metrics, say), each named by its rank:
+a TensorBoard folder ``rank-N`` under the one asked for, an MLflow run of its own tagged ``nbddp.rank`` and named
+``… (rank N)``, a W&B run named so. Nothing here imports a tracker: only what the rank's code imports is touched.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from nbddp.contracts.rank_env import RankEnv
+
+#: MLflow's fluent calls that create or write a run (each also patched in ``mlflow.tracking.fluent``, where
+#: MLflow's own helpers call them).
+MLFLOW_CALLS = ("start_run", "end_run", "log_param", "log_params", "log_metric", "log_metrics", "log_artifact",
+                "log_artifacts", "log_text", "log_dict", "log_figure", "log_image", "log_table", "log_input",
+                "log_inputs", "set_tag", "set_tags", "delete_tag", "set_experiment", "create_experiment",
+                "autolog", "set_experiment_tag", "set_experiment_tags", "_get_or_start_run")
+#: The modules patched, and by what (the tensorboard ones name the writer's folder parameter).
+_TARGETS = ("mlflow", "wandb", "torch.utils.tensorboard", "tensorboardX")
+
+_how: tuple[int, bool, Path | None] | None = None
+"""This process's rank, whether every rank keeps its records, and the kernel's TensorBoard folder."""
+
+
+def guard(rank: int, environ: RankEnv | None = None) -> None:
+    """Make this rank's tracker calls land as :mod:`this module <nbddp.rank_side.trackers>` says: now for the
+    modules already imported, on import for the others. Idempotent (a warm rank calls it for every job)."""
+    global _how
+    env = RankEnv.from_environ() if environ is None else environ
+    _how = (rank, env.track_every_rank, env.tensorboard_dir)
+    if rank != 0:
+        if env.track_every_rank:
+            for variable in ("MLFLOW_RUN_ID", "WANDB_RUN_ID", "WANDB_RESUME"):  # a record of its own, not rank 0's
+                os.environ.pop(variable, None)
+        else:
+            os.environ["WANDB_MODE"] = "disabled"
+            os.environ["WANDB_SILENT"] = "true"
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+    for name in _TARGETS:
+        if name in sys.modules:
+            _patch(name, sys.modules[name])
+
+
+def silent() -> bool:
+    """Whether this rank's tracker calls are dropped (a rank other than 0, unless every rank keeps its own)."""
+    return _how is not None and _how[0] != 0 and not _how[1]
+
+
+# ---------------------------------------------------------------- patching, once per module
+
+
+def _patch(name: str, module: Any) -> None:
+    if getattr(module, "_nbddp_patched", False):
+        return
+    try:
+        {"mlflow": _patch_mlflow, "wandb": _patch_wandb, "torch.utils.tensorboard": _patch_tensorboard,
+         "tensorboardX": _patch_tensorboard}[name](module)
+        module._nbddp_patched = True
+    except Exception as exc:  # noqa: BLE001 - a tracker's new version must never cost a run
+        print(f"[nbddp] warning: could not keep {name}'s records to one rank ({type(exc).__name__}: {exc}); "
+              "every rank writes its own", file=sys.stderr, flush=True)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a tracker's module the moment its own code has run (before the rank's code sees it)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _TARGETS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _PatchingLoader(spec.loader, fullname)
+                return spec
+            if spec is not None:
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, name: str) -> None:
+        self.loader, self.name = loader, name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _patch(self.name, module)
+
+    def __getattr__(self, attribute: str) -> Any:  # get_resource_reader, is_package, …: the real loader's
+        return getattr(self.loader, attribute)
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+class _NoRun:
+    """What ``mlflow.start_run`` gives a silent rank: usable as the real one is (``with``, ``.info.run_id``)."""
+
+    class info:  # noqa: N801 - mirrors mlflow.entities.RunInfo's attribute access
+        run_id = run_name = experiment_id = artifact_uri = ""
+        status = "RUNNING"
+
+    data = None
+
+    def __enter__(self) -> "_NoRun":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _patch_mlflow(mlflow: Any) -> None:
+    import mlflow.tracking.fluent as fluent
+
+    for name in MLFLOW_CALLS:
+        for owner in (mlflow, fluent):
+            original = getattr(owner, name, None)
+            if callable(original):
+                setattr(owner, name, _mlflow_call(name, original))
+
+
+def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if silent():
+            return _NoRun() if name in ("start_run", "_get_or_start_run") else None
+        if name == "start_run" and _how is not None and _how[0] != 0:  # every rank keeps its own: named by rank
+            kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
+            kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
+        return original(*args, **kwargs)
+
+    call.__wrapped__ = original  # type: ignore[attr-defined]
+    call.__name__ = name
+    return call
+
+
+# ---------------------------------------------------------------- W&B
+
+
+def _patch_wandb(wandb: Any) -> None:
+    original = wandb.init
+
+    def init(*args: Any, **kwargs: Any) -> Any:
+        if silent():
+            kwargs["mode"] = "disabled"
+        elif _how is not None and _how[0] != 0:
+            kwargs["name"] = f"{kwargs.get('name') or 'nbddp'} (rank {_how[0]})"
+        return original(*args, **kwargs)
+
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    wandb.init = init
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+class _NoWriter:
+    """A ``SummaryWriter`` that writes nothing: every method accepted, none does anything."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.log_dir = self.logdir = ""
+
+    def get_logdir(self) -> str:
+        return ""
+
+    def __enter__(self) -> "_NoWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def _patch_tensorboard(module: Any) -> None:
+    folder_parameter = "logdir" if module.__name__ == "tensorboardX" else "log_dir"
+    original = module.SummaryWriter
+
+    class SummaryWriter(original):  # type: ignore[misc, valid-type]
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            if silent():
+                return _NoWriter()
+            return super().__new__(cls)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            folder = args[0] if args else kwargs.pop(folder_parameter, None)
+            rank, every, kernels = _how if _how is not None else (0, False, None)
+            if folder is None and rank == 0 and kernels is not None:
+                folder = str(kernels)
+            if rank != 0 and every:
+                if folder is None:
+                    kwargs["comment"] = f"{kwargs.get('comment', '')}-rank{rank}"
+                else:
+                    folder = os.path.join(str(folder), f"rank-{rank}")
+            if folder is not None:  # (tensorboardX checks, then creates it: ranks creating one folder race there)
+                os.makedirs(folder, exist_ok=True)
+            super().__init__(folder, *args[1:], **kwargs)
+
+    SummaryWriter.__name__ = SummaryWriter.__qualname__ = "SummaryWriter"
+    SummaryWriter.__module__ = original.__module__
+    module.SummaryWriter = SummaryWriter
+    writer = sys.modules.get(f"{module.__name__}.writer")
+    if writer is not None and getattr(writer, "SummaryWriter", None) is original:
+        writer.SummaryWriter = SummaryWriter

@@ -1,0 +1,225 @@
+"""One experiment record per run (nbddp.rank_side.trackers, nbddp.job.trackers): MLflow, TensorBoard (torch's
+and tensorboardX) and W&B called the way their docs write them, with no rank guard, from real ranks and real
+kernels; each record read back with the tracker's own reader (MLflow's client on a sqlite store, TensorBoard's
+EventAccumulator, W&B's offline run files) and its runs and points counted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import code, write_notebook
+from tests.extras import need
+
+EPOCHS = 3
+SETUP = """#| ddp
+import torch, nbddp
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)"""
+#: A training cell as each tracker's docs write it: no rank guard anywhere.
+LOGGING = """import mlflow, wandb
+from torch.utils.tensorboard import SummaryWriter
+from tensorboardX import SummaryWriter as XWriter
+ddp = nbddp.prepare(model)
+writer, xwriter = SummaryWriter({folder}), XWriter({xfolder})
+run = wandb.init(project="nbddp", mode="offline")
+with mlflow.start_run():
+    mlflow.log_param("lr", 0.05)
+    for epoch in range({epochs}):
+        loss = ddp(torch.ones(4, 2)).square().mean()
+        loss.backward()
+        mlflow.log_metric("loss", loss.item(), step=epoch)
+        writer.add_scalar("loss", loss.item(), epoch)
+        xwriter.add_scalar("loss", loss.item(), epoch)
+        wandb.log({{"loss": loss.item()}})
+writer.close(); xwriter.close(); run.finish()
+print("logged", flush=True)"""
+
+
+@pytest.fixture
+def trackers_here(tmp_path, monkeypatch):
+    """MLflow in a sqlite store and W&B offline, both in ``tmp_path`` (inherited by the ranks)."""
+    for module in ("mlflow", "tensorboard", "tensorboardX", "wandb"):
+        need(module)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    mlflow_runs(tmp_path)  # the store made once, before any rank (ranks creating one sqlite store race in its migration)
+    return tmp_path
+
+
+def mlflow_runs(folder: Path) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    return [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+
+
+def mlflow_points(folder: Path, run, key: str) -> list[float]:
+    from mlflow.tracking import MlflowClient
+
+    return [m.value for m in MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").get_metric_history(run.info.run_id, key)]
+
+
+def tensorboard_points(folder: Path, key: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points = []
+    for events in sorted(folder.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        if key in accumulator.Tags()["scalars"]:
+            points += [event.value for event in accumulator.Scalars(key)]
+    return points
+
+
+def wandb_records(path: Path):
+    """The records of one W&B run file (``run-ID.wandb``: W&B's log of protobuf records in 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, position, pending = path.read_bytes(), 7, b""  # after the file's header (":W&B", magic, version)
+    assert data[:4] == b":W&B", path
+    while position + 7 <= len(data):
+        left = 32768 - position % 32768
+        if left < 7:
+            position += left
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if (length, kind) == (0, 0):  # the block's padding
+            position += left
+            continue
+        pending = (b"" if kind in (1, 2) else pending) + data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def wandb_runs(folder: Path) -> dict[str, list[float]]:
+    """``{run id: its "loss" points}`` over every offline run W&B wrote under ``folder``."""
+    runs: dict[str, list[float]] = {}
+    for path in sorted(folder.rglob("offline-run-*/run-*.wandb")):
+        run_id = re.match(r"run-(.+)\.wandb", path.name).group(1)
+        points = runs.setdefault(run_id, [])
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "history":
+                points += [json.loads(item.value_json) for item in record.history.item
+                           if (item.key or "/".join(item.nested_key)) == "loss"]
+    return runs
+
+
+@pytest.mark.slow
+def test_nbddp_run_gives_one_record_per_tracker_though_every_rank_calls_them(trackers_here, cli_run):
+    folder = trackers_here
+    write_notebook(folder / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
+        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS))])
+    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder)
+    assert run.wait() == 0, run.output
+    assert "[rank 0] logged" in run.output and "[rank 1] logged" in run.output  # both ranks ran the calls
+    (one,) = mlflow_runs(folder)  # not one per rank
+    assert one.data.params == {"lr": "0.05"} and len(mlflow_points(folder, one, "loss")) == EPOCHS
+    for name in ("tb", "tbx"):
+        assert len(list((folder / name).rglob("events.out.tfevents.*"))) == 1, name
+        assert len(tensorboard_points(folder / name, "loss")) == EPOCHS, name
+    runs = wandb_runs(folder)
+    assert len(runs) == 1 and len(next(iter(runs.values()))) == EPOCHS, runs
+    assert not list(folder.glob("runs")) or all(  # rank 1's default writer folder: none
+        not list(d.rglob("events.out.tfevents.*")) for d in (folder / "runs").iterdir() if d.name != "t-")
+
+
+@pytest.mark.slow
+def test_every_rank_keeps_its_records_named_by_rank_when_asked(trackers_here, cli_run):
+    folder = trackers_here
+    write_notebook(folder / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
+        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS))])
+    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder, env={"NBDDP_TRACK_EVERY_RANK": "1"})
+    assert run.wait() == 0, run.output
+    runs = mlflow_runs(folder)
+    assert len(runs) == 2 and {r.data.tags.get("nbddp.rank") for r in runs} == {None, "1"}
+    assert any(r.info.run_name.endswith("(rank 1)") for r in runs)
+    assert len(list((folder / "tb" / "rank-1").glob("events.out.tfevents.*"))) == 1
+    assert len(list((folder / "tbx" / "rank-1").glob("events.out.tfevents.*"))) == 1
+    assert len(wandb_runs(folder)) == 2
+
+
+#: The kernel's own records, opened before the training (as a notebook user writes them).
+KERNEL_RECORDS = """import mlflow, wandb
+from torch.utils.tensorboard import SummaryWriter
+mlflow.set_experiment("nbddp")
+mlflow.start_run(run_name="notebook")
+kernel_run = wandb.init(project="nbddp", mode="offline", name="notebook")
+board = SummaryWriter("board")"""
+#: The training cell: MLflow and W&B with no run of their own (the kernel's is resumed), a writer with no folder.
+KERNEL_TRAIN = """%%ddp_train --cpu
+import mlflow, wandb
+from torch.utils.tensorboard import SummaryWriter
+ddp = nbddp.prepare(model)
+writer = SummaryWriter()
+wandb.init(project="nbddp", mode="offline")
+for epoch in range({epochs}):
+    loss = ddp(torch.ones(4, 2)).square().mean()
+    loss.backward()
+    mlflow.log_metric("loss", loss.item(), step=epoch)
+    writer.add_scalar("loss", loss.item(), epoch)
+    wandb.log({{"loss": loss.item()}})
+writer.close(); wandb.finish()"""
+EVALUATION = """mlflow.log_metric("test_mse", 0.125)
+kernel_run.log({"test_mse": 0.125})
+board.add_scalar("test_mse", 0.125, 0)
+print("KERNEL RUN", mlflow.active_run().info.run_id, kernel_run.id)"""
+
+
+@pytest.mark.slow
+def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_warm_rerun_adds_to_them(
+        trackers_here, monkeypatch):
+    from tests.test_magic import ProtocolKernel
+
+    folder = trackers_here
+    kernel = ProtocolKernel(folder, timeout=180)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute(SETUP)
+        kernel.execute(KERNEL_RECORDS)
+        first = kernel.execute(KERNEL_TRAIN.format(epochs=EPOCHS), "train")
+        assert "succeeded in" in first, first
+        assert ("rank 0 writes into the kernel's open MLflow run 'notebook', W&B run 'notebook', TensorBoard folder "
+                "board; the other ranks write none") in first, first
+        again = kernel.execute(KERNEL_TRAIN.format(epochs=EPOCHS), "train")
+        assert "succeeded in" in again and "on a warm rank" in again, again
+        said = kernel.execute(EVALUATION)
+        mlflow_id, wandb_id = re.search(r"KERNEL RUN (\S+) (\S+)", said).groups()
+        kernel.execute("board.close(); kernel_run.finish(); mlflow.end_run()")
+    finally:
+        kernel.close()
+    (one,) = mlflow_runs(folder)  # the kernel's: the training's and the evaluation's points in it
+    assert one.info.run_id == mlflow_id and one.info.run_name == "notebook"
+    assert len(mlflow_points(folder, one, "loss")) == 2 * EPOCHS and mlflow_points(folder, one, "test_mse") == [0.125]
+    runs = wandb_runs(folder)
+    assert set(runs) == {wandb_id} and len(runs[wandb_id]) == 2 * EPOCHS, runs  # (offline: a file per process)
+    assert len(tensorboard_points(folder / "board", "loss")) == 2 * EPOCHS
+    assert tensorboard_points(folder / "board", "test_mse") == [0.125]
+    assert not (folder / "runs").exists() or not list((folder / "runs").rglob("events.out.tfevents.*"))
+
+
+def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, monkeypatch, capsys):
+    """A tracker's next version may move what the guard patches: one warning line, and the rank goes on."""
+    import types
+
+    from nbddp.rank_side import trackers
+
+    broken = types.ModuleType("tensorboardX")  # no SummaryWriter at all
+    monkeypatch.setitem(sys.modules, "tensorboardX", broken)
+    for variable in ("WANDB_MODE", "WANDB_SILENT"):  # (what the guard sets: this process's, put back after)
+        monkeypatch.setenv(variable, "")
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setattr(trackers, "_how", None)
+    trackers.guard(1)
+    assert "could not keep tensorboardX's records to one rank" in capsys.readouterr().err
