@@ -50,7 +50,6 @@ def trackers_here(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     mlflow_runs(tmp_path)  # the store made once, before any rank (ranks creating one sqlite store race in its migration)
     return tmp_path
 
@@ -223,3 +222,65 @@ def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, mo
     monkeypatch.setattr(trackers, "_how", None)
     trackers.guard(1)
     assert "could not keep tensorboardX's records to one rank" in capsys.readouterr().err
+
+
+#: A training cell that leaves its runs open (as a script may: its process's exit ends them).
+LEAVES_OPEN = """%%ddp_train --cpu
+import mlflow, wandb
+ddp = nbddp.prepare(model)
+wandb.init(project="nbddp", mode="offline")
+for epoch in range({epochs}):
+    loss = ddp(torch.ones(4, 2)).square().mean()
+    loss.backward()
+    mlflow.log_metric("loss", loss.item(), step=epoch)
+    wandb.log({{"loss": loss.item()}})
+{extra}"""
+
+
+@pytest.mark.slow
+def test_a_warm_ranks_job_ends_the_runs_it_left_open_as_a_fresh_ranks_exit_would(trackers_here):
+    """Each warm run gets its own record (not the last job's, still open in the rank's process), and a failed
+    one is marked failed."""
+    from tests.test_magic import ProtocolKernel
+
+    folder = trackers_here
+    kernel = ProtocolKernel(folder, timeout=180)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute(SETUP)
+        assert "succeeded in" in kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
+        failed = kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra="raise ValueError('boom')"), "train")
+        assert re.search(r"rank \d raised ValueError: boom", failed) and "on a warm rank" in failed, failed
+    finally:
+        kernel.close()
+    runs = sorted(mlflow_runs(folder), key=lambda r: r.info.start_time)
+    assert [r.info.status for r in runs] == ["FINISHED", "FAILED"], [r.info for r in runs]
+    assert all(len(mlflow_points(folder, r, "loss")) == EPOCHS for r in runs)
+    assert [r.data.tags.get("nbddp.status") for r in runs] == ["succeeded", "failed"]  # nbddp's facts, added
+    assert re.match(r"rank \d, cell \S+, line 10: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
+    assert runs[0].data.tags["nbddp.world_size"] == "2" and "nbddp.error" not in runs[0].data.tags
+    points = wandb_runs(folder)
+    assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
+
+
+@pytest.mark.slow
+def test_a_tracker_that_is_unreachable_or_misconfigured_costs_one_line_not_the_run(tmp_path, cli_run):
+    """MLflow's server down, W&B online without a key: one warning line each (rank 0's), and the run succeeds."""
+    import socket
+
+    for module in ("mlflow", "tensorboard", "tensorboardX", "wandb"):
+        need(module)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    write_notebook(tmp_path / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
+        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace('mode="offline"', 'mode="online"'))])
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+           "WANDB_DIR": str(tmp_path), "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_API_KEY": "",
+           "WANDB_SILENT": "true"}
+    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], tmp_path, env=env)
+    assert run.wait() == 0, run.output
+    for tracker in ("MLflow", "W&B"):
+        said = [line for line in run.output.splitlines() if f"warning: {tracker} failed" in line]
+        assert len(said) == 1 and said[0].startswith("[rank 0]"), run.output
+    assert "[rank 0] logged" in run.output and len(tensorboard_points(tmp_path / "tb", "loss")) == EPOCHS

@@ -191,6 +191,12 @@ class RunDir:
         return self.path / "output.ipynb"
 
     @property
+    def tracker_runs(self) -> Path:
+        """The experiment records rank 0 wrote (``{"mlflow": {"run_id", "tracking_uri"}}``), for the kernel side
+        to add how the run ended (:mod:`nbddp.job.trackers`)."""
+        return self.path / "trackers.json"
+
+    @property
     def batch_log(self) -> Path:
         return self.path / "batch.log"
 

@@ -10,6 +10,7 @@ the launcher's own failure report (torchrun's, or ``mp.spawn``'s).
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -22,6 +23,7 @@ from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
 from nbddp.contracts.sourcemap import SourceMap
+from nbddp.job import trackers
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
@@ -173,6 +175,9 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
         dropped_output={str(rank): dropped for rank, dropped in paths.dropped_output().items()},
     )
     record.write(paths)
+    warning = trackers.record_ending(paths, record, error_line(record.status, record.error, record.failure))
+    if warning:
+        print(f"nbddp: {warning}", file=sys.stderr, flush=True)
     return record
 
 

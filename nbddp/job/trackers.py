@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.rundir import RunDir
 
 #: Variables of the trackers' own that carry a record to rank 0 (and nothing secret: no key, no token).
 RECORD_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "WANDB_RUN_ID", "WANDB_RESUME",
@@ -97,3 +98,39 @@ def _open(writer: Any) -> bool:
     if hasattr(writer, "all_writers"):
         return writer.all_writers is not None
     return getattr(writer, "file_writer", None) is not None
+
+
+def record_ending(paths: RunDir, record: Any, error: str = "") -> str:
+    """Add how the run ended to the MLflow run rank 0 wrote (``trackers.json``): nbddp's facts as tags (status,
+    run dir, notebook, engine, world size, devices, torch), its parameters not logged already, and for a run
+    that didn't succeed its error line (``error``, as ``nbddp.error``) and MLflow's status (``FAILED``, ``KILLED``).
+
+    Returns a warning line when the store can't be reached (``""`` otherwise): the run's own ending stands.
+    """
+    from nbddp.contracts.atomic import read_json
+    from nbddp.contracts.status import Status
+
+    written = (read_json(paths.tracker_runs) or {}).get("mlflow")
+    if not isinstance(written, dict) or not written.get("run_id"):
+        return ""
+    try:
+        from mlflow.entities import Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(written.get("tracking_uri") or None)
+        run_id = written["run_id"]
+        logged = client.get_run(run_id).data.params
+        tags = {"nbddp.status": str(record.status), "nbddp.run_dir": str(paths.path), "nbddp.notebook": record.notebook,
+                "nbddp.engine": record.engine, "nbddp.world_size": str(record.world_size),
+                "nbddp.devices": f"{record.devices.get('nproc')} × {record.devices.get('kind')}",
+                "nbddp.torch": str(record.versions.get("torch", ""))}
+        if error:
+            tags["nbddp.error"] = error[:5000]
+        params = [Param(str(k), str(v)[:6000]) for k, v in record.parameters.items() if str(k) not in logged]
+        client.log_batch(run_id, params=params, tags=[RunTag(k, v) for k, v in tags.items()])
+        if record.status != Status.SUCCEEDED:
+            client.set_terminated(run_id, "KILLED" if record.status == Status.INTERRUPTED else "FAILED")
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the store gone since: the run's record (result.json) stands
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        return f"warning: MLflow: how the run ended could not be added to its MLflow run ({type(exc).__name__}: {reason})"

@@ -18,6 +18,12 @@ into the kernel's open records when it has some (:mod:`nbddp.job.trackers` passe
 the kernel's run through their own variables, ``MLFLOW_RUN_ID`` and ``WANDB_RUN_ID``; a ``SummaryWriter``
 naming no folder of its own writes into the kernel's writer's, ``NBDDP_TENSORBOARD_DIR``).
 
+A tracker that fails where it writes (an MLflow server down, W&B without its key, a folder TensorBoard can't
+create) costs one warning line, and that tracker's records of the rest of the job: the training goes on.
+MLflow logs asynchronously on rank 0 (unless the code's environment chose), so that its requests never
+hold the rank in a step while the others wait for it in a collective (W&B and TensorBoard write from
+threads of their own already).
+
 ``NBDDP_TRACK_EVERY_RANK=1`` keeps every rank's records (per-rank system metrics, say), each named by its rank:
 a TensorBoard folder ``rank-N`` under the one asked for, an MLflow run of its own tagged ``nbddp.rank`` and named
 ``… (rank N)``, a W&B run named so. Nothing here imports a tracker: only what the rank's code imports is touched.
@@ -32,6 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from nbddp.contracts.atomic import read_json, write_json
 from nbddp.contracts.rank_env import RankEnv
 
 #: MLflow's fluent calls that create or write a run (each also patched in ``mlflow.tracking.fluent``, where
@@ -45,6 +52,8 @@ _TARGETS = ("mlflow", "wandb", "torch.utils.tensorboard", "tensorboardX")
 
 _how: tuple[int, bool, Path | None] | None = None
 """This process's rank, whether every rank keeps its records, and the kernel's TensorBoard folder."""
+_failed: set[str] = set()
+"""The trackers that failed in this job (said once): their calls do nothing until the next job."""
 
 
 def guard(rank: int, environ: RankEnv | None = None) -> None:
@@ -53,6 +62,8 @@ def guard(rank: int, environ: RankEnv | None = None) -> None:
     global _how
     env = RankEnv.from_environ() if environ is None else environ
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
+    _failed.clear()
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
     if rank != 0:
         if env.track_every_rank:
             for variable in ("MLFLOW_RUN_ID", "WANDB_RUN_ID", "WANDB_RESUME"):  # a record of its own, not rank 0's
@@ -67,9 +78,49 @@ def guard(rank: int, environ: RankEnv | None = None) -> None:
             _patch(name, sys.modules[name])
 
 
-def silent() -> bool:
-    """Whether this rank's tracker calls are dropped (a rank other than 0, unless every rank keeps its own)."""
-    return _how is not None and _how[0] != 0 and not _how[1]
+def silent(tracker: str = "") -> bool:
+    """Whether this rank's tracker calls are dropped: a rank other than 0 (unless every rank keeps its own),
+    or ``tracker`` failed in this job."""
+    return (_how is not None and _how[0] != 0 and not _how[1]) or tracker in _failed
+
+
+def _fail(tracker: str, exc: BaseException) -> None:
+    """Say once that ``tracker`` failed, and drop its calls for the rest of the job."""
+    if tracker not in _failed:
+        _failed.add(tracker)
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        print(f"[nbddp] warning: {tracker} failed ({type(exc).__name__}: {reason}); this run's {tracker} records "
+              "stop here, the training goes on", file=sys.stderr, flush=True)
+
+
+def _remember(tracker: str, facts: dict[str, str]) -> None:
+    """Rank 0 notes the record it writes, in the run dir (for the kernel side to add how the run ended)."""
+    directory = RankEnv.from_environ().run_dir
+    if directory is None:
+        return
+    try:
+        known = read_json(directory.tracker_runs) or {}
+        if known.get(tracker) != facts:
+            write_json(directory.tracker_runs, {**known, tracker: facts})
+    except OSError:
+        pass
+
+
+def end_job(failed: bool, interrupted: bool = False) -> None:
+    """A warm rank's job is over: end the runs it left open, as a fresh rank's exit does (MLflow's and W&B's
+    ``atexit``), so that the next job starts its own, or resumes the kernel's as it is then."""
+    mlflow = sys.modules.get("mlflow")
+    try:
+        while mlflow is not None and mlflow.active_run() is not None:
+            mlflow.end_run("KILLED" if interrupted else "FAILED" if failed else "FINISHED")
+    except Exception as exc:  # noqa: BLE001 - the store gone meanwhile: nothing to end it in
+        _fail("MLflow", exc)
+    wandb = sys.modules.get("wandb")
+    try:
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            wandb.run.finish(exit_code=1 if failed or interrupted else 0)
+    except Exception as exc:  # noqa: BLE001
+        _fail("W&B", exc)
 
 
 # ---------------------------------------------------------------- patching, once per module
@@ -151,12 +202,21 @@ def _patch_mlflow(mlflow: Any) -> None:
 
 def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kwargs: Any) -> Any:
-        if silent():
+        if silent("MLflow"):
             return _NoRun() if name in ("start_run", "_get_or_start_run") else None
         if name == "start_run" and _how is not None and _how[0] != 0:  # every rank keeps its own: named by rank
             kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
             kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
-        return original(*args, **kwargs)
+        try:
+            answer = original(*args, **kwargs)
+        except (TypeError, KeyboardInterrupt):  # the code's own mistake, an interrupt: as they are
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store unreachable, refused: never the run's end
+            _fail("MLflow", exc)
+            return _NoRun() if name in ("start_run", "_get_or_start_run") else None
+        if name in ("start_run", "_get_or_start_run") and _how is not None and _how[0] == 0:
+            _remember("mlflow", {"run_id": answer.info.run_id, "tracking_uri": str(sys.modules["mlflow"].get_tracking_uri())})
+        return answer
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
     call.__name__ = name
@@ -170,11 +230,17 @@ def _patch_wandb(wandb: Any) -> None:
     original = wandb.init
 
     def init(*args: Any, **kwargs: Any) -> Any:
-        if silent():
+        if silent("W&B"):
             kwargs["mode"] = "disabled"
         elif _how is not None and _how[0] != 0:
             kwargs["name"] = f"{kwargs.get('name') or 'nbddp'} (rank {_how[0]})"
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except (TypeError, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # noqa: BLE001 - no key, no network, a refused project: never the run's end
+            _fail("W&B", exc)
+            return original(*args, **{**kwargs, "mode": "disabled"})
 
     init.__wrapped__ = original  # type: ignore[attr-defined]
     wandb.init = init
@@ -208,11 +274,22 @@ def _patch_tensorboard(module: Any) -> None:
 
     class SummaryWriter(original):  # type: ignore[misc, valid-type]
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            if silent():
+            if silent("TensorBoard"):
                 return _NoWriter()
-            return super().__new__(cls)
+            writer = super().__new__(cls)
+            try:
+                writer.__init__(*args, **kwargs)
+            except (TypeError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a folder it can't create or write: never the run's end
+                _fail("TensorBoard", exc)
+                return _NoWriter()
+            writer._nbddp_ready = True
+            return writer
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if getattr(self, "_nbddp_ready", False):  # (made in __new__, where a failure can still give a no-op)
+                return
             folder = args[0] if args else kwargs.pop(folder_parameter, None)
             rank, every, kernels = _how if _how is not None else (0, False, None)
             if folder is None and rank == 0 and kernels is not None:

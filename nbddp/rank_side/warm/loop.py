@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 
 from nbddp.contracts.atomic import write_json  # noqa: E402
 from nbddp.contracts.pool_dir import JobEnd, PoolDir
-from nbddp.rank_side import memory
+from nbddp.rank_side import memory, trackers
 from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
 from nbddp.rank_side.warm.process_state import ProcessState
 from nbddp.rank_side.warm.state import Plan, WarmState
@@ -260,6 +260,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
         finally:
             _in_job = None
     finally:
+        trackers.end_job(status == JobEnd.FAILED, status == JobEnd.INTERRUPTED)  # (its lines: the job's log)
         memory.watch(None)  # the next job counts its own peak, in its own run dir
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
         sys.modules["__main__"] = main
