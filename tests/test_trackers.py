@@ -115,23 +115,83 @@ def wandb_runs(folder: Path) -> dict[str, list[float]]:
     return runs
 
 
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server (``mlflow server``, a sqlite store), on a free loopback port: its URI."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    store = tmp_path / "server"
+    store.mkdir()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+         "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"], stdout=subprocess.DEVNULL, stderr=open(store / "server.log", "wb"), start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (store / "server.log").read_text()
+                time.sleep(0.2)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def server_runs(uri: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+
+
 @pytest.mark.slow
-def test_nbddp_run_gives_one_record_per_tracker_though_every_rank_calls_them(trackers_here, cli_run):
+def test_nbddp_run_and_a_batch_give_one_record_per_tracker_though_every_rank_calls_them(trackers_here, mlflow_server,
+                                                                                         cli_run, monkeypatch):
+    """Against a real MLflow server: one run of each tracker per nbddp run (both ranks made every call), and one
+    per grid point of a batch, each with its own parameter and nbddp's facts."""
+    from mlflow.tracking import MlflowClient
+
     folder = trackers_here
-    write_notebook(folder / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
-        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS))])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    write_notebook(folder / "t.ipynb", [code(SETUP), code("lr = 0.05", "parameters"), code("#| ddp-train\n" + LOGGING.format(
+        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace('mlflow.log_param("lr", 0.05)', 'mlflow.log_param("lr", lr)'))])
     run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder)
     assert run.wait() == 0, run.output
     assert "[rank 0] logged" in run.output and "[rank 1] logged" in run.output  # both ranks ran the calls
-    (one,) = mlflow_runs(folder)  # not one per rank
-    assert one.data.params == {"lr": "0.05"} and len(mlflow_points(folder, one, "loss")) == EPOCHS
+    (one,) = server_runs(mlflow_server)  # not one per rank
+    points = MlflowClient(mlflow_server).get_metric_history(one.info.run_id, "loss")
+    assert one.data.params == {"lr": "0.05"} and len(points) == EPOCHS
+    assert one.data.tags["nbddp.status"] == "succeeded" and one.data.tags["nbddp.world_size"] == "2"
     for name in ("tb", "tbx"):
         assert len(list((folder / name).rglob("events.out.tfevents.*"))) == 1, name
         assert len(tensorboard_points(folder / name, "loss")) == EPOCHS, name
     runs = wandb_runs(folder)
     assert len(runs) == 1 and len(next(iter(runs.values()))) == EPOCHS, runs
-    assert not list(folder.glob("runs")) or all(  # rank 1's default writer folder: none
-        not list(d.rglob("events.out.tfevents.*")) for d in (folder / "runs").iterdir() if d.name != "t-")
+
+    (folder / "grid.json").write_text(json.dumps({"lr": [0.1, 0.2]}))
+    batch = cli_run(["batch", "t.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2", "--out", "sweep"], folder)
+    assert batch.wait() == 0, batch.output
+    swept = [r for r in server_runs(mlflow_server) if r.info.run_id != one.info.run_id]
+    assert sorted(r.data.params["lr"] for r in swept) == ["0.1", "0.2"]  # one per grid point, not per rank
+    assert {r.data.tags["nbddp.status"] for r in swept} == {"succeeded"}
 
 
 @pytest.mark.slow
