@@ -50,6 +50,7 @@ def trackers_here(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)  # (a sqlite store's default experiment keeps its artifacts in ./mlruns)
     mlflow_runs(tmp_path)  # the store made once, before any rank (ranks creating one sqlite store race in its migration)
     return tmp_path
 
@@ -61,10 +62,15 @@ def mlflow_runs(folder: Path) -> list:
     return [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
 
 
-def mlflow_points(folder: Path, run, key: str) -> list[float]:
+def mlflow_history(folder: Path, run, key: str) -> list:
     from mlflow.tracking import MlflowClient
 
-    return [m.value for m in MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").get_metric_history(run.info.run_id, key)]
+    return sorted(MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").get_metric_history(run.info.run_id, key),
+                  key=lambda m: m.step)
+
+
+def mlflow_points(folder: Path, run, key: str) -> list[float]:
+    return [m.value for m in mlflow_history(folder, run, key)]
 
 
 def tensorboard_points(folder: Path, key: str) -> list[float]:
@@ -116,8 +122,9 @@ def wandb_runs(folder: Path) -> dict[str, list[float]]:
 
 
 @pytest.fixture
-def mlflow_server(tmp_path):
-    """A real MLflow tracking server (``mlflow server``, a sqlite store), on a free loopback port: its URI."""
+def mlflow_server(trackers_here):
+    """A real MLflow tracking server (``mlflow server``) on a free loopback port, over ``trackers_here``'s sqlite
+    store (made already: the server skips its migration): its URI."""
     import os
     import signal
     import socket
@@ -128,10 +135,10 @@ def mlflow_server(tmp_path):
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    store = tmp_path / "server"
+    store = trackers_here / "server"
     store.mkdir()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{trackers_here / 'mlflow.db'}",
          "--artifacts-destination", str(store / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"], stdout=subprocess.DEVNULL, stderr=open(store / "server.log", "wb"), start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
@@ -163,38 +170,36 @@ def server_runs(uri: str) -> list:
 
 
 @pytest.mark.slow
-def test_nbddp_run_and_a_batch_give_one_record_per_tracker_though_every_rank_calls_them(trackers_here, mlflow_server,
-                                                                                         cli_run, monkeypatch):
-    """Against a real MLflow server: one run of each tracker per nbddp run (both ranks made every call), and one
-    per grid point of a batch, each with its own parameter and nbddp's facts."""
+@pytest.mark.beside
+def test_a_batchs_runs_give_one_record_each_per_tracker_though_every_rank_calls_them(mlflow_server, cli_run,
+                                                                                    monkeypatch):
+    """Against a real MLflow server: a grid of two ``nbddp run``s whose ranks both make every call gives two
+    records in each tracker, not four, each with its own parameter, its points and nbddp's facts."""
     from mlflow.tracking import MlflowClient
 
-    folder = trackers_here
+    folder = Path.cwd()  # (trackers_here's)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     write_notebook(folder / "t.ipynb", [code(SETUP), code("lr = 0.05", "parameters"), code("#| ddp-train\n" + LOGGING.format(
         folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace('mlflow.log_param("lr", 0.05)', 'mlflow.log_param("lr", lr)'))])
-    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder)
-    assert run.wait() == 0, run.output
-    assert "[rank 0] logged" in run.output and "[rank 1] logged" in run.output  # both ranks ran the calls
-    (one,) = server_runs(mlflow_server)  # not one per rank
-    points = MlflowClient(mlflow_server).get_metric_history(one.info.run_id, "loss")
-    assert one.data.params == {"lr": "0.05"} and len(points) == EPOCHS
-    assert one.data.tags["nbddp.status"] == "succeeded" and one.data.tags["nbddp.world_size"] == "2"
-    for name in ("tb", "tbx"):
-        assert len(list((folder / name).rglob("events.out.tfevents.*"))) == 1, name
-        assert len(tensorboard_points(folder / name, "loss")) == EPOCHS, name
-    runs = wandb_runs(folder)
-    assert len(runs) == 1 and len(next(iter(runs.values()))) == EPOCHS, runs
-
     (folder / "grid.json").write_text(json.dumps({"lr": [0.1, 0.2]}))
     batch = cli_run(["batch", "t.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2", "--out", "sweep"], folder)
     assert batch.wait() == 0, batch.output
-    swept = [r for r in server_runs(mlflow_server) if r.info.run_id != one.info.run_id]
-    assert sorted(r.data.params["lr"] for r in swept) == ["0.1", "0.2"]  # one per grid point, not per rank
-    assert {r.data.tags["nbddp.status"] for r in swept} == {"succeeded"}
+    logs = "".join(p.read_text() for p in (folder / "sweep").rglob("rank-1.log"))
+    assert logs.count("logged") == 2  # rank 1 made every call, in both runs
+    runs = server_runs(mlflow_server)
+    assert sorted(r.data.params["lr"] for r in runs) == ["0.1", "0.2"]  # one per grid point, not per rank
+    for run in runs:
+        assert len(MlflowClient(mlflow_server).get_metric_history(run.info.run_id, "loss")) == EPOCHS
+        assert run.data.tags["nbddp.status"] == "succeeded" and run.data.tags["nbddp.world_size"] == "2"
+    for name in ("tb", "tbx"):  # (both runs write into the folder the code names: a file each)
+        assert len(list((folder / name).rglob("events.out.tfevents.*"))) == 2, name
+        assert len(tensorboard_points(folder / name, "loss")) == 2 * EPOCHS, name
+    points = wandb_runs(folder)
+    assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_every_rank_keeps_its_records_named_by_rank_when_asked(trackers_here, cli_run):
     folder = trackers_here
     write_notebook(folder / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
@@ -230,6 +235,18 @@ for epoch in range({epochs}):
     writer.add_scalar("loss", loss.item(), epoch)
     wandb.log({{"loss": loss.item()}})
 writer.close(); wandb.finish()"""
+#: A training cell that leaves its runs open (as a script may: its process's exit ends them).
+LEAVES_OPEN = """%%ddp_train --cpu
+import mlflow, wandb
+ddp = nbddp.prepare(model)
+wandb.init(project="nbddp", mode="offline")
+for epoch in range({epochs}):
+    loss = ddp(torch.ones(4, 2)).square().mean()
+    loss.backward()
+    mlflow.log_metric("loss", loss.item(), step=epoch)
+    wandb.log({{"loss": loss.item()}})
+    nbddp.log(epoch=epoch, loss=loss.item(), accuracy=0.5 + epoch / 10)
+{extra}"""
 EVALUATION = """mlflow.log_metric("test_mse", 0.125)
 kernel_run.log({"test_mse": 0.125})
 board.add_scalar("test_mse", 0.125, 0)
@@ -237,6 +254,7 @@ print("KERNEL RUN", mlflow.active_run().info.run_id, kernel_run.id)"""
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_warm_rerun_adds_to_them(
         trackers_here, monkeypatch):
     from tests.test_magic import ProtocolKernel
@@ -256,16 +274,44 @@ def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_war
         said = kernel.execute(EVALUATION)
         mlflow_id, wandb_id = re.search(r"KERNEL RUN (\S+) (\S+)", said).groups()
         kernel.execute("board.close(); kernel_run.finish(); mlflow.end_run()")
+        # The kernel's records closed: a run that leaves its own open, then one that fails, on the same warm ranks
+        assert "succeeded in" in kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
+        failed = kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra="raise ValueError('boom')"), "train")
+        assert re.search(r"rank \d raised ValueError: boom", failed) and "on a warm rank" in failed, failed
     finally:
         kernel.close()
-    (one,) = mlflow_runs(folder)  # the kernel's: the training's and the evaluation's points in it
-    assert one.info.run_id == mlflow_id and one.info.run_name == "notebook"
+    runs = {r.info.run_id: r for r in mlflow_runs(folder)}
+    one = runs.pop(mlflow_id)  # the kernel's: the training's and the evaluation's points in it
+    assert one.info.run_name == "notebook"
     assert len(mlflow_points(folder, one, "loss")) == 2 * EPOCHS and mlflow_points(folder, one, "test_mse") == [0.125]
-    runs = wandb_runs(folder)
-    assert set(runs) == {wandb_id} and len(runs[wandb_id]) == 2 * EPOCHS, runs  # (offline: a file per process)
+    points = wandb_runs(folder)
+    assert len(points.pop(wandb_id)) == 2 * EPOCHS  # (offline: a file per process, one run id)
     assert len(tensorboard_points(folder / "board", "loss")) == 2 * EPOCHS
     assert tensorboard_points(folder / "board", "test_mse") == [0.125]
     assert not (folder / "runs").exists() or not list((folder / "runs").rglob("events.out.tfevents.*"))
+    _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder, list(runs.values()), points)
+
+
+def _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder: Path, runs: list, points: dict) -> None:
+    """A warm rank's job ended the MLflow and W&B runs it left open, as a fresh rank's exit would: each warm run
+    got its own record (not the last job's, still open in the rank's process); nbddp added its facts, and marked
+    the failed one failed."""
+    from mlflow.tracking import MlflowClient
+
+    runs = sorted(runs, key=lambda r: r.info.start_time)
+    assert [r.info.status for r in runs] == ["FINISHED", "FAILED"], [r.info for r in runs]
+    assert all(len(mlflow_points(folder, r, "loss")) == EPOCHS for r in runs)
+    assert [r.data.tags.get("nbddp.status") for r in runs] == ["succeeded", "failed"]  # nbddp's facts, added
+    assert re.match(r"rank \d, cell \S+, line 11: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
+    assert runs[0].data.tags["nbddp.world_size"] == "2" and "nbddp.error" not in runs[0].data.tags
+    # nbddp.log's metrics the code didn't log to MLflow itself, with their step; "loss" is not logged twice
+    history = mlflow_history(folder, runs[0], "accuracy")
+    assert [(m.step, m.value) for m in history] == [(epoch, 0.5 + epoch / 10) for epoch in range(EPOCHS)]
+    client = MlflowClient(f"sqlite:///{folder / 'mlflow.db'}")
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "nbddp")} == {"nbddp/result.json",
+                                                                                    "nbddp/weights.pt"}
+    assert "nbddp.weights" not in runs[1].data.tags  # (no weights came back)
+    assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
 
 
 def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, monkeypatch, capsys):
@@ -284,46 +330,8 @@ def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, mo
     assert "could not keep tensorboardX's records to one rank" in capsys.readouterr().err
 
 
-#: A training cell that leaves its runs open (as a script may: its process's exit ends them).
-LEAVES_OPEN = """%%ddp_train --cpu
-import mlflow, wandb
-ddp = nbddp.prepare(model)
-wandb.init(project="nbddp", mode="offline")
-for epoch in range({epochs}):
-    loss = ddp(torch.ones(4, 2)).square().mean()
-    loss.backward()
-    mlflow.log_metric("loss", loss.item(), step=epoch)
-    wandb.log({{"loss": loss.item()}})
-{extra}"""
-
-
 @pytest.mark.slow
-def test_a_warm_ranks_job_ends_the_runs_it_left_open_as_a_fresh_ranks_exit_would(trackers_here):
-    """Each warm run gets its own record (not the last job's, still open in the rank's process), and a failed
-    one is marked failed."""
-    from tests.test_magic import ProtocolKernel
-
-    folder = trackers_here
-    kernel = ProtocolKernel(folder, timeout=180)
-    try:
-        kernel.execute("%load_ext nbddp")
-        kernel.execute(SETUP)
-        assert "succeeded in" in kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
-        failed = kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra="raise ValueError('boom')"), "train")
-        assert re.search(r"rank \d raised ValueError: boom", failed) and "on a warm rank" in failed, failed
-    finally:
-        kernel.close()
-    runs = sorted(mlflow_runs(folder), key=lambda r: r.info.start_time)
-    assert [r.info.status for r in runs] == ["FINISHED", "FAILED"], [r.info for r in runs]
-    assert all(len(mlflow_points(folder, r, "loss")) == EPOCHS for r in runs)
-    assert [r.data.tags.get("nbddp.status") for r in runs] == ["succeeded", "failed"]  # nbddp's facts, added
-    assert re.match(r"rank \d, cell \S+, line 10: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
-    assert runs[0].data.tags["nbddp.world_size"] == "2" and "nbddp.error" not in runs[0].data.tags
-    points = wandb_runs(folder)
-    assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
-
-
-@pytest.mark.slow
+@pytest.mark.beside
 def test_a_tracker_that_is_unreachable_or_misconfigured_costs_one_line_not_the_run(tmp_path, cli_run):
     """MLflow's server down, W&B online without a key: one warning line each (rank 0's), and the run succeeds."""
     import socket

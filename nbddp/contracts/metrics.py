@@ -53,3 +53,12 @@ def format_metrics(values: dict) -> str:
     """``loss=0.0213 accuracy=0.98`` (the timestamp left out)."""
     shown = {k: v for k, v in values.items() if k != "time"}
     return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items())
+
+
+def step_of(record: dict[str, Any], index: int) -> int:
+    """The step an ``nbddp.log`` record was logged at, for a tracker's x axis: its ``step``, else its ``epoch``,
+    else its place among the records (``index``)."""
+    try:
+        return int(float(record.get("step", record.get("epoch", index))))
+    except (TypeError, ValueError):
+        return index

@@ -52,7 +52,7 @@ def threads_per_rank(nproc: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // nproc))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankEnv:
     run_dir: RunDir | None = None
     """``NBDDP_RUN_DIR``: where the rank writes its log, error report and marks."""

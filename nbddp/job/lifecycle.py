@@ -80,8 +80,8 @@ class Job:
         paths = spec.run_dir
         script_path, _ = write_script(spec.script, paths.script)
         paths.logs.mkdir(exist_ok=True)
-        rank_env = RankEnv(paths, spec.devices.kind, spec.devices.nproc, paths.weights,
-                           spec.launch.collective_timeout, log_cap=spec.launch.log_cap).variables()
+        rank_env = RankEnv(run_dir=paths, device=spec.devices.kind, nproc=spec.devices.nproc, checkpoint=paths.weights,
+                           collective_timeout=spec.launch.collective_timeout, log_cap=spec.launch.log_cap).variables()
         rank_env |= spec.devices.environment()  # the GPUs chosen by name (--gpus free, --wait)
         rank_env |= spec.environment  # the kernel's open experiment records, for rank 0
         launch = launcher.start(script_path, spec, rank_env)

@@ -23,9 +23,11 @@ from typing import Any
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.rundir import RunDir
 
+#: The largest ``weights.pt`` added to a run's MLflow record as an artifact (a larger one is named by a tag).
+WEIGHTS_ARTIFACT_BYTES = 100 * 2**20
 #: Variables of the trackers' own that carry a record to rank 0 (and nothing secret: no key, no token).
 RECORD_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "WANDB_RUN_ID", "WANDB_RESUME",
-                    "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE", "WANDB_DIR", "WANDB_SERVICE")
+                    "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE", "WANDB_DIR")
 
 
 def open_records() -> tuple[dict[str, str], list[str]]:
@@ -75,9 +77,9 @@ def _wandb() -> tuple[dict[str, str], str]:
     found = {"WANDB_RUN_ID": run.id, "WANDB_RESUME": "allow", "WANDB_PROJECT": run.project or "",
              "WANDB_ENTITY": run.entity or "", "WANDB_MODE": str(settings.mode or ""),
              "WANDB_DIR": str(settings.root_dir or "")}
-    # Not the kernel's wandb-core service (WANDB_SERVICE, inherited): it holds the run and refuses it to another
-    # process ("run ID is in use"); rank 0 starts its own and resumes the run there.
-    return {**{k: v for k, v in found.items() if v}, "WANDB_SERVICE": ""}, f"W&B run {run.name or run.id!r}"
+    # (rank 0 resumes it in a wandb-core service of its own: the kernel's holds the run and refuses it to
+    # another process, "run ID is in use"; nbddp.rank_side.trackers drops the inherited WANDB_SERVICE)
+    return {k: v for k, v in found.items() if v}, f"W&B run {run.name or run.id!r}"
 
 
 def _tensorboard() -> tuple[dict[str, str], str]:
@@ -102,24 +104,29 @@ def _open(writer: Any) -> bool:
 
 def record_ending(paths: RunDir, record: Any, error: str = "") -> str:
     """Add how the run ended to the MLflow run rank 0 wrote (``trackers.json``): nbddp's facts as tags (status,
-    run dir, notebook, engine, world size, devices, torch), its parameters not logged already, and for a run
-    that didn't succeed its error line (``error``, as ``nbddp.error``) and MLflow's status (``FAILED``, ``KILLED``).
+    run dir, notebook, engine, world size, devices, torch), its parameters and ``nbddp.log`` metrics (with their
+    step) that the code didn't log to MLflow itself, ``result.json`` and the weights (up to
+    :data:`WEIGHTS_ARTIFACT_BYTES`; the file's path is the tag ``nbddp.weights``) as artifacts under ``nbddp/``, and
+    for a run that didn't succeed its error line (``error``, as ``nbddp.error``) and MLflow's status (``FAILED``,
+    ``KILLED``).
 
     Returns a warning line when the store can't be reached (``""`` otherwise): the run's own ending stands.
     """
     from nbddp.contracts.atomic import read_json
+    from nbddp.contracts.metrics import COUNTERS, read_metrics, step_of
     from nbddp.contracts.status import Status
 
     written = (read_json(paths.tracker_runs) or {}).get("mlflow")
     if not isinstance(written, dict) or not written.get("run_id"):
         return ""
     try:
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(written.get("tracking_uri") or None)
         run_id = written["run_id"]
-        logged = client.get_run(run_id).data.params
+        data = client.get_run(run_id).data
+        logged = data.params
         tags = {"nbddp.status": str(record.status), "nbddp.run_dir": str(paths.path), "nbddp.notebook": record.notebook,
                 "nbddp.engine": record.engine, "nbddp.world_size": str(record.world_size),
                 "nbddp.devices": f"{record.devices.get('nproc')} × {record.devices.get('kind')}",
@@ -127,7 +134,18 @@ def record_ending(paths: RunDir, record: Any, error: str = "") -> str:
         if error:
             tags["nbddp.error"] = error[:5000]
         params = [Param(str(k), str(v)[:6000]) for k, v in record.parameters.items() if str(k) not in logged]
+        metrics = [Metric(key, float(value), int(float(point.get("time", 0)) * 1000), step_of(point, index))
+                   for index, point in enumerate(read_metrics(paths))
+                   for key, value in point.items()
+                   if key not in COUNTERS and key not in data.metrics and isinstance(value, (int, float))]
+        for start in range(0, len(metrics), 1000):  # (MLflow takes at most 1000 metrics a batch)
+            client.log_batch(run_id, metrics=metrics[start:start + 1000])
+        if paths.weights.exists():
+            tags["nbddp.weights"] = str(paths.weights)
         client.log_batch(run_id, params=params, tags=[RunTag(k, v) for k, v in tags.items()])
+        client.log_artifact(run_id, str(paths.result), "nbddp")
+        if paths.weights.exists() and paths.weights.stat().st_size <= WEIGHTS_ARTIFACT_BYTES:
+            client.log_artifact(run_id, str(paths.weights), "nbddp")
         if record.status != Status.SUCCEEDED:
             client.set_terminated(run_id, "KILLED" if record.status == Status.INTERRUPTED else "FAILED")
         return ""

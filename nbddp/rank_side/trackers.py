@@ -64,6 +64,7 @@ def guard(rank: int, environ: RankEnv | None = None) -> None:
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
     _failed.clear()
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
+    os.environ.pop("WANDB_SERVICE", None)  # never the kernel's wandb-core (it holds the kernel's run): one of its own
     if rank != 0:
         if env.track_every_rank:
             for variable in ("MLFLOW_RUN_ID", "WANDB_RUN_ID", "WANDB_RESUME"):  # a record of its own, not rank 0's
@@ -113,12 +114,17 @@ def end_job(failed: bool, interrupted: bool = False) -> None:
     try:
         while mlflow is not None and mlflow.active_run() is not None:
             mlflow.end_run("KILLED" if interrupted else "FAILED" if failed else "FINISHED")
+        fluent = sys.modules.get("mlflow.tracking.fluent")
+        if fluent is not None and hasattr(fluent, "_active_experiment_id"):  # set_experiment's choice: the job's
+            fluent._active_experiment_id = None
     except Exception as exc:  # noqa: BLE001 - the store gone meanwhile: nothing to end it in
         _fail("MLflow", exc)
     wandb = sys.modules.get("wandb")
     try:
         if wandb is not None and getattr(wandb, "run", None) is not None:
             wandb.run.finish(exit_code=1 if failed or interrupted else 0)
+        if wandb is not None and hasattr(wandb, "teardown"):  # its settings, read from the job's environment once
+            wandb.teardown()
     except Exception as exc:  # noqa: BLE001
         _fail("W&B", exc)
 

@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 #: sets in the kernel when imported there: none of them makes warm ranks stale.
 _PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES",
             # Set by a library on import (Lightning): a rank that imports it sets them too.
-            "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR")
+            "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+            # Set by a tracker in the kernel (MLflow's telemetry session on import, W&B's service on wandb.init);
+            # a rank never uses the kernel's service (nbddp.rank_side.trackers).
+            "_MLFLOW_", "WANDB_SERVICE")
 
 
 def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
