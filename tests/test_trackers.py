@@ -352,3 +352,30 @@ def test_a_tracker_that_is_unreachable_or_misconfigured_costs_one_line_not_the_r
         said = [line for line in run.output.splitlines() if f"warning: {tracker} failed" in line]
         assert len(said) == 1 and said[0].startswith("[rank 0]"), run.output
     assert "[rank 0] logged" in run.output and len(tensorboard_points(tmp_path / "tb", "loss")) == EPOCHS
+
+
+#: In a process of its own (the guard patches the modules of the process it runs in): a warm rank 0's job that
+#: opened a run, whose MLflow then failed (its calls dropped), and that job's end.
+AFTER_A_FAILURE = """import sys, mlflow
+from nbddp.rank_side import trackers
+trackers.guard(0)
+mlflow.start_run()
+trackers._fail("MLflow", RuntimeError("the server went away"))
+mlflow.log_metric("dropped", 1.0)
+trackers.end_job(failed=False)
+print("ACTIVE", mlflow.active_run())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_a_jobs_end_ends_its_open_run_even_after_mlflow_failed_in_it(tmp_path):
+    import os
+    import subprocess
+
+    need("mlflow")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    done = subprocess.run([sys.executable, "-c", AFTER_A_FAILURE], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "ACTIVE None" in done.stdout, done.stdout + done.stderr
+    assert done.stderr.count("warning: MLflow failed (RuntimeError: the server went away)") == 1, done.stderr

@@ -47,7 +47,7 @@ MLFLOW_CALLS = ("start_run", "end_run", "log_param", "log_params", "log_metric",
                 "log_artifacts", "log_text", "log_dict", "log_figure", "log_image", "log_table", "log_input",
                 "log_inputs", "set_tag", "set_tags", "delete_tag", "set_experiment", "create_experiment",
                 "autolog", "set_experiment_tag", "set_experiment_tags", "_get_or_start_run")
-#: The modules patched, and by what (the tensorboard ones name the writer's folder parameter).
+#: The modules patched, as each rank starts or as it imports them.
 _TARGETS = ("mlflow", "wandb", "torch.utils.tensorboard", "tensorboardX")
 
 _how: tuple[int, bool, Path | None] | None = None
@@ -112,8 +112,11 @@ def end_job(failed: bool, interrupted: bool = False) -> None:
     ``atexit``), so that the next job starts its own, or resumes the kernel's as it is then."""
     mlflow = sys.modules.get("mlflow")
     try:
-        while mlflow is not None and mlflow.active_run() is not None:
-            mlflow.end_run("KILLED" if interrupted else "FAILED" if failed else "FINISHED")
+        end = getattr(mlflow.end_run, "__wrapped__", mlflow.end_run) if mlflow is not None else None
+        for _ in range(16):  # (runs nested in runs; the real end_run: the patched one drops calls after a failure)
+            if end is None or mlflow.active_run() is None:
+                break
+            end("KILLED" if interrupted else "FAILED" if failed else "FINISHED")
         fluent = sys.modules.get("mlflow.tracking.fluent")
         if fluent is not None and hasattr(fluent, "_active_experiment_id"):  # set_experiment's choice: the job's
             fluent._active_experiment_id = None
