@@ -31,6 +31,7 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
                                     (torch.distributed.checkpoint), and the name of the last complete one
       stop-requested                `nbddp kill` asked this run to stop
       result.json                   how the run ended, with what, by whom
+      trackers.json                 the MLflow run rank 0 wrote (its id, its store), for nbddp to add the ending
       output.ipynb                  the executed notebook (nbddp run), saved after every cell
       batch.log                     a batch run's own terminal output (nbddp batch)
       detached/request.json         a detached run (--detach): what its supervisor runs (data, never a pickle)
