@@ -276,7 +276,8 @@ def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_war
         kernel.execute("board.close(); kernel_run.finish(); mlflow.end_run()")
         # The kernel's records closed: a run that leaves its own open, then one that fails, on the same warm ranks
         assert "succeeded in" in kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
-        failed = kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra="raise ValueError('boom')"), "train")
+        failed = kernel.execute(LEAVES_OPEN.format(  # (every point logged on both ranks before either raises)
+            epochs=EPOCHS, extra="torch.distributed.barrier()\nraise ValueError('boom')"), "train")
         assert re.search(r"rank \d raised ValueError: boom", failed) and "on a warm rank" in failed, failed
     finally:
         kernel.close()
@@ -302,7 +303,7 @@ def _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder:
     assert [r.info.status for r in runs] == ["FINISHED", "FAILED"], [r.info for r in runs]
     assert all(len(mlflow_points(folder, r, "loss")) == EPOCHS for r in runs)
     assert [r.data.tags.get("nbddp.status") for r in runs] == ["succeeded", "failed"]  # nbddp's facts, added
-    assert re.match(r"rank \d, cell \S+, line 11: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
+    assert re.match(r"rank \d, cell \S+, line 12: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
     assert runs[0].data.tags["nbddp.world_size"] == "2" and "nbddp.error" not in runs[0].data.tags
     # nbddp.log's metrics the code didn't log to MLflow itself, with their step; "loss" is not logged twice
     history = mlflow_history(folder, runs[0], "accuracy")

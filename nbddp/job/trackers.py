@@ -25,7 +25,8 @@ from nbddp.contracts.rundir import RunDir
 
 #: The largest ``weights.pt`` added to a run's MLflow record as an artifact (a larger one is named by a tag).
 WEIGHTS_ARTIFACT_BYTES = 100 * 2**20
-#: Variables of the trackers' own that carry a record to rank 0 (and nothing secret: no key, no token).
+#: Variables of the trackers' own that may carry a record to rank 0, and none other (nothing secret: no key,
+#: no token; what the kernel's tracker holds besides stays there).
 RECORD_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "WANDB_RUN_ID", "WANDB_RESUME",
                     "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_MODE", "WANDB_DIR")
 
@@ -40,7 +41,7 @@ def open_records() -> tuple[dict[str, str], list[str]]:
         except Exception:  # noqa: BLE001 - a tracker's odd state never costs a run: its record is just not shared
             continue
         if variables:
-            found |= variables
+            found |= {k: v for k, v in variables.items() if k in RECORD_VARIABLES or k.startswith("NBDDP_")}
             said.append(name)
     return found, said
 

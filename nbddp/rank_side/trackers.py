@@ -109,7 +109,22 @@ def _remember(tracker: str, facts: dict[str, str]) -> None:
 
 def end_job(failed: bool, interrupted: bool = False) -> None:
     """A warm rank's job is over: end the runs it left open, as a fresh rank's exit does (MLflow's and W&B's
-    ``atexit``), so that the next job starts its own, or resumes the kernel's as it is then."""
+    ``atexit``), so that the next job starts its own, or resumes the kernel's as it is then. The kernel's
+    interrupt (a failed peer stops the others) waits until they are ended: it would drop the points still
+    queued (MLflow logs asynchronously, W&B through its service)."""
+    import signal
+    import threading
+
+    held = threading.current_thread() is threading.main_thread()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if held else None
+    try:
+        _end_runs(failed, interrupted)
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _end_runs(failed: bool, interrupted: bool) -> None:
     mlflow = sys.modules.get("mlflow")
     try:
         end = getattr(mlflow.end_run, "__wrapped__", mlflow.end_run) if mlflow is not None else None
