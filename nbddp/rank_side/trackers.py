@@ -54,6 +54,10 @@ _how: tuple[int, bool, Path | None] | None = None
 """This process's rank, whether every rank keeps its records, and the kernel's TensorBoard folder."""
 _failed: set[str] = set()
 """The trackers that failed in this job (said once): their calls do nothing until the next job."""
+_remembered: dict[str, dict[str, str]] = {}
+"""What rank 0 noted in ``trackers.json`` in this job (MLflow asks for its run at every logged metric)."""
+#: MLflow's calls that give a run (``_get_or_start_run``: what every ``log_*`` without a run calls).
+_RUN_STARTERS = ("start_run", "_get_or_start_run")
 
 
 def guard(rank: int, environ: RankEnv | None = None) -> None:
@@ -63,6 +67,7 @@ def guard(rank: int, environ: RankEnv | None = None) -> None:
     env = RankEnv.from_environ() if environ is None else environ
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
     _failed.clear()
+    _remembered.clear()
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
     os.environ.pop("WANDB_SERVICE", None)  # never the kernel's wandb-core (it holds the kernel's run): one of its own
     if rank != 0:
@@ -94,15 +99,27 @@ def _fail(tracker: str, exc: BaseException) -> None:
               "stop here, the training goes on", file=sys.stderr, flush=True)
 
 
-def _remember(tracker: str, facts: dict[str, str]) -> None:
-    """Rank 0 notes the record it writes, in the run dir (for the kernel side to add how the run ended)."""
-    directory = RankEnv.from_environ().run_dir
-    if directory is None:
-        return
+def _attempt(tracker: str, call: Callable[[], Any], instead: Callable[[], Any]) -> Any:
+    """``call()``; should ``tracker`` fail there (its store, its network, its folder), say so once and give
+    ``instead()``. The code's own mistakes (a ``TypeError``) and interrupts go on as they are."""
     try:
-        known = read_json(directory.tracker_runs) or {}
-        if known.get(tracker) != facts:
-            write_json(directory.tracker_runs, {**known, tracker: facts})
+        return call()
+    except (TypeError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - never the run's end
+        _fail(tracker, exc)
+        return instead()
+
+
+def _remember(tracker: str, facts: dict[str, str]) -> None:
+    """Rank 0 notes the record it writes, in the run dir (for the kernel side to add how the run ended): once
+    per record, not at every call that asks for it."""
+    directory = RankEnv.from_environ().run_dir
+    if directory is None or _remembered.get(tracker) == facts:
+        return
+    _remembered[tracker] = facts
+    try:
+        write_json(directory.tracker_runs, {**(read_json(directory.tracker_runs) or {}), tracker: facts})
     except OSError:
         pass
 
@@ -225,21 +242,19 @@ def _patch_mlflow(mlflow: Any) -> None:
 
 
 def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    gives_a_run = name in _RUN_STARTERS
+
     def call(*args: Any, **kwargs: Any) -> Any:
+        nothing = _NoRun if gives_a_run else (lambda: None)
         if silent("MLflow"):
-            return _NoRun() if name in ("start_run", "_get_or_start_run") else None
+            return nothing()
         if name == "start_run" and _how is not None and _how[0] != 0:  # every rank keeps its own: named by rank
             kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
             kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
-        try:
-            answer = original(*args, **kwargs)
-        except (TypeError, KeyboardInterrupt):  # the code's own mistake, an interrupt: as they are
-            raise
-        except Exception as exc:  # noqa: BLE001 - the store unreachable, refused: never the run's end
-            _fail("MLflow", exc)
-            return _NoRun() if name in ("start_run", "_get_or_start_run") else None
-        if name in ("start_run", "_get_or_start_run") and _how is not None and _how[0] == 0:
-            _remember("mlflow", {"run_id": answer.info.run_id, "tracking_uri": str(sys.modules["mlflow"].get_tracking_uri())})
+        answer = _attempt("MLflow", lambda: original(*args, **kwargs), nothing)
+        if gives_a_run and not isinstance(answer, _NoRun) and _how is not None and _how[0] == 0:
+            _remember("mlflow", {"run_id": answer.info.run_id,
+                                 "tracking_uri": str(sys.modules["mlflow"].get_tracking_uri())})
         return answer
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
@@ -258,13 +273,8 @@ def _patch_wandb(wandb: Any) -> None:
             kwargs["mode"] = "disabled"
         elif _how is not None and _how[0] != 0:
             kwargs["name"] = f"{kwargs.get('name') or 'nbddp'} (rank {_how[0]})"
-        try:
-            return original(*args, **kwargs)
-        except (TypeError, KeyboardInterrupt):
-            raise
-        except Exception as exc:  # noqa: BLE001 - no key, no network, a refused project: never the run's end
-            _fail("W&B", exc)
-            return original(*args, **{**kwargs, "mode": "disabled"})
+        return _attempt("W&B", lambda: original(*args, **kwargs),  # (no key, no network, a refused project)
+                        lambda: original(*args, **{**kwargs, "mode": "disabled"}))
 
     init.__wrapped__ = original  # type: ignore[attr-defined]
     wandb.init = init
@@ -301,12 +311,12 @@ def _patch_tensorboard(module: Any) -> None:
             if silent("TensorBoard"):
                 return _NoWriter()
             writer = super().__new__(cls)
-            try:
+
+            def made() -> bool:
                 writer.__init__(*args, **kwargs)
-            except (TypeError, KeyboardInterrupt):
-                raise
-            except Exception as exc:  # noqa: BLE001 - a folder it can't create or write: never the run's end
-                _fail("TensorBoard", exc)
+                return True
+
+            if not _attempt("TensorBoard", made, lambda: False):  # (a folder it can't create or write)
                 return _NoWriter()
             writer._nbddp_ready = True
             return writer
