@@ -313,6 +313,37 @@ def parse_returns(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
+#: The experiment trackers ``--track`` names (``NBDDP_TRACK``: the same list, for every run of this environment).
+TRACKERS = ("mlflow", "tensorboard", "wandb")
+TRACK_VARIABLE = "NBDDP_TRACK"
+
+
+def parse_trackers(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--track mlflow,wandb`` (or ``["mlflow", "wandb"]``) → ``("mlflow", "wandb")``: lower case, each once."""
+    names = value.split(",") if isinstance(value, str) else list(value or ())
+    return tuple(dict.fromkeys(name.strip().lower() for name in names if name.strip()))
+
+
+def _trackers(names: Sequence[str], flag: str) -> None:
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise UsageError(f"{flag} {','.join(unknown)}: nbddp tracks runs in {', '.join(TRACKERS)} "
+                         f"(e.g. {flag} mlflow,tensorboard).")
+
+
+def asked_trackers(launch: "LaunchOptions") -> tuple[str, ...]:
+    """The trackers this run's facts go to though its code may call none: ``--track``, else ``NBDDP_TRACK``.
+
+    Raises:
+        UsageError: ``NBDDP_TRACK`` names a tracker nbddp doesn't know.
+    """
+    if launch.track:
+        return launch.track
+    names = parse_trackers(os.environ.get(TRACK_VARIABLE, ""))
+    _trackers(names, TRACK_VARIABLE)
+    return names
+
+
 def _returned(names: Sequence[str], flag: str) -> None:
     if not names:
         raise UsageError(f"{flag}: name at least one variable to bring back.")
@@ -380,6 +411,14 @@ class LaunchOptions:
         help=f"the most each rank's log keeps: its start and its last lines (default {size(DEFAULT_LOG_CAP)}; "
              "e.g. 500MB, 2GB; 0: no cap)")
     """Bytes; ``None`` (``0`` on the command line): no cap (:mod:`nbddp.rank_side.log_cap`)."""
+    track: tuple[str, ...] = option(
+        "--track", group=_LIMITS, doors=_RUNS, default=(), metavar="TRACKER[,TRACKER...]",
+        example=("mlflow,tensorboard",), coerce=parse_trackers, check=_trackers, accepts="Sequence[str] | str",
+        render=lambda names, flag: [flag, ",".join(names)] if names else [],
+        help=f"write the run's record (parameters, nbddp.log metrics, weights, how it ended) to these trackers even "
+             f"where the code calls none: {', '.join(TRACKERS)} (default: ${TRACK_VARIABLE}; a tracker the code "
+             "uses gets them anyway)")
+    """The trackers nbddp writes the run to itself (:mod:`nbddp.job.trackers`); ``()``: those the code uses."""
     max_restarts: int = option("--max-restarts", group=_LIMITS, doors=_RUNS, default=0, type=int, metavar="N",
                                example=("2",), check=_at_least(0, "give 0 or more"),
                                help="restart failed ranks up to N times (torch engine); pair with "
