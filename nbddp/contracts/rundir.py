@@ -31,7 +31,12 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
                                     (torch.distributed.checkpoint), and the name of the last complete one
       stop-requested                `nbddp kill` asked this run to stop
       result.json                   how the run ended, with what, by whom
-      trackers.json                 the MLflow run rank 0 wrote (its id, its store), for nbddp to add the ending
+      tracking.json                 what the run's experiment records get (parameters, nbddp's facts, the trackers
+                                    asked for, a batch's group), written before the ranks start
+      kernel_records.json           nbddp run, papermill: the records the notebook's kernel had open at the training
+                                    cell, for rank 0 to write into
+      trackers.json                 the records rank 0 wrote (MLflow's run, TensorBoard's folders, W&B's run), for
+                                    nbddp to add the ending
       output.ipynb                  the executed notebook (nbddp run), saved after every cell
       batch.log                     a batch run's own terminal output (nbddp batch)
       detached/request.json         a detached run (--detach): what its supervisor runs (data, never a pickle)
@@ -193,9 +198,21 @@ class RunDir:
 
     @property
     def tracker_runs(self) -> Path:
-        """The experiment records rank 0 wrote (``{"mlflow": {"run_id", "tracking_uri"}}``), for the kernel side
-        to add how the run ended (:mod:`nbddp.job.trackers`)."""
+        """The experiment records rank 0 wrote (``{"mlflow": {"run_id", "tracking_uri"}, "tensorboard": {"folders"},
+        "wandb": {"run_id", …}}``), for the kernel side to add how the run ended (:mod:`nbddp.job.trackers`)."""
         return self.path / "trackers.json"
+
+    @property
+    def tracking(self) -> Path:
+        """What every experiment record of the run gets (parameters, nbddp's facts, the trackers asked for, a
+        batch's group and the run's name in it): the job writes it before the ranks start, rank 0 reads it."""
+        return self.path / "tracking.json"
+
+    @property
+    def kernel_records(self) -> Path:
+        """The records the notebook's kernel had open when it reached the training cell (``nbddp run``,
+        papermill): rank 0 waits for it before its first record (:mod:`nbddp.rank_side.trackers`)."""
+        return self.path / "kernel_records.json"
 
     @property
     def batch_log(self) -> Path:

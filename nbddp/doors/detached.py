@@ -141,6 +141,9 @@ class _NoKernelHere:
         succeeded = train().status == Status.SUCCEEDED and job.checkpoint.exists()
         return KernelResult(note=WEIGHTS_WAIT if succeeded else "")
 
+    def shares_records_later(self) -> bool:
+        return False
+
 
 def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:
     """Say why the supervisor ends without a ``result.json`` (refused, stopped, broken), where attachers look."""

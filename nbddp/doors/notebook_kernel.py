@@ -30,8 +30,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from nbddp.contracts.atomic import write_json
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.contracts.errors import RunError
+from nbddp.job import trackers
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.orchestrator import KernelResult, Train
@@ -86,10 +88,11 @@ class TrainingCells:
         with _interrupt_settles_the_cell(self):
             return super().execute_cell(cell, cell_index, execution_count, store_history)
 
-    def run_in_kernel(self, cell, cell_index: int):  # noqa: ANN001, ANN201
-        """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell)."""
+    def run_in_kernel(self, cell, cell_index: int, store_history: bool = True):  # noqa: ANN001, ANN201
+        """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell);
+        ``store_history=False``: unseen (no execution count, nothing in the kernel's history)."""
         with _interrupt_settles_the_cell(self):
-            return super().execute_cell(cell, cell_index)
+            return super().execute_cell(cell, cell_index, store_history=store_history)
 
     def on_rank_lines(self, text: str) -> None:
         """Rank output added to the training cell while it trains (papermill's client logs it, saves)."""
@@ -159,6 +162,13 @@ class NotebookKernel:
         self._cleanup: list[Callable[[], Any]] = []
 
     # ------------------------------------------------------------ the orchestrator's Kernel
+
+    def shares_records_later(self) -> bool:
+        """The kernel's cells before the training name a tracker: they may open a record (``mlflow.start_run()``),
+        which rank 0 then writes into; it waits for the kernel's word at its first record."""
+        first = min((index for index in range(len(self.nb.cells)) if self.trains(index)), default=len(self.nb.cells))
+        return trackers.kernel_may_open_records(
+            [str(cell.source) for cell in self.nb.cells[:first] if cell.cell_type == "code"])
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         self.job, self.train = job, train
@@ -248,6 +258,8 @@ class NotebookKernel:
         if self.collector.output.text:  # what the ranks said while the kernel ran the cells before (papermill logs it)
             client.on_rank_lines(self.collector.output.text)
         cell.outputs = [_note("training as a DDP job; every rank's log is in the run dir"), self.collector.output]
+        if self.shares_records_later():
+            self._share_open_records(client, index)
         self.on_training_start(cell, index)
         self.outcome = self.train(*self.training_deadline())
         receipt = receipt_cell(self.job, self.outcome)
@@ -261,6 +273,22 @@ class NotebookKernel:
             client.nb.cells[index] = cell  # nbclient put the receipt there: the user's cell stays
             self._echo(index, receipt.outputs)  # (the ranks' lines were shown as they came)
         return cell
+
+    def _share_open_records(self, client, index: int) -> None:  # noqa: ANN001
+        """Tell rank 0 which records the kernel has open now, at the training cell (it waits for the word)."""
+        from nbformat.v4 import new_code_cell
+
+        path, cell = self.job.paths.kernel_records, client.nb.cells[index]
+        try:
+            client.run_in_kernel(new_code_cell(
+                f"__import__('nbddp.job.trackers', fromlist=['_']).share_open_records({str(path)!r})"), index,
+                store_history=False)
+        except Exception:  # noqa: BLE001 - a kernel that can't say: rank 0's records are its own
+            pass
+        finally:
+            client.nb.cells[index] = cell  # (nbclient put the unseen cell there)
+            if not path.exists():
+                write_json(path, {"variables": {}, "names": []})
 
     def training_deadline(self) -> tuple[float | None, str | None]:
         """A deadline of the training cell's own and its name (papermill's ``--execution-timeout``);

@@ -35,14 +35,14 @@ from nbddp.contracts.errors import CheckpointError, RunError, RunFailed, SignalR
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
-from nbddp.job.record import RunRecord
+from nbddp.job.record import RunRecord, versions
 from nbddp.job import trackers
 from nbddp.contracts.rundir import RunDir, create_run_dir
 from nbddp.plan.job_spec import JobSpec, WarmHandle
 from nbddp.contracts.status import Status
 from nbddp.launchers import devices_for, topology_notes
 from nbddp.notebook.script import Script
-from nbddp.plan.options import LaunchOptions
+from nbddp.plan.options import LaunchOptions, asked_trackers
 
 Say = Callable[[str], None]
 
@@ -84,6 +84,9 @@ class RunRequest:
     papermill), whose job ``nbddp kill`` stops itself."""
     warm: WarmSource | None = None
     """Where warm ranks come from, when this door uses them."""
+    kernel_records: dict[str, str] = field(default_factory=dict)
+    """The experiment records a kernel that is not this process had open as it asked for the run (a detached
+    ``%%ddp_train``), for rank 0 to write into (:func:`nbddp.job.trackers.open_records`)."""
 
 
 @dataclass
@@ -120,12 +123,19 @@ class Kernel(Protocol):
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         """Run until done, calling ``train()`` once where the training belongs; ``deadline``: ``--timeout``."""
 
+    def shares_records_later(self) -> bool:
+        """Whether the kernel's cells before the training may open an experiment record (an MLflow run, …),
+        which it then shares at its training cell, for rank 0 to write into (:mod:`nbddp.job.trackers`)."""
+
 
 class InProcess:
     """This process's own namespace receives the weights (``%%ddp_train``: the kernel it runs in)."""
 
     def __init__(self, namespace: dict[str, Any]) -> None:
         self.namespace = namespace
+
+    def shares_records_later(self) -> bool:
+        return False  # (its open records are this process's, read as the job starts)
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         if train().status != Status.SUCCEEDED:
@@ -150,6 +160,9 @@ class NoKernel:
 
     def __init__(self, note: str = "") -> None:
         self.note = note
+
+    def shares_records_later(self) -> bool:
+        return False
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         train()
@@ -233,11 +246,14 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)
-    records, names = trackers.open_records() if isinstance(kernel, InProcess) else ({}, [])
+    asked = asked_trackers(launch)
+    records, names = trackers.open_records() if isinstance(kernel, InProcess) else (dict(request.kernel_records), [])
     if names:
         say(trackers.start_line(names))
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
                    launch=launch, owner=request.owner, pool=pool, environment=trackers.rank_variables(records))
+    trackers.start_tracking(spec, request.parameters, request.source or str(request.notebook), asked, records,
+                            kernel.shares_records_later(), versions()["torch"])
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)

@@ -175,9 +175,8 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
         dropped_output={str(rank): dropped for rank, dropped in paths.dropped_output().items()},
     )
     record.write(paths)
-    warning = trackers.record_ending(paths, record, error_line(record.status, record.error, record.failure))
-    if warning:
-        print(f"nbddp: {warning}", file=sys.stderr, flush=True)
+    for said in trackers.record_ending(paths, record, error_line(record.status, record.error, record.failure)):
+        print(f"nbddp: {said}", file=sys.stderr, flush=True)
     return record
 
 

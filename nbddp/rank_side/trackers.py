@@ -24,6 +24,13 @@ MLflow logs asynchronously on rank 0 (unless the code's environment chose), so t
 hold the rank in a step while the others wait for it in a collective (W&B and TensorBoard write from
 threads of their own already).
 
+Where the notebook's kernel runs beside the job (``nbddp run``, papermill), it reaches the training cell while the
+ranks start: rank 0 then waits, at its first record, for the kernel to say which records it has open
+(``kernel_records.json``; at most :data:`KERNEL_RECORDS_WAIT`). Rank 0's records get the run's facts
+(``tracking.json``, the job's): a W&B run its parameters and nbddp's facts as config, and in a batch the batch's
+group and the grid point's name; a TensorBoard writer in a batch writes into a sub-folder per grid point
+(``FOLDER/BATCH/POINT``). The rest is added as the run ends (:mod:`nbddp.job.trackers`).
+
 ``NBDDP_TRACK_EVERY_RANK=1`` keeps every rank's records (per-rank system metrics, say), each named by its rank:
 a TensorBoard folder ``rank-N`` under the one asked for, an MLflow run of its own tagged ``nbddp.rank`` and named
 ``… (rank N)``, a W&B run named so. Nothing here imports a tracker: only what the rank's code imports is touched.
@@ -35,11 +42,13 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.contracts.atomic import read_json, write_json
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.uris import with_credentials, without_credentials
 
 #: MLflow's fluent calls that create or write a run (each also patched in ``mlflow.tracking.fluent``, where
 #: MLflow's own helpers call them).
@@ -56,6 +65,11 @@ _failed: set[str] = set()
 """The trackers that failed in this job (said once): their calls do nothing until the next job."""
 _remembered: dict[str, dict[str, str]] = {}
 """What rank 0 noted in ``trackers.json`` in this job (MLflow asks for its run at every logged metric)."""
+_tracking: dict[str, Any] | None = None
+"""``tracking.json`` (the run's facts for its records), read by rank 0 at its first record in this job."""
+#: How long rank 0 waits, at its first record, for the notebook's kernel to reach the training cell and say which
+#: records it has open (``nbddp run``, papermill: the kernel runs the cells before the training as the ranks start).
+KERNEL_RECORDS_WAIT = 120.0
 #: MLflow's calls that give a run (``_get_or_start_run``: what every ``log_*`` without a run calls).
 _RUN_STARTERS = ("start_run", "_get_or_start_run")
 
@@ -63,9 +77,10 @@ _RUN_STARTERS = ("start_run", "_get_or_start_run")
 def guard(rank: int, environ: RankEnv | None = None) -> None:
     """Make this rank's tracker calls land as :mod:`this module <nbddp.rank_side.trackers>` says: now for the
     modules already imported, on import for the others. Idempotent (a warm rank calls it for every job)."""
-    global _how
+    global _how, _tracking
     env = RankEnv.from_environ() if environ is None else environ
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
+    _tracking = None
     _failed.clear()
     _remembered.clear()
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
@@ -111,7 +126,47 @@ def _attempt(tracker: str, call: Callable[[], Any], instead: Callable[[], Any]) 
         return instead()
 
 
-def _remember(tracker: str, facts: dict[str, str]) -> None:
+def facts() -> dict[str, Any]:
+    """Rank 0's: the run's facts for its records (``tracking.json``: ``parameters``, ``tags``, ``group``,
+    ``name``), read at its first record, after taking the kernel's open records when it has some to give."""
+    global _tracking
+    if _tracking is not None:
+        return _tracking
+    _tracking = {}
+    directory = RankEnv.from_environ().run_dir
+    if directory is None or _how is None or _how[0] != 0:
+        return _tracking
+    _tracking = read_json(directory.tracking) or {}
+    if _tracking.get("kernel_records"):
+        _take_kernel_records(directory)
+    return _tracking
+
+
+def _take_kernel_records(directory: Any) -> None:
+    """Wait for the notebook's kernel to reach the training cell, then write into the records it has open: its
+    MLflow and W&B runs (their own variables), its TensorBoard folder."""
+    global _how
+    deadline = time.monotonic() + KERNEL_RECORDS_WAIT
+    while not directory.kernel_records.exists():
+        if time.monotonic() > deadline:
+            print(f"[nbddp] warning: the notebook's kernel did not reach the training cell within "
+                  f"{KERNEL_RECORDS_WAIT:g} s: rank 0's experiment records are its own, not the kernel's open ones",
+                  file=sys.stderr, flush=True)
+            return
+        time.sleep(0.05)
+    given = read_json(directory.kernel_records) or {}
+    variables = given.get("variables") or {}
+    for name, value in variables.items():
+        if name.startswith(("MLFLOW_", "WANDB_")):  # (a store's address comes without its credentials: ours)
+            os.environ[name] = with_credentials(str(value), name) if name.endswith("_URI") else str(value)
+    folder = RankEnv.from_environ(variables).tensorboard_dir
+    if folder is not None and _how is not None:
+        _how = (_how[0], _how[1], folder)
+    if given.get("names"):
+        print(f"[nbddp] rank 0 writes into the kernel's open {', '.join(given['names'])}", flush=True)
+
+
+def _remember(tracker: str, facts: dict[str, Any]) -> None:
     """Rank 0 notes the record it writes, in the run dir (for the kernel side to add how the run ended): once
     per record, not at every call that asks for it."""
     directory = RankEnv.from_environ().run_dir
@@ -248,13 +303,15 @@ def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         nothing = _NoRun if gives_a_run else (lambda: None)
         if silent("MLflow"):
             return nothing()
+        if _how is not None and _how[0] == 0:
+            facts()  # (first: the kernel's open run, when it has one to give)
         if name == "start_run" and _how is not None and _how[0] != 0:  # every rank keeps its own: named by rank
             kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
             kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
         answer = _attempt("MLflow", lambda: original(*args, **kwargs), nothing)
         if gives_a_run and not isinstance(answer, _NoRun) and _how is not None and _how[0] == 0:
-            _remember("mlflow", {"run_id": answer.info.run_id,
-                                 "tracking_uri": str(sys.modules["mlflow"].get_tracking_uri())})
+            _remember("mlflow", {"run_id": answer.info.run_id,  # (the store's address: never its credentials)
+                                 "tracking_uri": without_credentials(str(sys.modules["mlflow"].get_tracking_uri()))})
         return answer
 
     call.__wrapped__ = original  # type: ignore[attr-defined]
@@ -269,15 +326,34 @@ def _patch_wandb(wandb: Any) -> None:
     original = wandb.init
 
     def init(*args: Any, **kwargs: Any) -> Any:
+        given: dict[str, Any] = {}
         if silent("W&B"):
             kwargs["mode"] = "disabled"
         elif _how is not None and _how[0] != 0:
             kwargs["name"] = f"{kwargs.get('name') or 'nbddp'} (rank {_how[0]})"
-        return _attempt("W&B", lambda: original(*args, **kwargs),  # (no key, no network, a refused project)
-                        lambda: original(*args, **{**kwargs, "mode": "disabled"}))
+        elif _how is not None:
+            given = facts()
+            if given.get("group") and not kwargs.get("group") and "WANDB_RUN_GROUP" not in os.environ:
+                kwargs["group"] = given["group"]  # a batch: its grid points side by side in W&B's compare view
+                if not kwargs.get("name") and "WANDB_NAME" not in os.environ:
+                    kwargs["name"] = given.get("name")
+        run = _attempt("W&B", lambda: original(*args, **kwargs),  # (no key, no network, a refused project)
+                       lambda: original(*args, **{**kwargs, "mode": "disabled"}))
+        if given and getattr(run, "id", None) and not getattr(run, "disabled", False):
+            _attempt("W&B", lambda: _wandb_facts(run, given), lambda: None)
+        return run
 
     init.__wrapped__ = original  # type: ignore[attr-defined]
     wandb.init = init
+
+
+def _wandb_facts(run: Any, given: dict[str, Any]) -> None:
+    """Rank 0's W&B run: the run's parameters and nbddp's facts in its config; its id noted for the ending."""
+    run.config.update({**(given.get("parameters") or {}), "nbddp": given.get("tags") or {}}, allow_val_change=True)
+    _remember("wandb", {"run_id": run.id, "project": run.project or "", "entity": run.entity or "",
+                        "mode": str(getattr(run.settings, "mode", "") or "")})
+
+
 
 
 # ---------------------------------------------------------------- TensorBoard
@@ -325,9 +401,12 @@ def _patch_tensorboard(module: Any) -> None:
             if getattr(self, "_nbddp_ready", False):  # (made in __new__, where a failure can still give a no-op)
                 return
             folder = args[0] if args else kwargs.pop(folder_parameter, None)
-            rank, every, kernels = _how if _how is not None else (0, False, None)
-            if folder is None and rank == 0 and kernels is not None:
-                folder = str(kernels)
+            rank, every, _ = _how if _how is not None else (0, False, None)
+            given = facts() if _how is not None and rank == 0 else {}
+            if folder is None and rank == 0 and _how is not None and _how[2] is not None:
+                folder = str(_how[2])  # (the kernel's, possibly just taken by facts())
+            if given.get("group"):  # a batch: a sub-folder per grid point, side by side in TensorBoard
+                folder = os.path.join(str(folder or "runs"), str(given["group"]), str(given.get("name") or ""))
             if rank != 0 and every:
                 if folder is None:
                     kwargs["comment"] = f"{kwargs.get('comment', '')}-rank{rank}"
@@ -336,6 +415,11 @@ def _patch_tensorboard(module: Any) -> None:
             if folder is not None:  # (tensorboardX checks, then creates it: ranks creating one folder race there)
                 os.makedirs(folder, exist_ok=True)
             super().__init__(folder, *args[1:], **kwargs)
+            if rank == 0 and _how is not None:
+                written = getattr(self, "log_dir", None) or getattr(self, "logdir", None)
+                folders = (_remembered.get("tensorboard") or {}).get("folders", [])
+                if written and os.path.abspath(written) not in folders:
+                    _remember("tensorboard", {"folders": [*folders, os.path.abspath(written)]})
 
     SummaryWriter.__name__ = SummaryWriter.__qualname__ = "SummaryWriter"
     SummaryWriter.__module__ = original.__module__

@@ -27,6 +27,7 @@ from nbddp.contracts.atomic import read_json
 from nbddp.contracts.devices import FREE, free_devices, gpu_usage, requested_gpus, resolve, visible_gpu_count
 from nbddp.contracts.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.contracts.owned import private_folder
+from nbddp.job.trackers import BATCH_VARIABLE, group_batch
 from nbddp.launchers import devices_for, run_stop_grace
 from nbddp.notebook.reader import Notebook, read_notebook
 from nbddp.plan.options import LaunchOptions, machine_gpus_refusal
@@ -238,7 +239,7 @@ class Batch:
                 attempt += 1
             state.run_dir.rename(state.run_dir.with_name(f"{state.run_dir.name}.try{attempt}"))
         state.run_dir.mkdir(parents=True, mode=0o700)
-        env = dict(os.environ)
+        env = {**os.environ, BATCH_VARIABLE: str(self.out)}  # (its runs' records grouped: nbddp.job.trackers)
         devices: dict[str, Any] = {"cpu": True, "nproc": self.nproc, "gpus": None}
         if self.device_kind in ("slurm", "ray"):  # the cluster's: as the options say
             devices = {}
@@ -374,6 +375,8 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     try:
         states = batch.run()
     finally:
+        for line in group_batch(out, [(s.paths, s.status.ok) for s in batch.states]):
+            say(f"nbddp: {line}")
         rows = summarize(out, [(s.run, s.paths, s.status) for s in batch.states])
     failed = [s for s in states if not s.status.ok]
     return rows, Status.FAILED.exit_code if failed else Status.SUCCEEDED.exit_code

@@ -161,11 +161,16 @@ class DdpMagics(Magics):
 
         from nbddp.doors import detached
         from nbddp.contracts.rundir import create_run_dir
+        from nbddp.job import trackers
         from nbddp.launchers import devices_for
 
         devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor
         run_dir = create_run_dir(request.notebook, request.launch.run_dir)
-        request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None)
+        records, names = trackers.open_records()  # (the supervisor is not this kernel: it can't read them)
+        if names:
+            print(f"[nbddp] {trackers.start_line(names)}")
+        request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None,
+                          kernel_records=records)
         pid = detached.start(request, run_dir, request.cwd)
         print(f"[nbddp] detached (supervisor pid {pid}): restarting this kernel or closing the notebook leaves the "
               f"run going; %ddp_attach {run_dir} follows it again, `nbddp kill {run_dir}` stops it")
