@@ -20,6 +20,7 @@ from nbddp.doors import detached
 from nbddp.contracts.errors import RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir
 from tests.conftest import alive, code, write_notebook
+from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EPOCHS, EVALUATE, SETUP, reference, train_cell
 
 BATCH = 8  # per rank: the world's batch is 16
@@ -229,7 +230,8 @@ def test_the_options_of_detaching_and_attaching():
 @pytest.mark.waits
 @pytest.mark.slow
 def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it(tmp_path, cli_run):
-    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN), code(EVALUATE)])
+    nb = write_notebook(tmp_path / "nb.ipynb", [code(SETUP), code(SLOW_TRAIN + writes_on_every_rank(tmp_path / "tb")),
+                                                code(EVALUATE)])
     front = cli_run(["run", nb, "--cpu", "--detach"], tmp_path)
     front.wait_for("epoch 0 rank 1")
     run_dir = _one_run_dir(tmp_path)
@@ -252,6 +254,7 @@ def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it
     for key, value in reference(2 * BATCH).items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
     assert not _gone_within(supervised, 10)
+    assert_one_record(tmp_path / "tb")  # a tracker called on every rank: rank 0's record alone
 
     again = _nbddp("attach", run_dir.name, cwd=tmp_path)  # after the end: the whole run, at once
     assert again.returncode == 0 and again.stdout == attached.stdout, (again.stdout, attached.stdout)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.conftest import EXAMPLES, code, write_notebook
+from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,8 @@ def only_run_dir(folder):
 
 
 def test_two_nodes_train_one_world_of_four_like_one_process(tmp_path, cli_run):
-    node0, node1 = two_folders(tmp_path, "fit.ipynb", [code(SETUP), code(train_cell(4)), code(EVALUATE)])
+    node0, node1 = two_folders(tmp_path, "fit.ipynb", [code(SETUP), code(train_cell(4) + writes_on_every_rank(
+        tmp_path / "tb")), code(EVALUATE)])
     port = free_port()
     other = cli_run(node_args("fit.ipynb", 1, port), node1)
     main = cli_run(node_args("fit.ipynb", 0, port), node0)
@@ -63,6 +65,7 @@ def test_two_nodes_train_one_world_of_four_like_one_process(tmp_path, cli_run):
     assert result["nodes"][1]["run_dir"] == str(only_run_dir(node1))
     other_result = json.loads((only_run_dir(node1) / "result.json").read_text())
     assert other_result["status"] == "succeeded" and other_result["checkpoint"] is None
+    assert_one_record(tmp_path / "tb")  # a tracker called on all four ranks: rank 0's record alone
     assert not main.leftovers() and not other.leftovers()
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import StoppedLastCell, code, write_notebook
+from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 from tests.ray_cluster import RayCluster, actor_processes
 from tests.test_slurm import only_run_dir, processes_of
@@ -53,7 +54,8 @@ def nothing_left(run, run_dir) -> bool:
 
 
 def test_a_notebook_trains_on_two_ray_workers_and_the_weights_come_back(tmp_path, cli_run, ray_env):
-    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8)), code(EVALUATE)])
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8) + writes_on_every_rank(tmp_path / "tb")),
+                                            code(EVALUATE)])
     run = cli_run(["run", "fit.ipynb", "--ray", *CPU2], tmp_path)
     assert run.wait() == 0, run.output
     output, run_dir = run.output, only_run_dir(tmp_path)
@@ -66,6 +68,7 @@ def test_a_notebook_trains_on_two_ray_workers_and_the_weights_come_back(tmp_path
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "succeeded" and result["world_size"] == 2
     assert result["ray_job"]["job_id"] == job["job_id"] and result["ray_job"]["state"] == "SUCCEEDED"
+    assert_one_record(tmp_path / "tb")  # a tracker called on every rank: rank 0's record alone
     assert nothing_left(run, run_dir)
 
 

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from tests.conftest import CliRun, StoppedLastCell, code, kill_group, md, write_notebook
+from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
@@ -70,7 +71,8 @@ def processes_of(run_dir) -> list[psutil.Process]:
 
 
 def test_a_slurm_run_goes_from_pending_to_weights_back_and_cpu_evaluation(tmp_path, cli_run, slurm_env):
-    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8)), code(EVALUATE)])
+    write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8) + writes_on_every_rank(tmp_path / "tb")),
+                                            code(EVALUATE)])
     run = cli_run(["run", "fit.ipynb", *CPU2, "--slurm-arg", "begin=now+3"], tmp_path)
     assert run.wait() == 0, run.output
     output = run.output
@@ -82,6 +84,7 @@ def test_a_slurm_run_goes_from_pending_to_weights_back_and_cpu_evaluation(tmp_pa
     assert_matches(only_run_dir(tmp_path) / "weights.pt", batch=16)
     result = json.loads((only_run_dir(tmp_path) / "result.json").read_text())
     assert result["status"] == "succeeded" and result["slurm_job"]["state"] == "COMPLETED"
+    assert_one_record(tmp_path / "tb")  # a tracker called on every rank: rank 0's record alone
     assert not run.leftovers() and not processes_of(only_run_dir(tmp_path))
 
 

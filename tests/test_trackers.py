@@ -42,6 +42,22 @@ writer.close(); xwriter.close(); run.finish()
 print("logged", flush=True)"""
 
 
+def writes_on_every_rank(folder: Path) -> str:
+    """Code for the end of a training cell: a TensorBoard writer made and written on every rank, with no guard (the
+    tests of each door add it: Slurm, Ray, several nodes, detached). tensorboardX: the lightest tracker to import."""
+    for module in ("tensorboardX", "tensorboard"):
+        need(module)
+    return (f"\nfrom tensorboardX import SummaryWriter as _Writer\n_writer = _Writer({str(folder)!r})\n"
+            "_writer.add_scalar('rank_calls', 1.0, 0)\n_writer.close()")
+
+
+def assert_one_record(folder: Path) -> None:
+    """What :func:`writes_on_every_rank` left: one record (rank 0's), and nbddp's facts added to it."""
+    files = sorted(folder.rglob("events.out.tfevents.*"))
+    assert len([f for f in files if not f.name.endswith(".nbddp")]) == 1 and len(files) == 2, files
+    assert tensorboard_points(folder, "rank_calls") == [1.0]
+
+
 @pytest.fixture
 def trackers_here(tmp_path, monkeypatch):
     """MLflow in a sqlite store and W&B offline, both in ``tmp_path`` (inherited by the ranks)."""
@@ -169,33 +185,124 @@ def server_runs(uri: str) -> list:
     return [run for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
 
 
+#: A cell the kernel alone runs (not the ranks): the notebook's own MLflow run, opened before the training.
+NOTEBOOK_RUN = """import mlflow
+mlflow.set_experiment("sweep")
+mlflow.start_run(run_name="notebook")"""
+
+
 @pytest.mark.slow
 @pytest.mark.beside
-def test_a_batchs_runs_give_one_record_each_per_tracker_though_every_rank_calls_them(mlflow_server, cli_run,
-                                                                                    monkeypatch):
+def test_a_batchs_runs_give_one_record_each_per_tracker_grouped_though_every_rank_calls_them(mlflow_server, cli_run,
+                                                                                            monkeypatch):
     """Against a real MLflow server: a grid of two ``nbddp run``s whose ranks both make every call gives two
-    records in each tracker, not four, each with its own parameter, its points and nbddp's facts."""
+    records in each tracker, not four, each with its own parameter, its points and nbddp's facts, grouped as the
+    batch (an MLflow parent run, a W&B group, a TensorBoard sub-folder per grid point). Each notebook's kernel
+    opened its own MLflow run before the training: rank 0 wrote into it, and the evaluation after it too."""
     from mlflow.tracking import MlflowClient
 
     folder = Path.cwd()  # (trackers_here's)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    write_notebook(folder / "t.ipynb", [code(SETUP), code("lr = 0.05", "parameters"), code("#| ddp-train\n" + LOGGING.format(
-        folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace('mlflow.log_param("lr", 0.05)', 'mlflow.log_param("lr", lr)'))])
+    write_notebook(folder / "t.ipynb", [code(NOTEBOOK_RUN), code(SETUP), code("lr = 0.05", "parameters"), code(
+        "#| ddp-train\n" + LOGGING.format(folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace(
+            'mlflow.log_param("lr", 0.05)', 'mlflow.log_param("lr", lr)')),
+        code('mlflow.log_metric("test_mse", 0.125)')])
     (folder / "grid.json").write_text(json.dumps({"lr": [0.1, 0.2]}))
     batch = cli_run(["batch", "t.ipynb", "--grid", "grid.json", "--cpu", "--nproc", "2", "--out", "sweep"], folder)
     assert batch.wait() == 0, batch.output
     logs = "".join(p.read_text() for p in (folder / "sweep").rglob("rank-1.log"))
     assert logs.count("logged") == 2  # rank 1 made every call, in both runs
+    points = ("001-lr=0.1", "002-lr=0.2")
+    client = MlflowClient(mlflow_server)
     runs = server_runs(mlflow_server)
-    assert sorted(r.data.params["lr"] for r in runs) == ["0.1", "0.2"]  # one per grid point, not per rank
-    for run in runs:
-        assert len(MlflowClient(mlflow_server).get_metric_history(run.info.run_id, "loss")) == EPOCHS
+    [parent] = [r for r in runs if "nbddp.batch" in r.data.tags]
+    assert parent.info.run_name == "sweep" and parent.info.status == "FINISHED"
+    children = sorted((r for r in runs if r is not parent), key=lambda r: r.data.params["lr"])
+    assert [r.data.params["lr"] for r in children] == ["0.1", "0.2"]  # one per grid point, not per rank
+    for run in children:  # the kernel's run: the training's points and the evaluation's, nbddp's facts
+        assert run.info.run_name == "notebook" and run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert len(client.get_metric_history(run.info.run_id, "loss")) == EPOCHS
+        assert run.data.metrics["test_mse"] == 0.125
         assert run.data.tags["nbddp.status"] == "succeeded" and run.data.tags["nbddp.world_size"] == "2"
-    for name in ("tb", "tbx"):  # (both runs write into the folder the code names: a file each)
-        assert len(list((folder / name).rglob("events.out.tfevents.*"))) == 2, name
-        assert len(tensorboard_points(folder / name, "loss")) == 2 * EPOCHS, name
-    points = wandb_runs(folder)
-    assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
+    for name in ("tb", "tbx"):  # (both runs write into the folder the code names: a sub-folder each)
+        assert sorted(p.name for p in (folder / name / "sweep").iterdir()) == list(points), name
+        for point in points:
+            assert len(tensorboard_points(folder / name / "sweep" / point, "loss")) == EPOCHS, name
+            assert len(list((folder / name / "sweep" / point).glob("events.out.tfevents.*.nbddp"))) == 1  # the facts
+    runs_of_wandb = wandb_runs(folder)
+    assert len(runs_of_wandb) == 2 and all(len(p) == EPOCHS for p in runs_of_wandb.values()), runs_of_wandb
+    facts = [wandb_run_facts(path) for path in sorted(folder.rglob("offline-run-*/run-*.wandb"))]
+    assert sorted((group, name, config["lr"]) for group, name, config in facts) == [
+        ("sweep", points[0], 0.1), ("sweep", points[1], 0.2)], facts
+    assert all(config["nbddp"]["nbddp.world_size"] == "2" for _, _, config in facts)
+
+
+def wandb_run_facts(path: Path) -> tuple[str, str, dict]:
+    """``(group, name, config)`` of one offline W&B run file."""
+    group = name = ""
+    config: dict = {}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            group, name = record.run.run_group or group, record.run.display_name or name
+            config |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
+        elif kind == "config":
+            config |= {item.key: json.loads(item.value_json) for item in record.config.update}
+    return group, name, config
+
+
+#: A training cell with no tracker in it: nbddp.log only, then rank 1 fails once every point is logged.
+DIVERGES = """#| ddp-train
+ddp = nbddp.prepare(model)
+for epoch in range({epochs}):
+    loss = ddp(torch.ones(4, 2)).square().mean()
+    loss.backward()
+    nbddp.log(epoch=epoch, loss=loss.item(), accuracy=0.5 + epoch / 10)
+torch.distributed.barrier()
+if nbddp.rank() == 1:
+    raise ValueError(f"diverged at lr {{lr}}")"""
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_trackers_asked_for_get_the_run_from_papermill_and_a_failed_one_is_marked_failed_with_its_error(
+        trackers_here):
+    """``--track mlflow,tensorboard,wandb`` (papermill's NBDDP_OPTIONS) with no tracker in the training: nbddp writes
+    the run to each itself, its parameters, its nbddp.log points with their steps, how it ended. The kernel's own
+    MLflow run, opened before the training, is the run; W&B and TensorBoard get one of nbddp's."""
+    import os
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    folder = trackers_here
+    write_notebook(folder / "t.ipynb", [code("import mlflow\nmlflow.start_run(run_name='notebook')"), code(SETUP),
+                                        code("lr = 0.05", "parameters"), code(DIVERGES.format(epochs=EPOCHS))])
+    env = {**os.environ, "NBDDP_OPTIONS": "--cpu --nproc 2 --track mlflow,tensorboard,wandb", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-m", "papermill", "--engine", "nbddp", "t.ipynb", "out.ipynb", "-p", "lr",
+                           "0.3"], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "rank 1 raised ValueError: diverged at lr 0.3" in done.stderr, done.stderr
+    assert "nbddp: warning" not in done.stderr, done.stderr
+    [run] = mlflow_runs(folder)  # the kernel's, with nbddp's record of the run
+    assert run.info.run_name == "notebook" and run.info.status == "FAILED" and run.data.params["lr"] == "0.3"
+    assert run.data.tags["nbddp.status"] == "failed", run.data.tags
+    assert re.match(r"rank 1, cell \S+, line 9: ValueError: diverged at lr 0.3", run.data.tags["nbddp.error"])
+    accuracy = [(m.step, m.value) for m in mlflow_history(folder, run, "accuracy")]
+    assert accuracy == [(epoch, 0.5 + epoch / 10) for epoch in range(EPOCHS)]
+    artifacts = {a.path for a in MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").list_artifacts(run.info.run_id,
+                                                                                                  "nbddp")}
+    assert "nbddp/result.json" in artifacts <= {"nbddp/result.json", "nbddp/weights.pt"}  # (rank 0's, if it got to
+    # save them before rank 1's failure stopped it; papermill writes its notebook itself)
+    [run_dir] = (folder / "runs").iterdir()
+    assert tensorboard_points(run_dir, "nbddp/accuracy") == pytest.approx([0.5 + epoch / 10 for epoch in range(EPOCHS)])
+    [wandb_file] = folder.rglob("offline-run-*/run-*.wandb")
+    group, name, config = wandb_run_facts(wandb_file)
+    assert name == run_dir.name and config["lr"] == 0.3 and config["nbddp"]["nbddp.status"] == "failed"
+    records = list(wandb_records(wandb_file))
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["accuracy"]) for h in history] == [(epoch, 0.5 + epoch / 10) for epoch in range(EPOCHS)]
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
 
 
 @pytest.mark.slow
@@ -380,3 +487,95 @@ def test_a_jobs_end_ends_its_open_run_even_after_mlflow_failed_in_it(tmp_path):
                           text=True, timeout=120)
     assert done.returncode == 0 and "ACTIVE None" in done.stdout, done.stdout + done.stderr
     assert done.stderr.count("warning: MLflow failed (RuntimeError: the server went away)") == 1, done.stderr
+
+
+def test_rank_0_takes_the_kernels_open_records_when_the_kernel_gives_them_and_its_own_after_the_wait(
+        tmp_path, monkeypatch, capsys):
+    """``nbddp run``'s kernel reaches the training cell while the ranks start: rank 0's first record waits for its
+    word (``kernel_records.json``), takes the records it names (a store's credentials from its own environment:
+    the run dir holds none), or, when none comes in time, says so in one line and writes records of its own."""
+    from nbddp.contracts.atomic import write_json
+    from nbddp.contracts.rank_env import RankEnv
+    from nbddp.contracts.rundir import RunDir
+    from nbddp.rank_side import trackers
+
+    paths = RunDir(tmp_path)
+    write_json(paths.tracking, {"kernel_records": True, "parameters": {"lr": 0.1}, "group": ""})
+    monkeypatch.setenv("NBDDP_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://me:secret@mlflow.example.com")
+    for variable in ("MLFLOW_RUN_ID", "WANDB_MODE", "WANDB_SILENT", "MLFLOW_ENABLE_ASYNC_LOGGING"):
+        monkeypatch.setenv(variable, "")  # (what the guard sets: this process's, put back after)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for name, value in (("KERNEL_RECORDS_WAIT", 0.3), ("_how", None), ("_tracking", None)):
+        monkeypatch.setattr(trackers, name, value)
+    trackers.guard(0, RankEnv(run_dir=paths))
+    assert trackers.facts()["parameters"] == {"lr": 0.1}
+    assert "did not reach the training cell within 0.3 s" in capsys.readouterr().err
+    write_json(paths.kernel_records, {"variables": {
+        "MLFLOW_RUN_ID": "abc", "MLFLOW_TRACKING_URI": "https://mlflow.example.com",
+        RankEnv(tensorboard_dir=tmp_path / "board").variables().popitem()[0]: str(tmp_path / "board")},
+        "names": ["MLflow run 'notebook'"]})
+    trackers.guard(0, RankEnv(run_dir=paths))  # (the next job: read again)
+    trackers.facts()
+    import os
+
+    assert os.environ["MLFLOW_RUN_ID"] == "abc"
+    assert os.environ["MLFLOW_TRACKING_URI"] == "https://me:secret@mlflow.example.com"
+    assert trackers._how[2] == tmp_path / "board"
+    assert "rank 0 writes into the kernel's open MLflow run 'notebook'" in capsys.readouterr().out
+
+
+def test_no_credential_reaches_the_run_dir():
+    from nbddp.contracts.uris import with_credentials, without_credentials
+
+    assert without_credentials("https://me:secret@mlflow.example.com:5000/x") == "https://mlflow.example.com:5000/x"
+    assert without_credentials("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+    assert with_credentials("https://other.example.com") == "https://other.example.com"
+
+
+def test_track_names_the_trackers_it_knows_at_every_door(monkeypatch):
+    from nbddp.contracts.errors import UsageError
+    from nbddp.plan.options import LaunchOptions, asked_trackers
+
+    assert LaunchOptions(track="MLflow, wandb").track == ("mlflow", "wandb")
+    assert LaunchOptions(track=["tensorboard"]).to_argv()[-2:] == ["--track", "tensorboard"]
+    with pytest.raises(UsageError, match="--track neptune: nbddp tracks runs in mlflow, tensorboard, wandb"):
+        LaunchOptions(track="neptune")
+    monkeypatch.setenv("NBDDP_TRACK", "tensorboard")
+    assert asked_trackers(LaunchOptions()) == ("tensorboard",) and asked_trackers(LaunchOptions(track="mlflow")) == (
+        "mlflow",)
+    monkeypatch.setenv("NBDDP_TRACK", "comet")
+    with pytest.raises(UsageError, match="NBDDP_TRACK comet"):
+        asked_trackers(LaunchOptions())
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_a_batchs_mlflow_runs_nest_under_one_parent_per_experiment_found_again_on_resume(tmp_path, monkeypatch):
+    """nbddp.job.trackers.group_batch on a real (sqlite) store: a parent run named by the batch, marked failed when
+    a run failed; a --resume of the batch nests its runs under the same parent."""
+    from mlflow.tracking import MlflowClient
+
+    from nbddp.contracts.atomic import write_json
+    from nbddp.contracts.rundir import RunDir
+    from nbddp.job.trackers import group_batch
+
+    need("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(uri)
+    out = tmp_path / "sweep"
+    runs = []
+    for name in ("001-lr=0.1", "002-lr=0.2"):
+        paths = RunDir(out / name)
+        paths.path.mkdir(parents=True)
+        write_json(paths.tracker_runs, {"mlflow": {"run_id": client.create_run("0").info.run_id, "tracking_uri": uri}})
+        runs.append(paths)
+    assert group_batch(out, [(runs[0], True), (runs[1], False)]) == []
+    [parent] = [r for r in client.search_runs(["0"]) if "nbddp.batch" in r.data.tags]
+    assert parent.info.run_name == "sweep" and parent.info.status == "FAILED"
+    children = [client.get_run(r.info.run_id) for r in client.search_runs(["0"]) if r.info.run_id != parent.info.run_id]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id} and len(children) == 2
+    assert group_batch(out, [(runs[0], True), (runs[1], True)]) == []  # --resume: the failed one ran again
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+    assert len(client.search_runs(["0"])) == 3
