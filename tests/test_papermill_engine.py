@@ -7,6 +7,7 @@ tests/test_papermill_parity.py; here are the DDP-specific cases.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import pytest
 
 from tests.conftest import code, descendants, alive, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
+from tests.test_trackers import DIVERGES, EPOCHS as TRACKED_EPOCHS, SETUP as TRACKED_SETUP, mlflow_history, \
+    assert_one_record, mlflow_runs, tensorboard_points, trackers_here, wandb_records, wandb_run_facts, \
+    writes_on_every_rank  # noqa: F401 - trackers_here: a fixture
 
 pytestmark = pytest.mark.slow
 OPTIONS = {"NBDDP_OPTIONS": "--cpu --nproc 2"}
@@ -93,16 +97,52 @@ def test_a_notebook_without_a_training_cell_runs_as_papermills_own_engine_runs_i
     assert not (tmp_path / "runs").exists()  # nothing to train: no DDP job
 
 
-def test_a_failing_rank_is_a_papermill_execution_error_and_exit_1(tmp_path):
-    write_notebook(tmp_path / "boom.ipynb", [code("lr = 0.05", "parameters"), code(SETUP), code(
-        "#| ddp-train\nif nbddp.rank() == 1:\n    raise ValueError(f'bad lr {lr}')\ntorch.distributed.barrier()"),
-        code("print('EVALUATION RAN')")])
-    code_, out, err, _ = papermill_cli(["--engine", "nbddp", "boom.ipynb", "out.ipynb", "-p", "lr", "0.3"], tmp_path)
+@pytest.mark.beside  # (it writes the run to the three trackers too: they take their time)
+def test_a_failing_rank_is_a_papermill_execution_error_and_exit_1_and_the_trackers_asked_for_mark_it_failed(
+        trackers_here):  # noqa: F811 - the fixture imported above
+    """papermill's own failure, where the training cell is: exit 1, a PapermillExecutionError at the kernel's count,
+    the cells after it pending. With ``--track mlflow,tensorboard,wandb`` (NBDDP_OPTIONS) and no tracker in the
+    training, nbddp writes the run to each itself: its parameters, its nbddp.log points with their steps, how it
+    ended. The kernel's own MLflow run, opened before the training, is the run; W&B and TensorBoard get nbddp's."""
+    from mlflow.tracking import MlflowClient
+
+    folder = trackers_here
+    write_notebook(folder / "boom.ipynb", [code("lr = 0.05", "parameters"), code(TRACKED_SETUP),
+                                           code("import mlflow\nmlflow.start_run(run_name='notebook')"),
+                                           code(DIVERGES.format(epochs=TRACKED_EPOCHS).replace(  # (and a writer
+                                               "torch.distributed.barrier()",  # on every rank, with no guard)
+                                               writes_on_every_rank(folder / "tb") + "\ntorch.distributed.barrier()")),
+                                           code("print('EVALUATION RAN')")])
+    code_, out, err, _ = papermill_cli(["--engine", "nbddp", "boom.ipynb", "out.ipynb", "-p", "lr", "0.3"], folder, env={
+        "NBDDP_OPTIONS": "--cpu --nproc 2 --track mlflow,tensorboard,wandb", "WANDB_MODE": "offline"})
     assert code_ == 1, err
-    assert "PapermillExecutionError" in err and "rank 1 raised ValueError: bad lr 0.3" in err
-    assert 'Exception encountered at "In [4]"' in err  # the kernel's count for the training cell, not In [None]
-    assert statuses(tmp_path / "out.ipynb") == ["completed", "completed", "completed", "failed", "pending"]
-    assert "EVALUATION RAN" not in out + err
+    assert "PapermillExecutionError" in err and "rank 1 raised ValueError: diverged at lr 0.3" in err
+    assert 'Exception encountered at "In [5]"' in err  # the kernel's count for the training cell, not In [None]
+    assert statuses(folder / "out.ipynb") == ["completed"] * 4 + ["failed", "pending"]
+    assert "EVALUATION RAN" not in out + err and "nbddp: warning" not in err, err
+    epochs = range(TRACKED_EPOCHS)
+    [run] = mlflow_runs(folder)  # the kernel's, with nbddp's record of the run
+    assert run.info.run_name == "notebook" and run.info.status == "FAILED" and run.data.params["lr"] == "0.3"
+    assert run.data.tags["nbddp.status"] == "failed", run.data.tags
+    # (cell 5 of the notebook papermill runs: its parameters injected)
+    assert re.match(r"rank 1, cell 5, line 14: ValueError: diverged at lr 0.3", run.data.tags["nbddp.error"])
+    accuracy = [(m.step, m.value) for m in mlflow_history(folder, run, "accuracy")]
+    assert accuracy == [(epoch, 0.5 + epoch / 10) for epoch in epochs]
+    artifacts = {a.path for a in MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").list_artifacts(run.info.run_id,
+                                                                                                  "nbddp")}
+    assert "nbddp/result.json" in artifacts <= {"nbddp/result.json", "nbddp/weights.pt"}  # (rank 0's, if it got to
+    # save them before rank 1's failure stopped it; papermill writes its notebook itself)
+    [run_dir] = (folder / "runs").iterdir()
+    assert_one_record(folder / "tb")  # rank 0's writer alone, and nbddp's record in its folder (the code's record)
+    assert tensorboard_points(folder / "tb", "nbddp/accuracy") == pytest.approx([0.5 + epoch / 10 for epoch in epochs])
+    [wandb_file] = folder.rglob("offline-run-*/run-*.wandb")
+    group, name, config = wandb_run_facts(wandb_file)
+    assert name == run_dir.name and config["lr"] == 0.3 and config["nbddp"]["nbddp.status"] == "failed"
+    records = list(wandb_records(wandb_file))
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["accuracy"]) for h in history] == [(epoch, 0.5 + epoch / 10) for epoch in epochs]
+    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
 
 
 SLEEPY_TRAINING = "#| ddp-train\nfor step in range(600):\n    print('step', step, flush=True)\n    time.sleep(0.1)"

@@ -124,8 +124,20 @@ def wandb_records(path: Path):
             yield record
 
 
-def wandb_runs(folder: Path) -> dict[str, list[float]]:
-    """``{run id: its "loss" points}`` over every offline run W&B wrote under ``folder``."""
+def wandb_summaries(folder: Path) -> dict[str, dict]:
+    """``{run id: its summary}`` over every offline run W&B wrote under ``folder`` (a resumed run's files merged)."""
+    found: dict[str, dict] = {}
+    for path in sorted(folder.rglob("offline-run-*/run-*.wandb")):
+        summary = found.setdefault(re.match(r"run-(.+)\.wandb", path.name).group(1), {})
+        for record in wandb_records(path):
+            if record.WhichOneof("record_type") == "summary":
+                summary |= {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.summary.update}
+    return found
+
+
+def wandb_runs(folder: Path, key: str = "loss") -> dict[str, list[float]]:
+    """``{run id: its points of key}`` over every offline run W&B wrote under ``folder``."""
     runs: dict[str, list[float]] = {}
     for path in sorted(folder.rglob("offline-run-*/run-*.wandb")):
         run_id = re.match(r"run-(.+)\.wandb", path.name).group(1)
@@ -133,7 +145,7 @@ def wandb_runs(folder: Path) -> dict[str, list[float]]:
         for record in wandb_records(path):
             if record.WhichOneof("record_type") == "history":
                 points += [json.loads(item.value_json) for item in record.history.item
-                           if (item.key or "/".join(item.nested_key)) == "loss"]
+                           if (item.key or "/".join(item.nested_key)) == key]
     return runs
 
 
@@ -202,7 +214,9 @@ def test_a_batchs_runs_give_one_record_each_per_tracker_grouped_though_every_ran
     from mlflow.tracking import MlflowClient
 
     folder = Path.cwd()  # (trackers_here's)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.replace("http://", "http://me:nbddp-secret-1@"))
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "nbddp-secret-2")  # (the test server takes any)
+    monkeypatch.setenv("WANDB_API_KEY", "nbddp-secret-3" * 4)  # (offline: unused)
     write_notebook(folder / "t.ipynb", [code(NOTEBOOK_RUN), code(SETUP), code("lr = 0.05", "parameters"), code(
         "#| ddp-train\n" + LOGGING.format(folder='"tb"', xfolder='"tbx"', epochs=EPOCHS).replace(
             'mlflow.log_param("lr", 0.05)', 'mlflow.log_param("lr", lr)')),
@@ -235,6 +249,8 @@ def test_a_batchs_runs_give_one_record_each_per_tracker_grouped_though_every_ran
     assert sorted((group, name, config["lr"]) for group, name, config in facts) == [
         ("sweep", points[0], 0.1), ("sweep", points[1], 0.2)], facts
     assert all(config["nbddp"]["nbddp.world_size"] == "2" for _, _, config in facts)
+    for path in (folder / "sweep").rglob("*"):  # no secret in the run dirs (tracking.json, trackers.json, result.json…)
+        assert not path.is_file() or b"nbddp-secret" not in path.read_bytes(), path
 
 
 def wandb_run_facts(path: Path) -> tuple[str, str, dict]:
@@ -265,56 +281,24 @@ if nbddp.rank() == 1:
 
 @pytest.mark.slow
 @pytest.mark.beside
-def test_trackers_asked_for_get_the_run_from_papermill_and_a_failed_one_is_marked_failed_with_its_error(
-        trackers_here):
-    """``--track mlflow,tensorboard,wandb`` (papermill's NBDDP_OPTIONS) with no tracker in the training: nbddp writes
-    the run to each itself, its parameters, its nbddp.log points with their steps, how it ended. The kernel's own
-    MLflow run, opened before the training, is the run; W&B and TensorBoard get one of nbddp's."""
-    import os
-    import subprocess
-
+def test_every_rank_keeps_its_records_named_by_rank_when_asked(trackers_here, cli_run, monkeypatch):
+    """Asked for, every rank's records, named by rank; MLflow in a folder store (``file:``) this time (MLflow 3.7+
+    takes one only when told to: ``MLFLOW_ALLOW_FILE_STORE``)."""
     from mlflow.tracking import MlflowClient
 
-    folder = trackers_here
-    write_notebook(folder / "t.ipynb", [code("import mlflow\nmlflow.start_run(run_name='notebook')"), code(SETUP),
-                                        code("lr = 0.05", "parameters"), code(DIVERGES.format(epochs=EPOCHS))])
-    env = {**os.environ, "NBDDP_OPTIONS": "--cpu --nproc 2 --track mlflow,tensorboard,wandb", "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, "-m", "papermill", "--engine", "nbddp", "t.ipynb", "out.ipynb", "-p", "lr",
-                           "0.3"], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 1 and "rank 1 raised ValueError: diverged at lr 0.3" in done.stderr, done.stderr
-    assert "nbddp: warning" not in done.stderr, done.stderr
-    [run] = mlflow_runs(folder)  # the kernel's, with nbddp's record of the run
-    assert run.info.run_name == "notebook" and run.info.status == "FAILED" and run.data.params["lr"] == "0.3"
-    assert run.data.tags["nbddp.status"] == "failed", run.data.tags
-    assert re.match(r"rank 1, cell \S+, line 9: ValueError: diverged at lr 0.3", run.data.tags["nbddp.error"])
-    accuracy = [(m.step, m.value) for m in mlflow_history(folder, run, "accuracy")]
-    assert accuracy == [(epoch, 0.5 + epoch / 10) for epoch in range(EPOCHS)]
-    artifacts = {a.path for a in MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").list_artifacts(run.info.run_id,
-                                                                                                  "nbddp")}
-    assert "nbddp/result.json" in artifacts <= {"nbddp/result.json", "nbddp/weights.pt"}  # (rank 0's, if it got to
-    # save them before rank 1's failure stopped it; papermill writes its notebook itself)
-    [run_dir] = (folder / "runs").iterdir()
-    assert tensorboard_points(run_dir, "nbddp/accuracy") == pytest.approx([0.5 + epoch / 10 for epoch in range(EPOCHS)])
-    [wandb_file] = folder.rglob("offline-run-*/run-*.wandb")
-    group, name, config = wandb_run_facts(wandb_file)
-    assert name == run_dir.name and config["lr"] == 0.3 and config["nbddp"]["nbddp.status"] == "failed"
-    records = list(wandb_records(wandb_file))
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
-    assert [(h["_step"], h["accuracy"]) for h in history] == [(epoch, 0.5 + epoch / 10) for epoch in range(EPOCHS)]
-    assert [r.exit.exit_code for r in records if r.WhichOneof("record_type") == "exit"] == [1]
-
-
-@pytest.mark.slow
-@pytest.mark.beside
-def test_every_rank_keeps_its_records_named_by_rank_when_asked(trackers_here, cli_run):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     folder = trackers_here
     write_notebook(folder / "t.ipynb", [code(SETUP), code("#| ddp-train\n" + LOGGING.format(
         folder='"tb"', xfolder='"tbx"', epochs=EPOCHS))])
-    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder, env={"NBDDP_TRACK_EVERY_RANK": "1"})
+    store = f"file://{folder / 'mlruns'}"
+    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder,
+                  env={"NBDDP_TRACK_EVERY_RANK": "1", "MLFLOW_TRACKING_URI": store})
     assert run.wait() == 0, run.output
-    runs = mlflow_runs(folder)
+    client = MlflowClient(store)
+    runs = [r for experiment in client.search_experiments() for r in client.search_runs([experiment.experiment_id])]
     assert len(runs) == 2 and {r.data.tags.get("nbddp.rank") for r in runs} == {None, "1"}
+    assert all(len(client.get_metric_history(r.info.run_id, "loss")) == EPOCHS for r in runs)
+    assert [r.data.tags.get("nbddp.status") for r in runs if "nbddp.rank" not in r.data.tags] == ["succeeded"]
     assert any(r.info.run_name.endswith("(rank 1)") for r in runs)
     assert len(list((folder / "tb" / "rank-1").glob("events.out.tfevents.*"))) == 1
     assert len(list((folder / "tbx" / "rank-1").glob("events.out.tfevents.*"))) == 1
@@ -374,8 +358,8 @@ def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_war
         kernel.execute(KERNEL_RECORDS)
         first = kernel.execute(KERNEL_TRAIN.format(epochs=EPOCHS), "train")
         assert "succeeded in" in first, first
-        assert ("rank 0 writes into the kernel's open MLflow run 'notebook', W&B run 'notebook', TensorBoard folder "
-                "board; the other ranks write none") in first, first
+        assert ("rank 0 adds this run's points to the kernel's open MLflow run 'notebook', W&B run 'notebook', "
+                "TensorBoard folder board; the other ranks write none") in first, first
         again = kernel.execute(KERNEL_TRAIN.format(epochs=EPOCHS), "train")
         assert "succeeded in" in again and "on a warm rank" in again, again
         said = kernel.execute(EVALUATION)
@@ -420,6 +404,11 @@ def _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder:
                                                                                     "nbddp/weights.pt"}
     assert "nbddp.weights" not in runs[1].data.tags  # (no weights came back)
     assert len(points) == 2 and all(len(p) == EPOCHS for p in points.values()), points
+    accuracy = wandb_runs(folder, "nbddp/accuracy")  # nbddp.log's, in the code's own W&B runs too
+    assert [accuracy[run_id] for run_id in points] == [[0.5 + epoch / 10 for epoch in range(EPOCHS)]] * 2, accuracy
+    summaries = [wandb_summaries(folder)[run_id] for run_id in points]  # the failed one has its error line
+    assert sorted(summary.get("nbddp.status", "") for summary in summaries) == ["", "failed"], summaries
+    assert any(re.match(r"rank \d, cell \S+, line 12: ValueError: boom", s.get("nbddp.error", "")) for s in summaries)
 
 
 def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, monkeypatch, capsys):
@@ -460,6 +449,35 @@ def test_a_tracker_that_is_unreachable_or_misconfigured_costs_one_line_not_the_r
         said = [line for line in run.output.splitlines() if f"warning: {tracker} failed" in line]
         assert len(said) == 1 and said[0].startswith("[rank 0]"), run.output
     assert "[rank 0] logged" in run.output and len(tensorboard_points(tmp_path / "tb", "loss")) == EPOCHS
+
+
+#: Rank 1 fails once every point is logged; rank 0 is still working when the stop's SIGTERM comes.
+STOPPED = """#| ddp-train
+import wandb
+run = wandb.init(project="nbddp", mode="offline")
+for epoch in range({epochs}):
+    wandb.log({{"loss": float(epoch)}})
+torch.distributed.barrier()
+if nbddp.rank() == 1:
+    raise ValueError("diverged")
+time.sleep(60)"""
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_rank_0_stopped_by_a_peers_failure_keeps_its_w_and_b_points_and_the_run_is_marked_failed_with_its_line(
+        trackers_here, cli_run):
+    """Python's own SIGTERM would end rank 0 with no atexit: W&B's queued points and its run's end lost."""
+    folder = trackers_here
+    write_notebook(folder / "t.ipynb", [code(SETUP + "\nimport time"), code(STOPPED.format(epochs=EPOCHS))])
+    run = cli_run(["run", "t.ipynb", "--cpu", "--nproc", "2"], folder)
+    assert run.wait() == 1 and "rank 1 raised ValueError: diverged" in run.output, run.output
+    [(run_id, points)] = wandb_runs(folder).items()
+    assert points == [float(epoch) for epoch in range(EPOCHS)]
+    exits = [r.exit.exit_code for path in folder.rglob("offline-run-*/run-*.wandb") for r in wandb_records(path)
+             if r.WhichOneof("record_type") == "exit"]
+    assert exits and all(code_ == 1 for code_ in exits), exits  # (rank 0's end, and nbddp's resume for the line)
+    assert re.match(r"rank 1, cell 2, line 8: ValueError: diverged", wandb_summaries(folder)[run_id]["nbddp.error"])
 
 
 #: In a process of its own (the guard patches the modules of the process it runs in): a warm rank 0's job that
@@ -522,7 +540,7 @@ def test_rank_0_takes_the_kernels_open_records_when_the_kernel_gives_them_and_it
     assert os.environ["MLFLOW_RUN_ID"] == "abc"
     assert os.environ["MLFLOW_TRACKING_URI"] == "https://me:secret@mlflow.example.com"
     assert trackers._how[2] == tmp_path / "board"
-    assert "rank 0 writes into the kernel's open MLflow run 'notebook'" in capsys.readouterr().out
+    assert "rank 0 adds this run's points to the kernel's open MLflow run 'notebook'" in capsys.readouterr().out
 
 
 def test_no_credential_reaches_the_run_dir():
@@ -579,3 +597,45 @@ def test_a_batchs_mlflow_runs_nest_under_one_parent_per_experiment_found_again_o
     assert group_batch(out, [(runs[0], True), (runs[1], True)]) == []  # --resume: the failed one ran again
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
     assert len(client.search_runs(["0"])) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_a_detached_cell_writes_into_the_kernels_open_mlflow_run_and_its_facts_are_in_once_it_is_followed(
+        trackers_here):
+    """``%%ddp_train --detach``: the supervisor is not the kernel; the kernel's open run goes with the request.
+    When the attached cell ends, nbddp's facts are in the run already (the supervisor's last work is waited for)."""
+    from tests.test_magic import ProtocolKernel
+
+    folder = trackers_here
+    kernel = ProtocolKernel(folder, timeout=180)
+    try:
+        kernel.execute("%load_ext nbddp")
+        kernel.execute(SETUP)
+        kernel.execute("import mlflow\nmlflow.start_run(run_name='notebook')")
+        said = kernel.execute("%%ddp_train --cpu --detach\nimport mlflow\nddp = nbddp.prepare(model)\n"
+                              f"for epoch in range({EPOCHS}):\n    mlflow.log_metric('loss', float(epoch), step=epoch)\n"
+                              "    nbddp.log(epoch=epoch, accuracy=0.5)", "train")
+        assert "succeeded in" in said and "rank 0 adds this run's points to the kernel's open MLflow run" in said, said
+        [run] = mlflow_runs(folder)  # at once: the facts are in
+        kernel.execute("mlflow.log_metric('test_mse', 0.125)")
+    finally:
+        kernel.close()
+    assert run.info.run_name == "notebook" and run.data.tags["nbddp.status"] == "succeeded"
+    assert len(mlflow_points(folder, run, "loss")) == EPOCHS and len(mlflow_points(folder, run, "accuracy")) == EPOCHS
+    assert mlflow_points(folder, run, "test_mse") == [0.125]
+
+
+def test_weights_over_the_cap_are_named_not_copied_and_a_line_says_so(tmp_path, monkeypatch):
+    from nbddp.contracts.rundir import RunDir
+    from nbddp.job import trackers
+
+    paths = RunDir(tmp_path)
+    paths.result.write_text("{}")
+    paths.weights.write_bytes(b"x" * 2000)
+    monkeypatch.setattr(trackers, "WEIGHTS_ARTIFACT_BYTES", 1000)
+    files, said = trackers._artifacts(paths, "MLflow")
+    assert files == [paths.result] and said == [f"MLflow: {paths.weights} (2 kB) is over the 1 kB a record takes: its "
+                                                "path is the record's nbddp.weights, not a copy"]
+    monkeypatch.setattr(trackers, "WEIGHTS_ARTIFACT_BYTES", 2000)
+    assert trackers._artifacts(paths, "MLflow") == ([paths.result, paths.weights], [])

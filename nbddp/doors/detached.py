@@ -40,6 +40,9 @@ from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
 POLL_SECONDS = 0.1
 #: How long the starter waits for the supervisor to exist (a Python start and one fork).
 START_SECONDS = 60.0
+#: How long an attached door waits, once the run's result is written, for its supervisor to finish what comes after
+#: (the run's experiment records: nbddp's facts added, a W&B record of its own written, :mod:`nbddp.job.trackers`).
+AFTER_RESULT_SECONDS = 150.0
 #: What refusing another user's run says to do.
 ONLY_YOURS = "You can follow and stop only runs of your own."
 #: What a detached ``%%ddp_train`` run's ending says of its weights (the supervisor has no kernel to load them into).
@@ -286,9 +289,20 @@ def follow(paths: RunDir, sinks: Sequence[Callable[[Any], None]], heartbeat: Cal
                 for sink in sinks:
                     sink(event)
         if record is not None:
+            _supervisor_done(paths, heartbeat)
             return record
         if info.get("error") or not supervisor_alive(paths) and not paths.result.exists():
             raise _gone(paths, read_json(paths.supervisor) or info)
+        if heartbeat is not None:
+            heartbeat()
+        time.sleep(POLL_SECONDS)
+
+
+def _supervisor_done(paths: RunDir, heartbeat: Callable[[], Any] | None) -> None:
+    """Wait (at most :data:`AFTER_RESULT_SECONDS`) for the supervisor to end once the run's result is written: what
+    it does after (the experiment records' ending) is over when the attached door says the run is."""
+    deadline = time.monotonic() + AFTER_RESULT_SECONDS
+    while supervisor_alive(paths) and time.monotonic() < deadline:
         if heartbeat is not None:
             heartbeat()
         time.sleep(POLL_SECONDS)

@@ -26,8 +26,8 @@ artifacts, and a failed run's status and error line. A **TensorBoard** folder (r
 asked for, the run dir itself: ``tensorboard --logdir runs`` shows every run, ``--logdir OUT`` a batch's) gets
 the same as a text summary ``nbddp`` and scalars ``nbddp/KEY``. **W&B**, asked for where the code has no W&B
 run, gets a run of nbddp's own with all of it; the code's own W&B run got the parameters and nbddp's facts as
-its config from rank 0 as it started, and W&B's exit code marks it failed. A batch's MLflow runs are grouped
-under a parent run (:func:`group_batch`).
+its config and the ``nbddp.log`` metrics from rank 0 as it ran, and W&B's exit code marks it failed. A batch's
+MLflow runs are grouped under a parent run (:func:`group_batch`).
 
 Nothing here imports a tracker but the one a record is in: only one the kernel has imported is asked.
 """
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
 
 #: The largest ``weights.pt`` added to a run's MLflow record as an artifact (a larger one is named by a tag).
-WEIGHTS_ARTIFACT_BYTES = 100 * 2**20
+WEIGHTS_ARTIFACT_BYTES = 100_000_000
 #: Variables of the trackers' own that may carry a record to rank 0, and none other (nothing secret: no key,
 #: no token; what the kernel's tracker holds besides stays there).
 RECORD_VARIABLES = ("MLFLOW_RUN_ID", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", "WANDB_RUN_ID", "WANDB_RESUME",
@@ -130,7 +130,9 @@ def rank_variables(kernel_records: dict[str, str] | None = None) -> dict[str, st
 
 def start_line(names: list[str]) -> str:
     """The start line's word on where rank 0's records go (``""``: the kernel has none open)."""
-    return f"rank 0 writes into the kernel's open {', '.join(names)}; the other ranks write none" if names else ""
+    if not names:
+        return ""
+    return f"rank 0 adds this run's points to the kernel's open {', '.join(names)}; the other ranks write none"
 
 
 def _mlflow() -> tuple[dict[str, str], str]:
@@ -191,6 +193,8 @@ def record_ending(paths: RunDir, record: Any, error: str = "") -> list[str]:
     tags = {**(tracking.get("tags") or {}), "nbddp.status": str(record.status), "nbddp.run_dir": str(paths.path)}
     if error:
         tags["nbddp.error"] = error[:5000]
+    if paths.weights.exists():
+        tags["nbddp.weights"] = str(paths.weights)
     parameters = {**record.parameters, **(tracking.get("parameters") or {})}
     said: list[str] = []
     for tracker, add in (("MLflow", _mlflow_ending), ("TensorBoard", _tensorboard_ending), ("W&B", _wandb_ending)):
@@ -222,6 +226,8 @@ def _nbddp_metrics(paths: RunDir) -> list[tuple[str, float, int, float]]:
 def _artifacts(paths: RunDir, tracker: str) -> tuple[list[Path], list[str]]:
     """The files a record gets (``result.json``, the output notebook, the weights up to the cap) and what is
     said of weights over it."""
+    from nbddp.contracts.rank_memory import size as human
+
     files = [path for path in (paths.result, paths.output) if path.exists()]
     said = []
     if paths.weights.exists():
@@ -229,8 +235,8 @@ def _artifacts(paths: RunDir, tracker: str) -> tuple[list[Path], list[str]]:
         if size <= WEIGHTS_ARTIFACT_BYTES:
             files.append(paths.weights)
         else:
-            said.append(f"{tracker}: {paths.weights} ({size / 1e6:.0f} MB) is over the {WEIGHTS_ARTIFACT_BYTES / 1e6:.0f}"
-                        " MB a record takes: its path is the record's nbddp.weights, not a copy")
+            said.append(f"{tracker}: {paths.weights} ({human(size)}) is over the {human(WEIGHTS_ARTIFACT_BYTES)} a "
+                        "record takes: its path is the record's nbddp.weights, not a copy")
     return files, said
 
 
@@ -261,8 +267,6 @@ def _mlflow_ending(paths: RunDir, record: Any, tracking: dict[str, Any], written
     for start in range(0, len(metrics), 1000):  # (MLflow takes at most 1000 metrics a batch)
         client.log_batch(run_id, metrics=metrics[start:start + 1000])
     files, said = _artifacts(paths, "MLflow")
-    if paths.weights.exists():
-        tags = {**tags, "nbddp.weights": str(paths.weights)}
     client.log_batch(run_id, params=params, tags=[RunTag(k, v) for k, v in tags.items()])
     for path in files:
         client.log_artifact(run_id, str(path), "nbddp")
@@ -336,28 +340,53 @@ run.finish(exit_code=given["exit_code"])
 def _wandb_ending(paths: RunDir, record: Any, tracking: dict[str, Any], written: dict[str, Any],
                   kernel: dict[str, str], asked: list[str], tags: dict[str, str],
                   parameters: dict[str, Any]) -> list[str]:
-    if "wandb" not in asked or written.get("wandb"):
-        return []  # (the code's own run got the facts as it started: nbddp.rank_side.trackers)
     config = {**parameters, "nbddp": tags}
+    summary = {k: v for k, v in tags.items() if k in ("nbddp.status", "nbddp.error")}
+    ranks = written.get("wandb") if isinstance(written.get("wandb"), dict) else None
     wandb = sys.modules.get("wandb")
-    run = getattr(wandb, "run", None) if wandb is not None else None
-    if run is not None and kernel.get("WANDB_RUN_ID") == run.id:  # the kernel's own, open here
-        run.config.update(config, allow_val_change=True)
-        run.summary.update({"nbddp.status": tags["nbddp.status"]})
+    here = getattr(wandb, "run", None) if wandb is not None else None
+    if here is not None and here.id in ((ranks or {}).get("run_id"), kernel.get("WANDB_RUN_ID")):
+        here.config.update(config, allow_val_change=True)  # the kernel's own run, open in this process
+        here.summary.update(summary)
+        return []
+    if ranks is not None:  # the code's run: its config and points came from rank 0; a failure's line comes now
+        if str(record.status) == "succeeded":
+            return []
+        given = {"run": ranks, "summary": summary}
+        return _wandb_process(_WANDB_FAILED, given, tracking, "nbddp's error line could not be added to the run")
+    if "wandb" not in asked:
         return []
     files, said = _artifacts(paths, "W&B")
-    given = {"project": os.environ.get("WANDB_PROJECT") or "nbddp", "name": str(tracking.get("name") or paths.path.name),
-             "group": str(tracking.get("group") or ""), "config": config, "points": _by_step(paths),
-             "summary": {k: v for k, v in tags.items() if k in ("nbddp.status", "nbddp.error")},
+    given = {"project": os.environ.get("WANDB_PROJECT") or "nbddp",
+             "name": str(tracking.get("name") or paths.path.name), "group": str(tracking.get("group") or ""),
+             "config": config, "points": _by_step(paths), "summary": summary,
              "files": [str(f) for f in files], "artifact": f"nbddp-{paths.path.name}"[:120],
              "exit_code": 0 if str(record.status) == "succeeded" else 1}
+    return said + _wandb_process(_WANDB_RECORD, given, tracking, "nbddp's record of the run could not be written")
+
+
+#: A failed run's W&B run (the code's, rank 0's): resumed to take nbddp's error line, and marked failed.
+_WANDB_FAILED = """import json, sys
+import wandb
+given = json.load(sys.stdin)
+noted = given["run"]
+run = wandb.init(id=noted["run_id"], project=noted["project"] or None, entity=noted["entity"] or None,
+                 mode=noted["mode"] or None, resume="allow")
+run.summary.update(given["summary"])
+run.finish(exit_code=1)
+"""
+
+
+def _wandb_process(code: str, given: dict[str, Any], tracking: dict[str, Any], failure: str) -> list[str]:
+    """Run ``code`` (W&B's client, given ``given`` on its stdin) in a process of its own: W&B's service and its
+    run state stay out of this one (a kernel's own run, its settings)."""
     environ = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # (never the kernel's service)
-    done = subprocess.run([sys.executable, "-c", _WANDB_RECORD], input=json.dumps(given, default=str), text=True,
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(given, default=str), text=True,
                           capture_output=True, timeout=WANDB_SECONDS, env=environ, cwd=tracking.get("cwd") or None)
-    if done.returncode != 0:
-        last = ([line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"])[-1][:300]
-        said.append(f"warning: W&B: nbddp's record of the run could not be written ({last})")
-    return said
+    if done.returncode == 0:
+        return []
+    last = ([line for line in done.stderr.strip().splitlines() if line.strip()] or ["(no output)"])[-1][:300]
+    return [f"warning: W&B: {failure} ({last})"]
 
 
 def _by_step(paths: RunDir) -> list[tuple[int, dict[str, float]]]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.rank_side import trackers
 from nbddp.rank_side.process import run_dir
 
 
@@ -72,3 +73,4 @@ def log(**metrics: Any) -> None:
     record["time"] = time.time()
     with open(directory.metrics, "a", encoding="utf-8") as f:
         f.write(json.dumps(record, default=str) + "\n")
+    trackers.note_metrics(record)

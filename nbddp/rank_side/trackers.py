@@ -43,10 +43,12 @@ import importlib.machinery
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.contracts.atomic import read_json, write_json
+from nbddp.contracts.metrics import COUNTERS, step_of
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.uris import with_credentials, without_credentials
 
@@ -63,8 +65,14 @@ _how: tuple[int, bool, Path | None] | None = None
 """This process's rank, whether every rank keeps its records, and the kernel's TensorBoard folder."""
 _failed: set[str] = set()
 """The trackers that failed in this job (said once): their calls do nothing until the next job."""
-_remembered: dict[str, dict[str, str]] = {}
+_remembered: dict[str, dict[str, Any]] = {}
 """What rank 0 noted in ``trackers.json`` in this job (MLflow asks for its run at every logged metric)."""
+_writers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+"""This rank's TensorBoard writers (their last events flushed when a stop comes)."""
+_axes: set[str] = set()
+"""The W&B runs whose ``nbddp/*`` metrics have their own x axis already."""
+_noted = 0
+"""``nbddp.log`` records of this job so far."""
 _tracking: dict[str, Any] | None = None
 """``tracking.json`` (the run's facts for its records), read by rank 0 at its first record in this job."""
 #: How long rank 0 waits, at its first record, for the notebook's kernel to reach the training cell and say which
@@ -77,10 +85,10 @@ _RUN_STARTERS = ("start_run", "_get_or_start_run")
 def guard(rank: int, environ: RankEnv | None = None) -> None:
     """Make this rank's tracker calls land as :mod:`this module <nbddp.rank_side.trackers>` says: now for the
     modules already imported, on import for the others. Idempotent (a warm rank calls it for every job)."""
-    global _how, _tracking
+    global _how, _tracking, _noted
     env = RankEnv.from_environ() if environ is None else environ
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
-    _tracking = None
+    _tracking, _noted = None, 0
     _failed.clear()
     _remembered.clear()
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
@@ -163,7 +171,7 @@ def _take_kernel_records(directory: Any) -> None:
     if folder is not None and _how is not None:
         _how = (_how[0], _how[1], folder)
     if given.get("names"):
-        print(f"[nbddp] rank 0 writes into the kernel's open {', '.join(given['names'])}", flush=True)
+        print(f"[nbddp] rank 0 adds this run's points to the kernel's open {', '.join(given['names'])}", flush=True)
 
 
 def _remember(tracker: str, facts: dict[str, Any]) -> None:
@@ -194,6 +202,39 @@ def end_job(failed: bool, interrupted: bool = False) -> None:
     finally:
         if before is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _ends_them_when_stopped() -> None:
+    """A rank with a record open ends it when a stop's SIGTERM comes (a peer failed, ``--timeout``, ``nbddp kill``):
+    Python's own SIGTERM ends the process with no ``atexit``, and W&B's queued points and its run's end, MLflow's
+    queue and a writer's last events were lost with it. The handler ends them (MLflow ``KILLED``, W&B exit code
+    1), then does what was there before it: a library's own handler (Lightning saves at its next step), or the
+    default, the process ended by the signal as before. Once per process; a warm rank's jobs end theirs
+    themselves (:func:`end_job`)."""
+    import signal
+    import threading
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if (getattr(previous, "_nbddp_ends_records", False) or RankEnv.from_environ().warm
+            or threading.current_thread() is not threading.main_thread()):
+        return
+
+    def stopped(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        try:
+            for writer in list(_writers):
+                writer.flush()
+            _end_runs(failed=True, interrupted=True)
+        except BaseException:  # noqa: BLE001 - the stop goes on whatever the trackers do
+            pass
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    stopped._nbddp_ends_records = True  # type: ignore[attr-defined]
+    signal.signal(signal.SIGTERM, stopped)
 
 
 def _end_runs(failed: bool, interrupted: bool) -> None:
@@ -309,6 +350,8 @@ def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
             kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
             kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
         answer = _attempt("MLflow", lambda: original(*args, **kwargs), nothing)
+        if gives_a_run and not isinstance(answer, _NoRun):
+            _ends_them_when_stopped()
         if gives_a_run and not isinstance(answer, _NoRun) and _how is not None and _how[0] == 0:
             _remember("mlflow", {"run_id": answer.info.run_id,  # (the store's address: never its credentials)
                                  "tracking_uri": without_credentials(str(sys.modules["mlflow"].get_tracking_uri()))})
@@ -339,12 +382,39 @@ def _patch_wandb(wandb: Any) -> None:
                     kwargs["name"] = given.get("name")
         run = _attempt("W&B", lambda: original(*args, **kwargs),  # (no key, no network, a refused project)
                        lambda: original(*args, **{**kwargs, "mode": "disabled"}))
-        if given and getattr(run, "id", None) and not getattr(run, "disabled", False):
-            _attempt("W&B", lambda: _wandb_facts(run, given), lambda: None)
+        if getattr(run, "id", None) and not getattr(run, "disabled", False):
+            _ends_them_when_stopped()
+            if given:
+                _attempt("W&B", lambda: _wandb_facts(run, given), lambda: None)
         return run
 
     init.__wrapped__ = original  # type: ignore[attr-defined]
     wandb.init = init
+
+
+def note_metrics(record: dict[str, Any]) -> None:
+    """Rank 0's ``nbddp.log`` record, into the code's open W&B run too: ``nbddp/KEY`` beside
+    ``nbddp/step``, their own x axis. They join the code's current W&B step (``commit=False``), so the code's own
+    ``wandb.log`` steps stay as it counts them; a key logged twice before the code's next ``wandb.log`` keeps its
+    last value there (``metrics.jsonl``, MLflow and TensorBoard keep every one)."""
+    global _noted
+    index, _noted = _noted, _noted + 1  # (its place, the step of a record with no step or epoch of its own)
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is None or _how is None or _how[0] != 0 or silent("W&B") or getattr(run, "disabled", False):
+        return
+    values = {f"nbddp/{key}": value for key, value in record.items()
+              if key not in COUNTERS and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if not values:
+        return
+
+    def log() -> None:
+        if run.id not in _axes:
+            run.define_metric("nbddp/*", step_metric="nbddp/step")
+            _axes.add(run.id)
+        run.log({**values, "nbddp/step": step_of(record, index)}, commit=False)
+
+    _attempt("W&B", log, lambda: None)
 
 
 def _wandb_facts(run: Any, given: dict[str, Any]) -> None:
@@ -352,8 +422,6 @@ def _wandb_facts(run: Any, given: dict[str, Any]) -> None:
     run.config.update({**(given.get("parameters") or {}), "nbddp": given.get("tags") or {}}, allow_val_change=True)
     _remember("wandb", {"run_id": run.id, "project": run.project or "", "entity": run.entity or "",
                         "mode": str(getattr(run.settings, "mode", "") or "")})
-
-
 
 
 # ---------------------------------------------------------------- TensorBoard
@@ -415,6 +483,8 @@ def _patch_tensorboard(module: Any) -> None:
             if folder is not None:  # (tensorboardX checks, then creates it: ranks creating one folder race there)
                 os.makedirs(folder, exist_ok=True)
             super().__init__(folder, *args[1:], **kwargs)
+            _writers.add(self)
+            _ends_them_when_stopped()
             if rank == 0 and _how is not None:
                 written = getattr(self, "log_dir", None) or getattr(self, "logdir", None)
                 folders = (_remembered.get("tensorboard") or {}).get("folders", [])
