@@ -407,3 +407,47 @@ def test_where_widgets_dont_render_the_ending_is_the_cells_last_output_and_logge
     assert run_dir.name.startswith("digits_magic-"), run_dir  # named after the notebook papermill ran
     assert log.index("[nbddp] training on 2 processes") < log.index("[rank 1] epoch 1") \
         < log.index("[nbddp] succeeded in") < log.index("[nbddp] final metrics: loss=0.5"), log
+
+
+#: A setup the warm ranks keep, and a training on it whose weights a fresh run must give bit for bit.
+EXEC_SETUP = "#| ddp\nimport torch, nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\ndata = list(range(10))"
+EXEC_TRAIN = ("%%ddp_train --cpu --nproc 2\nddp = nbddp.prepare(model)\nopt = torch.optim.SGD(ddp.parameters(), lr=0.1)\n"
+              "for _ in range(3):\n    opt.zero_grad()\n    ddp(torch.ones(2, 4)).sum().backward()\n    opt.step()")
+
+
+@pytest.mark.slow
+def test_ddp_exec_runs_a_cell_on_the_warm_ranks_in_their_kept_state_and_what_it_changed_is_undone(tmp_path):
+    """%%ddp_exec on real warm ranks: every rank's output labelled, one rank only, a collective, an error mapped to
+    the cell, a change to the kept state undone (the next run's weights a fresh run's, bit for bit), --keep."""
+    from nbddp.doors.jupyter.magics import NO_WARM_RANKS
+
+    kernel = ProtocolKernel(tmp_path, timeout=180)
+    try:
+        kernel.execute("%load_ext nbddp")
+        none = kernel.execute("%%ddp_exec\nprint('never')")
+        assert NO_WARM_RANKS in none and "never" not in none, none
+        kernel.execute(EXEC_SETUP, "setup")
+        assert "succeeded in" in kernel.execute(EXEC_TRAIN, "train")
+        both = kernel.execute("%%ddp_exec\nprint('len', len(data), 'rank', nbddp.rank(), flush=True)", "look")
+        assert "[rank 0] len 10 rank 0" in both and "[rank 1] len 10 rank 1" in both, both
+        one = kernel.execute("%%ddp_exec --ranks 1\nprint('only', nbddp.rank(), flush=True)", "one")
+        assert "[rank 1] only 1" in one and "only 0" not in one, one
+        summed = kernel.execute("%%ddp_exec\nt = torch.tensor([nbddp.rank() + 1.0])\n"
+                                "torch.distributed.all_reduce(t)\nprint('sum', t.item(), flush=True)", "sum")
+        assert "[rank 0] sum 3.0" in summed and "[rank 1] sum 3.0" in summed, summed
+        failed = kernel.execute("%%ddp_exec --ranks 0\nx = 1\nraise ValueError('looked')", "fail")
+        assert "rank 0 raised ValueError: looked" in failed and "the %%ddp_exec cell, line 3" in failed, failed
+        changed = kernel.execute("%%ddp_exec\nwith torch.no_grad():\n    model.weight.fill_(7.0)\ndata.append(99)",
+                                 "change")
+        assert "succeeded in" in changed, changed
+        warm = kernel.execute(EXEC_TRAIN, "train")
+        assert "on a warm rank" in warm, warm
+        kernel.execute("warm = model.weight.detach().clone()")
+        assert "succeeded in" in kernel.execute(EXEC_TRAIN.replace("--nproc 2", "--nproc 2 --fresh"), "train")
+        assert "SAME True" in kernel.execute("print('SAME', torch.equal(warm, model.weight.detach()))")
+        kept = kernel.execute("%%ddp_exec --keep\nscale = 2.0", "keep")
+        assert "kept: the cell is a setup cell of every later %%ddp_train" in kept, kept
+        later = kernel.execute("%%ddp_train --cpu --nproc 2\nprint('scale', scale, flush=True)", "train")
+        assert "[rank 1] scale 2.0" in later, later
+    finally:
+        kernel.close()

@@ -102,10 +102,21 @@ def test_parameters_without_a_parameters_cell_go_first(notebook):
 
 
 @pytest.mark.parametrize("bad", [{"parameters": {"x=1\nimport os#": 1}}, {"returns": ("not a name",)},
-                                 {"engine": "jax"}, {"returns": ()}])
+                                 {"engine": "jax"}])
 def test_bad_options_are_refused(bad):
     with pytest.raises(NbddpError):
         ExportOptions(**bad)
+
+
+def test_nothing_to_return_is_refused_at_the_doors_and_a_script_may_return_nothing(notebook):
+    """``--return`` names one variable at least; ``%%ddp_exec``'s script brings nothing back (``returns=()``)."""
+    from nbddp.plan.options import LaunchOptions
+
+    with pytest.raises(NbddpError, match="--return: name at least one variable"):
+        LaunchOptions(returns=())
+    script = make(notebook, [code("#| ddp\nimport torch, nbddp\nmodel = torch.nn.Linear(1, 1)"),
+                             code("#| ddp-train\nprint(model)")], returns=())
+    assert script.returns == () and "returns=[]" in script.text
 
 
 CATALYST_CELLS = [

@@ -39,6 +39,7 @@ class ExportOptions:
     """An engine of :data:`nbddp.engines.ENGINES`, or ``None`` to detect it from the training cells."""
     parameters: dict[str, Any] = field(default_factory=dict)
     returns: tuple[str, ...] = DEFAULT_RETURNS
+    """The variables rank 0 saves for the kernel; ``()``: none (``%%ddp_exec``; ``--return`` takes one at least)."""
     shard: bool = False
     """Every ``nbddp.prepare(model)`` shards with FSDP2 (``--shard``); the torch engine only."""
     keep_markdown: bool = False
@@ -56,8 +57,6 @@ class ExportOptions:
             raise NbddpError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}.")
         for name in (*self.parameters, *self.returns):
             check_name(name)
-        if not self.returns:
-            raise NbddpError("nothing to return: give --return at least one variable name.")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,12 @@ Nothing here imports IPython or ipywidgets (:mod:`nbddp.doors.jupyter.magics` is
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import replace
 from typing import Any, Hashable, Sequence
 
 from nbddp.contracts.errors import CellError, ParameterError
-from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, cell_role, export_cell
+from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, ExportedCell, cell_role, export_cell
 from nbddp.contracts.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
 from nbddp.notebook.reader import Cell
@@ -55,8 +56,11 @@ class CellHistory:
 
 
 def build_script(history: CellHistory, body: str, namespace: dict[str, Any], options: LaunchOptions,
-                 execution_count: int | None = None) -> tuple[Script, dict[str, Any]]:
-    """The script for one ``%%ddp_train`` cell, and the plain values written into it.
+                 execution_count: int | None = None, label: str = TRAIN_LABEL,
+                 only_ranks: tuple[int, ...] | None = None, returns: tuple[str, ...] | None = None,
+                 ) -> tuple[Script, dict[str, Any]]:
+    """The script for one ``%%ddp_train`` cell (or ``%%ddp_exec`` cell: ``label``, ``only_ranks`` that run its body,
+    ``returns=()``), and the plain values written into it.
 
     Those values are the names the code uses but no ``#| ddp`` cell defines: taken from the kernel
     (papermill's injected parameters, values from untagged cells), or from ``-p NAME VALUE``, which
@@ -70,9 +74,10 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
     origin = "the kernel"
     exported = [export_cell(cell, SETUP, origin) for cell in history.cells()]
     # With its magic line, as the notebook shows the cell: its lines are counted as the editor counts them.
-    train = Cell(execution_count or 0, "code", f"%%{TRAIN_MAGIC}\n{body}", (), None, label=TRAIN_LABEL)
-    exported.append(export_cell(train, TRAIN, origin))
-    export = options.export_options(parameters={}, parameters_source="values in the kernel")
+    train = Cell(execution_count or 0, "code", f"%%{TRAIN_MAGIC}\n{body}", (), None, label=label)
+    exported.append(_for_ranks(export_cell(train, TRAIN, origin), only_ranks))
+    export = options.export_options(parameters={}, parameters_source="values in the kernel",
+                                    **({} if returns is None else {"returns": returns}))
     first = render(exported, origin, export)
     free = free_names(first.text)
     unknown = sorted(set(options.parameters) - set(free))
@@ -86,6 +91,16 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
         return first, values
     script = render(exported, origin, replace(export, parameters=values))
     return script, values
+
+
+def _for_ranks(cell: ExportedCell, ranks: tuple[int, ...] | None) -> ExportedCell:
+    """``cell`` run by ``ranks`` only (``None``: every rank): its body under a test of the rank, written on the magic's
+    own line, so that every line of the body keeps its number in the cell."""
+    if ranks is None:
+        return cell
+    test = f"if __import__('torch.distributed', fromlist=['get_rank']).get_rank() in {tuple(ranks)!r}:"
+    body = textwrap.indent(cell.code, "    ", lambda line: True) if cell.code.strip() else "    pass"
+    return replace(cell, code=f"{test}\n{body}", first_line=cell.first_line - 1)
 
 
 def _kernel_value(name: str, namespace: dict[str, Any]) -> Any:

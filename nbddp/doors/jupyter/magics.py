@@ -1,8 +1,12 @@
-"""``%load_ext nbddp`` → ``%%ddp_train``: argument parsing and display only.
+"""``%load_ext nbddp`` → ``%%ddp_train`` (and ``%%ddp_exec``, ``%ddp_ranks``, ``%ddp_attach``): argument parsing
+and display only.
 
 The run is :func:`nbddp.job.orchestrator.run`'s, with this kernel's namespace receiving the weights;
 this module records which ``#| ddp`` cells the kernel executed (IPython's ``post_run_cell`` event
-carries the cell id the front end sent), turns the magic's line into options and shows the run.
+carries the cell id the front end sent), turns the magic's line into options and shows the run. A
+``%%ddp_exec`` cell is a run too, on the warm ranks the last ``%%ddp_train`` used, with its options, whose
+script's training part is the cell and which brings nothing back: the warm ranks' kept setup is its namespace,
+and their putting it back after every job undoes what it changed.
 """
 
 from __future__ import annotations
@@ -65,6 +69,26 @@ def _attach_parser() -> ArgumentParser:
 
 
 _ATTACH_PARSER = _attach_parser()
+
+
+def _exec_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%%ddp_exec", description="Run the cell on the kernel's warm ranks, in the state "
+                            "they keep after setup; every rank's output comes labelled. What it changes there is "
+                            "undone before the next %%ddp_train.")
+    parser.add_argument("--ranks", metavar="R[,R...]", default=None,
+                        help="only these ranks run it (default: every rank; a collective needs every rank)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep what it changes: the cell joins the setup cells that every later %%%%ddp_train "
+                             "runs first, warm or fresh")
+    return parser
+
+
+_EXEC_PARSER = _exec_parser()
+#: What %%ddp_exec says where there are no warm ranks to run on.
+NO_WARM_RANKS = ("%%ddp_exec runs on the kernel's warm ranks, and there are none now: run a %%ddp_train cell first "
+                 "(its ranks stay warm; %ddp_ranks shows them)")
+#: What a %%ddp_exec cell is called in its tracebacks and script.
+EXEC_LABEL = "the %%ddp_exec cell"
 #: This kernel's warm ranks for ``%%ddp_train`` (one pool per kernel, however often the extension is loaded).
 kernel_pool = KernelPool()
 
@@ -147,6 +171,35 @@ class DdpMagics(Magics):
         if args.detach:
             return self._detach(request)
         return self._train(request)
+
+    @line_cell_magic
+    def ddp_exec(self, line: str, cell: str | None = None):
+        """Run this cell on the kernel's warm ranks (``--ranks 0,1``: those only), in the namespace they keep after
+        the setup cells; each rank's output comes labelled. What it changes is undone before the next run (the
+        warm ranks' fresh-run state), unless ``--keep``: then the cell joins the setup every later run runs."""
+        from dataclasses import replace
+
+        args = parse_line(_EXEC_PARSER, line)
+        if args is None:  # --help
+            return None
+        if not (cell or "").strip():
+            raise UsageError("%%ddp_exec: the cell is empty: put the code for the ranks under the %%ddp_exec line.")
+        pool, launch = kernel_pool.live(), kernel_pool.launch
+        if pool is None or launch is None:
+            raise UsageError(NO_WARM_RANKS)
+        ranks = _ranks(args.ranks, pool.devices.nproc)
+        script, parameters = build_script(self.history, cell, self.shell.user_ns, launch, self.shell.execution_count,
+                                          label=EXEC_LABEL, only_ranks=ranks, returns=())
+        script = replace(script, returns_note="%%ddp_exec brings nothing back")
+        cwd = Path.cwd()
+        request = orchestrator.RunRequest(
+            script, launch, session_notebook(cwd, self.shell.user_ns), cwd, parameters, {},
+            f"%%ddp_exec {line}".strip(), source="the kernel", owner="kernel", warm=kernel_pool)
+        self._train(request)
+        if args.keep:  # (a setup cell of this kernel's, as a '#| ddp' cell run now would be)
+            self.history.record(f"#| ddp\n{cell}", None, (), self.shell.execution_count)
+            print("[nbddp] kept: the cell is a setup cell of every later %%ddp_train now")
+        return None
 
     @line_magic
     def ddp_attach(self, line: str):
@@ -244,6 +297,24 @@ class DdpMagics(Magics):
         return None
 
 
+def _ranks(text: str | None, size: int) -> tuple[int, ...] | None:
+    """``--ranks 0,2`` → ``(0, 2)``; ``None``: every rank.
+
+    Raises:
+        UsageError: a rank the warm ranks don't have.
+    """
+    if text is None:
+        return None
+    try:
+        ranks = tuple(sorted({int(word) for word in text.split(",") if word.strip()}))
+    except ValueError:
+        raise UsageError(f"--ranks {text!r}: give rank numbers, e.g. --ranks 0,1") from None
+    wrong = [rank for rank in ranks if not 0 <= rank < size]
+    if not ranks or wrong:
+        raise UsageError(f"--ranks {text}: the warm ranks are 0 to {size - 1}")
+    return ranks
+
+
 class _Shown:
     """The cell's live view (made once the job's ranks are known), what a run and an attached run show alike."""
 
@@ -295,12 +366,13 @@ def load_ipython_extension(ipython) -> None:  # noqa: ANN001
 
 
 def _bodiless_cell_magic(lines: list[str]) -> list[str]:
-    """``%%ddp_train --help`` alone in a cell runs as the line magic ``%ddp_train --help``.
+    """``%%ddp_train --help`` (``%%ddp_exec --help``) alone in a cell runs as the line magic ``%ddp_train --help``.
 
     IPython refuses a cell magic without a body before the magic is called ("the cell body is
     empty"); as a line magic the same line reaches :meth:`DdpMagics.ddp_train`, which prints the help
     (or says the cell has no training code)."""
     code = [line for line in lines if line.strip()]
-    if len(code) == 1 and code[0].lstrip().startswith("%%ddp_train"):
-        return [code[0].replace("%%ddp_train", "%ddp_train", 1)]
+    for magic in ("%%ddp_train", "%%ddp_exec"):
+        if len(code) == 1 and code[0].lstrip().startswith(magic):
+            return [code[0].replace(magic, magic[1:], 1)]
     return lines

@@ -128,11 +128,19 @@ class KernelPool(PoolKeeper):
     def __init__(self) -> None:
         super().__init__(DEFAULT_WARM_IDLE)
         self._at_exit = False
+        self.launch: LaunchOptions | None = None
+        """The launch options of the last run the ranks served (``%%ddp_exec`` runs on the same ranks with them)."""
 
     def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
         environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
-        return self.pool_with(pool_key(devices, cwd, launch, environ), devices, environ)
+        pool, said = self.pool_with(pool_key(devices, cwd, launch, environ), devices, environ)
+        self.launch = launch
+        return pool, said
+
+    def live(self) -> WarmPool | None:
+        """The warm ranks, when they are running (``None``: none, or gone: idle too long, or stopped)."""
+        return self.pool if self.pool is not None and self.pool.alive() else None
 
     def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
         pool = super()._start(key, devices, environ)
