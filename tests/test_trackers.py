@@ -641,3 +641,15 @@ def test_weights_over_the_cap_are_named_not_copied_and_a_line_says_so(tmp_path, 
                                                 "path is the record's nbddp.weights, not a copy"]
     monkeypatch.setattr(trackers, "WEIGHTS_ARTIFACT_BYTES", 2000)
     assert trackers._artifacts(paths, "MLflow") == ([paths.result, paths.weights], [])
+
+
+def test_a_run_that_is_no_experiments_gets_nothing_added(tmp_path):
+    """%%ddp_exec (``tracked=False``): nbddp adds nothing to a record, not even one rank 0 noted."""
+    from nbddp.contracts.atomic import write_json
+    from nbddp.contracts.rundir import RunDir
+    from nbddp.job import trackers
+
+    paths = RunDir(tmp_path)
+    write_json(paths.tracking, {"tracked": False, "asked": ["mlflow", "tensorboard", "wandb"]})
+    write_json(paths.tracker_runs, {"mlflow": {"run_id": "abc", "tracking_uri": "http://127.0.0.1:9"}})
+    assert trackers.record_ending(paths, object()) == []

@@ -87,6 +87,9 @@ class RunRequest:
     kernel_records: dict[str, str] = field(default_factory=dict)
     """The experiment records a kernel that is not this process had open as it asked for the run (a detached
     ``%%ddp_train``), for rank 0 to write into (:func:`nbddp.job.trackers.open_records`)."""
+    tracked: bool = True
+    """Whether the run is an experiment's (``False``: ``%%ddp_exec``, a look at the ranks: it writes into no record
+    of the kernel's, asks for none, and nbddp adds nothing to what its code may write)."""
 
 
 @dataclass
@@ -246,14 +249,15 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     for note in ([devices.note] if devices.note else []) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)
-    asked = asked_trackers(launch)
-    records, names = trackers.open_records() if isinstance(kernel, InProcess) else (dict(request.kernel_records), [])
+    asked = asked_trackers(launch) if request.tracked else ()
+    records, names = (({}, []) if not request.tracked else trackers.open_records() if isinstance(kernel, InProcess)
+                      else (trackers.own_credentials(request.kernel_records), []))
     if names:
         say(trackers.start_line(names))
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
                    launch=launch, owner=request.owner, pool=pool, environment=trackers.rank_variables(records))
     trackers.start_tracking(spec, request.parameters, request.source or str(request.notebook), asked, records,
-                            kernel.shares_records_later(), versions()["torch"])
+                            request.tracked and kernel.shares_records_later(), versions()["torch"], request.tracked)
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
     judged: list[JobOutcome] = []
     result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)

@@ -64,10 +64,11 @@ WANDB_SECONDS = 120
 
 
 def start_tracking(spec: "JobSpec", parameters: dict[str, Any], notebook: str, asked: tuple[str, ...],
-                   kernel_records: dict[str, str], later: bool, torch_version: str) -> None:
+                   kernel_records: dict[str, str], later: bool, torch_version: str, tracked: bool = True) -> None:
     """``tracking.json``, before the ranks start: what every record of the run gets. ``kernel_records``: the
     kernel's open records (``%%ddp_train``); ``later``: the kernel will say at its training cell
-    (:func:`share_open_records`), and rank 0 waits for it at its first record."""
+    (:func:`share_open_records`), and rank 0 waits for it at its first record; ``tracked=False``: a run that is
+    no experiment's (``%%ddp_exec``), to which nbddp adds nothing."""
     batch = os.environ.get(BATCH_VARIABLE, "")
     tags = {"nbddp.notebook": notebook, "nbddp.engine": spec.script.engine, "nbddp.world_size": str(spec.world_size),
             "nbddp.devices": f"{spec.devices.nproc} × {spec.devices.kind}", "nbddp.run_dir": str(spec.run_dir.path),
@@ -76,12 +77,17 @@ def start_tracking(spec: "JobSpec", parameters: dict[str, Any], notebook: str, a
     write_json(spec.run_dir.tracking, {
         "asked": list(asked), "parameters": _plain(parameters), "tags": tags, "cwd": str(spec.cwd),
         "name": spec.run_dir.path.name, "group": Path(batch).name if batch else "",
-        "kernel": _public(kernel_records), "kernel_records": later})
+        "kernel": public(kernel_records), "kernel_records": later, "tracked": tracked})
 
 
-def _public(variables: dict[str, str]) -> dict[str, str]:
+def public(variables: dict[str, str]) -> dict[str, str]:
     """Record variables as a run dir may hold them: a store's address without its credentials."""
     return {name: without_credentials(value) if name.endswith("_URI") else value for name, value in variables.items()}
+
+
+def own_credentials(variables: dict[str, str]) -> dict[str, str]:
+    """:func:`public`'s variables with a store's credentials back, from this process's own environment."""
+    return {name: with_credentials(value, name) if name.endswith("_URI") else value for name, value in variables.items()}
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +103,7 @@ def share_open_records(path: str) -> None:
         variables, names = open_records()
     except Exception:  # noqa: BLE001
         variables, names = {}, []
-    write_json(Path(path), {"variables": _public(variables), "names": names})
+    write_json(Path(path), {"variables": public(variables), "names": names})
 
 
 def kernel_may_open_records(sources: list[str]) -> bool:
@@ -187,6 +193,8 @@ def record_ending(paths: RunDir, record: Any, error: str = "") -> list[str]:
     Returns warning lines (a store that can't be reached, weights over the cap): the run's own ending stands.
     """
     tracking = read_json(paths.tracking) or {}
+    if tracking.get("tracked") is False:
+        return []
     written = read_json(paths.tracker_runs) or {}
     kernel = {**(tracking.get("kernel") or {}), **((read_json(paths.kernel_records) or {}).get("variables") or {})}
     asked = tracking.get("asked") or []
@@ -267,7 +275,9 @@ def _mlflow_ending(paths: RunDir, record: Any, tracking: dict[str, Any], written
     for start in range(0, len(metrics), 1000):  # (MLflow takes at most 1000 metrics a batch)
         client.log_batch(run_id, metrics=metrics[start:start + 1000])
     files, said = _artifacts(paths, "MLflow")
-    client.log_batch(run_id, params=params, tags=[RunTag(k, v) for k, v in tags.items()])
+    for start in range(0, len(params), 100):  # (MLflow takes at most 100 parameters a batch)
+        client.log_batch(run_id, params=params[start:start + 100])
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     for path in files:
         client.log_artifact(run_id, str(path), "nbddp")
     if ours or _failed_status(record) != "FINISHED":
@@ -350,8 +360,8 @@ def _wandb_ending(paths: RunDir, record: Any, tracking: dict[str, Any], written:
         here.summary.update(summary)
         return []
     if ranks is not None:  # the code's run: its config and points came from rank 0; a failure's line comes now
-        if str(record.status) == "succeeded":
-            return []
+        if str(record.status) == "succeeded" or ranks.get("run_id") == kernel.get("WANDB_RUN_ID"):
+            return []  # (the kernel's run, which its kernel holds until it finishes it: not resumed from here)
         given = {"run": ranks, "summary": summary}
         return _wandb_process(_WANDB_FAILED, given, tracking, "nbddp's error line could not be added to the run")
     if "wandb" not in asked:
@@ -394,7 +404,7 @@ def _by_step(paths: RunDir) -> list[tuple[int, dict[str, float]]]:
     rows: dict[int, dict[str, float]] = {}
     for key, value, step, _ in _nbddp_metrics(paths):
         rows.setdefault(step, {})[key] = value
-    return list(rows.items())
+    return sorted(rows.items())
 
 
 #: A batch's own note of its MLflow parent runs, in its ``--out`` folder (``--resume`` finds them again).

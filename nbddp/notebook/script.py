@@ -149,7 +149,7 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
               if source.suffix == ".ipynb" else []),  # (not from a kernel's cells: there is no notebook file)
             (f"Weights: rank 0 saves {', '.join(returns)} to {Path(options.script_name).stem}.weights.pt "
              "beside this script (weights.pt in the run dir under nbddp)." if returns else
-             f"Weights: {returns_note[:1].upper()}{returns_note[1:]}."),
+             f"Weights: {returns_note[:1].upper()}{returns_note[1:]}." if returns_note else "Weights: none come back."),
             *engine_lines.notes,
         ]
     )

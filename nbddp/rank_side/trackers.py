@@ -76,7 +76,8 @@ _noted = 0
 _tracking: dict[str, Any] | None = None
 """``tracking.json`` (the run's facts for its records), read by rank 0 at its first record in this job."""
 #: How long rank 0 waits, at its first record, for the notebook's kernel to reach the training cell and say which
-#: records it has open (``nbddp run``, papermill: the kernel runs the cells before the training as the ranks start).
+#: records it has open (``nbddp run``, papermill: the kernel runs the cells before the training as the ranks start);
+#: half of ``--collective-timeout`` where that is shorter (the other ranks may wait for rank 0 in a collective).
 KERNEL_RECORDS_WAIT = 120.0
 #: MLflow's calls that give a run (``_get_or_start_run``: what every ``log_*`` without a run calls).
 _RUN_STARTERS = ("start_run", "_get_or_start_run")
@@ -89,6 +90,7 @@ def guard(rank: int, environ: RankEnv | None = None) -> None:
     env = RankEnv.from_environ() if environ is None else environ
     _how = (rank, env.track_every_rank, env.tensorboard_dir)
     _tracking, _noted = None, 0
+    _axes.clear()
     _failed.clear()
     _remembered.clear()
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "true")
@@ -154,11 +156,13 @@ def _take_kernel_records(directory: Any) -> None:
     """Wait for the notebook's kernel to reach the training cell, then write into the records it has open: its
     MLflow and W&B runs (their own variables), its TensorBoard folder."""
     global _how
-    deadline = time.monotonic() + KERNEL_RECORDS_WAIT
+    collective = RankEnv.from_environ().collective_timeout  # (the other ranks may wait in one meanwhile)
+    wait = min(KERNEL_RECORDS_WAIT, collective / 2) if collective else KERNEL_RECORDS_WAIT
+    deadline = time.monotonic() + wait
     while not directory.kernel_records.exists():
         if time.monotonic() > deadline:
             print(f"[nbddp] warning: the notebook's kernel did not reach the training cell within "
-                  f"{KERNEL_RECORDS_WAIT:g} s: rank 0's experiment records are its own, not the kernel's open ones",
+                  f"{wait:g} s: rank 0's experiment records are its own, not the kernel's open ones",
                   file=sys.stderr, flush=True)
             return
         time.sleep(0.05)
@@ -207,33 +211,32 @@ def end_job(failed: bool, interrupted: bool = False) -> None:
 def _ends_them_when_stopped() -> None:
     """A rank with a record open ends it when a stop's SIGTERM comes (a peer failed, ``--timeout``, ``nbddp kill``):
     Python's own SIGTERM ends the process with no ``atexit``, and W&B's queued points and its run's end, MLflow's
-    queue and a writer's last events were lost with it. The handler ends them (MLflow ``KILLED``, W&B exit code
-    1), then does what was there before it: a library's own handler (Lightning saves at its next step), or the
-    default, the process ended by the signal as before. Once per process; a warm rank's jobs end theirs
-    themselves (:func:`end_job`)."""
+    queue and a writer's last events were lost with it. Where SIGTERM had Python's default, the handler ends them
+    (MLflow ``KILLED``, W&B exit code 1), then lets the signal end the process as before. A handler of the code's
+    or a library's (Lightning saves at its next step, then exits: ``atexit`` ends the runs) stays in charge, and
+    an ignored SIGTERM stays ignored. Once per process; not in a process forked from it (a DataLoader's worker);
+    a warm rank's jobs end theirs themselves (:func:`end_job`). Should the ending hang (a lock the interrupted
+    main thread held), the stop's SIGKILL still comes after its grace."""
     import signal
     import threading
 
     previous = signal.getsignal(signal.SIGTERM)
-    if (getattr(previous, "_nbddp_ends_records", False) or RankEnv.from_environ().warm
+    if (previous not in (signal.SIG_DFL, None) or RankEnv.from_environ().warm
             or threading.current_thread() is not threading.main_thread()):
         return
+    owner = os.getpid()
 
     def stopped(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-        try:
-            for writer in list(_writers):
-                writer.flush()
-            _end_runs(failed=True, interrupted=True)
-        except BaseException:  # noqa: BLE001 - the stop goes on whatever the trackers do
-            pass
-        if callable(previous):
-            previous(signum, frame)
-        elif previous != signal.SIG_IGN:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() == owner:
+            try:
+                for writer in list(_writers):
+                    writer.flush()
+                _end_runs(failed=True, interrupted=True)
+            except Exception:  # noqa: BLE001 - the stop goes on whatever the trackers do
+                pass
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    stopped._nbddp_ends_records = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, stopped)
 
 

@@ -375,8 +375,8 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     try:
         states = batch.run()
     finally:
-        for line in group_batch(out, [(s.paths, s.status.ok) for s in batch.states]):
-            say(f"nbddp: {line}")
         rows = summarize(out, [(s.run, s.paths, s.status) for s in batch.states])
+        for line in group_batch(out, [(s.paths, s.status.ok) for s in batch.states]):  # (after the summary: a
+            say(f"nbddp: {line}")  # store that is slow to answer never costs it)
     failed = [s for s in states if not s.status.ok]
     return rows, Status.FAILED.exit_code if failed else Status.SUCCEEDED.exit_code

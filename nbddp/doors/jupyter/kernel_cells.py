@@ -11,7 +11,6 @@ Nothing here imports IPython or ipywidgets (:mod:`nbddp.doors.jupyter.magics` is
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import replace
 from typing import Any, Hashable, Sequence
 
@@ -20,7 +19,7 @@ from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, ExportedCell, cell_r
 from nbddp.contracts.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
 from nbddp.notebook.reader import Cell
-from nbddp.notebook.script import Script, render
+from nbddp.notebook.script import Script, indent_code, render
 from nbddp.plan.options import LaunchOptions
 
 TRAIN_LABEL = "the %%ddp_train cell"
@@ -96,10 +95,10 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
 def _for_ranks(cell: ExportedCell, ranks: tuple[int, ...] | None) -> ExportedCell:
     """``cell`` run by ``ranks`` only (``None``: every rank): its body under a test of the rank, written on the magic's
     own line, so that every line of the body keeps its number in the cell."""
-    if ranks is None:
-        return cell
+    if ranks is None or not any(line.strip() and not line.lstrip().startswith("#") for line in cell.code.split("\n")):
+        return cell  # (every rank, or nothing to run)
     test = f"if __import__('torch.distributed', fromlist=['get_rank']).get_rank() in {tuple(ranks)!r}:"
-    body = textwrap.indent(cell.code, "    ", lambda line: True) if cell.code.strip() else "    pass"
+    body = "\n".join(indent_code(cell.code, "    "))  # (a multi-line string's lines keep their value)
     return replace(cell, code=f"{test}\n{body}", first_line=cell.first_line - 1)
 
 

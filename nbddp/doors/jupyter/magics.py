@@ -187,14 +187,19 @@ class DdpMagics(Magics):
         pool, launch = kernel_pool.live(), kernel_pool.launch
         if pool is None or launch is None:
             raise UsageError(NO_WARM_RANKS)
+        if args.keep and args.ranks is not None:
+            raise UsageError("%%ddp_exec --keep --ranks: a kept cell is a setup cell, which every rank runs; "
+                             "keep it without --ranks")
         ranks = _ranks(args.ranks, pool.devices.nproc)
+        launch = replace(launch, run_dir=None, parameters={}, track=())  # (the run's own: its dir, its values)
         script, parameters = build_script(self.history, cell, self.shell.user_ns, launch, self.shell.execution_count,
                                           label=EXEC_LABEL, only_ranks=ranks, returns=())
         script = replace(script, returns_note="%%ddp_exec brings nothing back")
         cwd = Path.cwd()
         request = orchestrator.RunRequest(
             script, launch, session_notebook(cwd, self.shell.user_ns), cwd, parameters, {},
-            f"%%ddp_exec {line}".strip(), source="the kernel", owner="kernel", warm=kernel_pool)
+            f"%%ddp_exec {line}".strip(), source="the kernel", owner="kernel", warm=kernel_pool,
+            tracked=False)  # (a look at the ranks: no experiment record's, nor the kernel's open ones)
         self._train(request)
         if args.keep:  # (a setup cell of this kernel's, as a '#| ddp' cell run now would be)
             self.history.record(f"#| ddp\n{cell}", None, (), self.shell.execution_count)
@@ -223,7 +228,7 @@ class DdpMagics(Magics):
         if names:
             print(f"[nbddp] {trackers.start_line(names)}")
         request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None,
-                          kernel_records=records)
+                          kernel_records=trackers.public(records))  # (written into the run dir: no credentials)
         pid = detached.start(request, run_dir, request.cwd)
         print(f"[nbddp] detached (supervisor pid {pid}): restarting this kernel or closing the notebook leaves the "
               f"run going; %ddp_attach {run_dir} follows it again, `nbddp kill {run_dir}` stops it")
