@@ -13,7 +13,7 @@ from nbddp._version import __version__
 
 #: The API of training cells (:mod:`nbddp.rank_side.torch_engine`).
 _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "device",
-            "save_checkpoint", "restore", "restart_count")
+            "save_checkpoint", "restore", "restart_count", "breakpoint")
 #: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take (:mod:`nbddp.plan.options`) and
 #: what they return.
 _API = ("run", "batch", "BatchResult")

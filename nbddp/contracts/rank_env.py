@@ -44,6 +44,8 @@ VARIABLES = {
     "log_cap": "NBDDP_LOG_CAP",
     "track_every_rank": "NBDDP_TRACK_EVERY_RANK",
     "tensorboard_dir": "NBDDP_TENSORBOARD_DIR",
+    "debugger": "NBDDP_DEBUGGER",
+    "debug_on_failure": "NBDDP_DEBUG_ON_FAILURE",
 }
 
 
@@ -99,6 +101,14 @@ class RankEnv:
     """``NBDDP_TENSORBOARD_DIR``: the folder of the kernel's open TensorBoard writer: rank 0's writer that names
     no folder of its own writes there."""
 
+    debugger: bool = False
+    """``NBDDP_DEBUGGER``: someone can type into a rank's debugger (a kernel whose front end answers input, a
+    terminal): a ``breakpoint()`` opens a relayed session; without it (papermill, a batch, a detached run) it is
+    skipped with one line (:mod:`nbddp.rank_side.debugger`)."""
+    debug_on_failure: bool = False
+    """``NBDDP_DEBUG_ON_FAILURE``: a rank's uncaught exception opens a post-mortem session before the rank ends
+    (``nbddp run --debug-on-failure``)."""
+
     def variables(self) -> dict[str, str]:
         """The variables this environment sets (empty fields left out)."""
         found = {}
@@ -148,4 +158,6 @@ class RankEnv:
             log_cap=int(get["log_cap"]) if get["log_cap"].isdigit() and int(get["log_cap"]) > 0 else None,
             track_every_rank=get["track_every_rank"] == "1",
             tensorboard_dir=Path(get["tensorboard_dir"]) if get["tensorboard_dir"] else None,
+            debugger=get["debugger"] == "1",
+            debug_on_failure=get["debug_on_failure"] == "1",
         )

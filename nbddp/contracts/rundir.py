@@ -43,6 +43,9 @@ files through :class:`RunDir`, so the two can never disagree about a name. Nothi
       detached/supervisor.json      its supervisor's pid, then the job's ranks and whether its launcher log is shown
       detached/supervisor.log       the supervisor's transcript: what nbddp run's terminal would have shown
       detached/error.json           a detached run that didn't succeed: its judged error, for the attaching kernel
+      debug/rank-N-PID-K/           rank N's K-th debugger session (a breakpoint(), --debug-on-failure), relayed
+                                    by the kernel or the terminal (:mod:`nbddp.contracts.debug_channel`)
+      debug/first-failure           --debug-on-failure: the first rank to fail opened its post-mortem
 """
 
 from __future__ import annotations
@@ -239,6 +242,17 @@ class RunDir:
     def detached_error(self) -> Path:
         """The judged error of a detached run that didn't succeed, raised by the kernel that attaches."""
         return self.detached / "error.json"
+
+    @property
+    def debug(self) -> Path:
+        """``debug/``: the ranks' debugger sessions (:class:`~nbddp.contracts.debug_channel.DebugChannel` each)."""
+        return self.path / "debug"
+
+    @property
+    def debug_first_failure(self) -> Path:
+        """``debug/first-failure``: the rank that failed first claimed the post-mortem (``--debug-on-failure``);
+        the ranks its end stops open none."""
+        return self.debug / "first-failure"
 
     def holds_a_run(self) -> bool:
         return any(p.exists() for p in (self.result, self.script, self.logs))

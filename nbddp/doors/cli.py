@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="executed notebook (default: RUN_DIR/output.ipynb)")
     add_launch_arguments(run, RUN)
     add_detach_argument(run)
+    run.add_argument("--debug-on-failure", action="store_true",
+                     help="a rank that raises opens a debugger (pdb) in its failing frame, here in this terminal, "
+                          "before it ends; the other ranks wait meanwhile")
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
@@ -120,7 +123,15 @@ def _export(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from nbddp.doors.notebook_run import RunOptions, run_notebook
 
-    options = RunOptions(args.notebook, launch_options(args), args.output, command=_command())
+    from nbddp.job.debugger import Console
+
+    if args.detach and args.debug_on_failure:
+        raise UsageError("--debug-on-failure opens the debugger in this terminal, which a detached run has left: "
+                         "drop one of them")
+    # A breakpoint() opens where someone can type: a terminal, or the input --debug-on-failure was given.
+    console = Console() if sys.stdin is not None and (sys.stdin.isatty() or args.debug_on_failure) else None
+    options = RunOptions(args.notebook, launch_options(args), args.output, command=_command(),
+                         console=None if args.detach else console, debug_on_failure=args.debug_on_failure)
     if args.detach:
         return _run_detached(options)
     with signals_interrupt():

@@ -20,6 +20,7 @@ from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
 from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
+from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.status import Status
@@ -42,6 +43,10 @@ class RunOptions:
     """How the run was started, for ``result.json``."""
     owner: str = "cli"
     """Who stops the job when ``nbddp kill`` asks (:attr:`nbddp.job.orchestrator.RunRequest.owner`)."""
+    console: Console | None = None
+    """Where a rank's debugger is relayed (:attr:`nbddp.job.orchestrator.RunRequest.console`): the terminal."""
+    debug_on_failure: bool = False
+    """``--debug-on-failure``: a rank that raises opens a post-mortem in :attr:`console`."""
 
 
 class BatchSlotPool:
@@ -75,7 +80,8 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
     request = orchestrator.RunRequest(
         script, launch, notebook.path, notebook.path.resolve().parent,
         effective_parameters(declared_parameters(notebook), launch.parameters), dict(launch.parameters),
-        options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None)
+        options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None,
+        console=options.console, debug_on_failure=options.debug_on_failure)
     terminal = TerminalSink() if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
     if terminal is not None:

@@ -34,6 +34,7 @@ from nbddp.plan.job_spec import JobSpec
 from nbddp.job.torch_leftovers import TorchLeftovers
 from nbddp.notebook.script import write_script
 from nbddp.job.follow import LogLine, RunFollower, Sink
+from nbddp.job.debugger import Console, Relayed, relay_open
 
 POLL_SECONDS = 0.05
 #: Polls are this much closer during a job's first seconds: a warm re-run's whole job, and the first
@@ -107,7 +108,7 @@ class Job:
 
     def wait(self, sinks: Sequence[Sink], deadline: float | None = None,
              idle_timeout: float | None = None, heartbeat: Callable[[], Any] | None = None,
-             deadline_name: str = "--timeout") -> JobOutcome:
+             deadline_name: str = "--timeout", console: Console | None = None) -> JobOutcome:
         """Stream until the job ends, then judge it; ``heartbeat`` is called on every poll (a view
         refreshing its clock; a kernel noticing it is being shut down). Stops every rank first when:
 
@@ -116,7 +117,11 @@ class Job:
         * a rank ended without finishing while the others still run (it would leave them
           waiting in a collective: a hang, not a failure, under NCCL),
         * or anything is raised here (KeyboardInterrupt included), which then propagates.
+
+        ``console``: a rank's debugger session (a ``breakpoint()``) is relayed there as it opens; the time a
+        person spends in it doesn't count towards the deadline or the idle timeout.
         """
+        sessions = Relayed(self.paths.debug)
         last_activity = last_check = time.monotonic()
         timed_out = False
         self.deadline_name = deadline_name
@@ -127,6 +132,11 @@ class Job:
                     last_activity = now
                 if heartbeat is not None:
                     heartbeat()
+                if console is not None:
+                    spent = relay_open(sessions, console, lambda: self.launch.poll() is None)
+                    if spent:
+                        now, last_activity = now + spent, last_activity + spent
+                        deadline = deadline + spent if deadline is not None else None
                 if deadline is not None and now > deadline:
                     timed_out = True
                 elif idle_timeout and now - last_activity > idle_timeout:

@@ -32,6 +32,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.errors import CheckpointError, RunError, RunFailed, SignalReceived, stop_signal
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
 from nbddp.job.outcome import JobOutcome, run_error
@@ -87,6 +89,11 @@ class RunRequest:
     kernel_records: dict[str, str] = field(default_factory=dict)
     """The experiment records a kernel that is not this process had open as it asked for the run (a detached
     ``%%ddp_train``), for rank 0 to write into (:func:`nbddp.job.trackers.open_records`)."""
+    console: Console | None = None
+    """Where a rank's debugger is relayed (a ``breakpoint()``, ``--debug-on-failure``): the kernel's input box, the
+    terminal; ``None``: nobody can type into one (papermill, a batch, a detached run), so breakpoints are skipped."""
+    debug_on_failure: bool = False
+    """``nbddp run --debug-on-failure``: a rank's uncaught exception opens a post-mortem before the rank ends."""
     tracked: bool = True
     """Whether the run is an experiment's (``False``: ``%%ddp_exec``, a look at the ranks: it writes into no record
     of the kernel's, asks for none, and nbddp adds nothing to what its code may write)."""
@@ -254,8 +261,14 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                       else (trackers.own_credentials(request.kernel_records), []))
     if names:
         say(trackers.start_line(names))
+    # A rank's debugger is relayed from this machine's run dir: ranks on other machines (Slurm, Ray, --nnodes) skip
+    # their breakpoints, as a run nobody can type into does.
+    console = None if launch.slurm or launch.ray or launch.nodes is not None else request.console
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
-                   launch=launch, owner=request.owner, pool=pool, environment=trackers.rank_variables(records))
+                   launch=launch, owner=request.owner, pool=pool,
+                   environment={**trackers.rank_variables(records), **RankEnv(
+                       debugger=console is not None,
+                       debug_on_failure=request.debug_on_failure and console is not None).variables()})
     trackers.start_tracking(spec, request.parameters, request.source or str(request.notebook), asked, records,
                             request.tracked and kernel.shares_records_later(), versions()["torch"], request.tracked)
     deadline = time.monotonic() + launch.timeout if launch.timeout else None
@@ -267,7 +280,8 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         limit, limit_name = deadline, "--timeout"
         if own_deadline is not None and (limit is None or own_deadline < limit):
             limit, limit_name = own_deadline, name or limit_name
-        judged.append(job.wait(sinks, limit, launch.idle_timeout, heartbeat, deadline_name=limit_name))
+        judged.append(job.wait(sinks, limit, launch.idle_timeout, heartbeat, deadline_name=limit_name,
+                               console=console))
         return judged[-1]  # (every rank was stopped first, however it ended)
 
     try:

@@ -129,7 +129,7 @@ def judge(e: Evidence) -> JobOutcome:
         first, last = node.get("ranks", ["?", "?"])
         return outcome(Status.FAILED, (
             f"node {node.get('node')} ({node.get('host')}, ranks {first}-{last}) went away while training: its ranks "
-            f"stopped answering (rank {errors[0].rank}: {_gist(errors[0].message)}), so this node's ranks were "
+            f"stopped answering (rank {errors[0].rank}: {gist(errors[0].message)}), so this node's ranks were "
             f"stopped. See that node's own output" + (f" and its run dir {node['run_dir']}" if node.get("run_dir")
                                                        else "") + "."), rank=errors[0].rank)
     if e.timed_out:
@@ -162,7 +162,7 @@ def judge(e: Evidence) -> JobOutcome:
                    rank=errors[0].rank if errors else None)
 
 
-def _gist(message: str) -> str:
+def gist(message: str) -> str:
     """The first sentence of a backend error, without gloo's ``[.../pair.cc:553]`` source location."""
     text = re.sub(r"^\[[^\]]*\]\s*", "", message.strip().splitlines()[-1] if message.strip() else "")
     return text.split(". ")[0][:160]

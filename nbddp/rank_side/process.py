@@ -24,7 +24,7 @@ import torch.distributed as dist
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
 from nbddp.contracts.errors import NbddpError
-from nbddp.rank_side import log_cap, memory, trackers
+from nbddp.rank_side import debugger, log_cap, memory, trackers
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.parent_death import die_with_parent
 from nbddp.contracts.rundir import SCRIPT_NAME, RunDir
@@ -46,6 +46,7 @@ def become_rank(global_rank: int, size: int) -> None:
     """Per-rank plumbing shared by both engines: die with the parent, log to files, leave the group safely."""
     die_with_parent(always=True)  # (an nbddp launcher's rank armed it before importing torch)
     guard_destroy()
+    debugger.install()
     if not log_to_run_dir(global_rank):
         trackers.guard(global_rank)
         print(f"[nbddp] rank {global_rank}/{size} started (pid {os.getpid()})", flush=True)
@@ -55,6 +56,7 @@ def become_rank(global_rank: int, size: int) -> None:
 
     def record(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
         record_exception(global_rank, exc_type, exc, tb)
+        debugger.on_failure(global_rank, exc, tb)  # (--debug-on-failure: a post-mortem before the rank ends)
         previous_hook(exc_type, exc, tb)
 
     sys.excepthook = record

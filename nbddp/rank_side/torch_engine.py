@@ -22,6 +22,7 @@ from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_ti
                                      map_tracebacks_to_the_notebook, mark_done, refuse, restart_count, run_dir,
                                      skip_final_collection, use_notebook_folder)
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.rank_side.debugger import breakpoint  # noqa: A004, F401 - nbddp.breakpoint(rank=0), the cells' API
 from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
 from nbddp.contracts.rundir import RunDir
 

@@ -1,12 +1,13 @@
-"""``%load_ext nbddp`` → ``%%ddp_train`` (and ``%%ddp_exec``, ``%ddp_ranks``, ``%ddp_attach``): argument parsing
-and display only.
+"""``%load_ext nbddp`` → ``%%ddp_train`` (and ``%%ddp_exec``, ``%ddp_debug``, ``%ddp_ranks``, ``%ddp_attach``):
+argument parsing and display only.
 
 The run is :func:`nbddp.job.orchestrator.run`'s, with this kernel's namespace receiving the weights;
 this module records which ``#| ddp`` cells the kernel executed (IPython's ``post_run_cell`` event
 carries the cell id the front end sent), turns the magic's line into options and shows the run. A
 ``%%ddp_exec`` cell is a run too, on the warm ranks the last ``%%ddp_train`` used, with its options, whose
 script's training part is the cell and which brings nothing back: the warm ranks' kept setup is its namespace,
-and their putting it back after every job undoes what it changed.
+and their putting it back after every job undoes what it changed. A rank's debugger (``%ddp_debug``'s post-mortem, a
+``breakpoint()`` in a run) is relayed through the cell's input box (:func:`kernel_console`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
 from nbddp.doors.jupyter.session import session_notebook
 from nbddp.contracts.errors import UsageError
 from nbddp.job import orchestrator
+from nbddp.job.debugger import Console, post_mortem
+from nbddp.job.outcome import gist
 from nbddp.contracts.metrics import last_metrics
 from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
@@ -84,6 +87,18 @@ def _exec_parser() -> ArgumentParser:
 
 
 _EXEC_PARSER = _exec_parser()
+def _debug_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%ddp_debug", description="A debugger (pdb) in the frame where the last %%ddp_train "
+                            "failed on the warm ranks, in the rank that failed first.")
+    parser.add_argument("--rank", type=int, default=None, metavar="N", help="that rank's failure instead")
+    return parser
+
+
+_DEBUG_PARSER = _debug_parser()
+#: What %ddp_debug says when no rank keeps a failure.
+NO_FAILURE = ("%ddp_debug: no warm rank keeps a failure: it opens after a %%ddp_train that failed on the kernel's "
+              "warm ranks, until the next run (a --fresh or detached run's ranks are gone: nbddp run "
+              "--debug-on-failure opens one as the rank fails)")
 #: What %%ddp_exec says where there are no warm ranks to run on.
 NO_WARM_RANKS = ("%%ddp_exec runs on the kernel's warm ranks, and there are none now: run a %%ddp_train cell first "
                  "(its ranks stay warm; %ddp_ranks shows them)")
@@ -163,7 +178,8 @@ class DdpMagics(Magics):
         request = orchestrator.RunRequest(
             script, options, session_notebook(cwd, self.shell.user_ns), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
-            source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool)
+            source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool,
+            console=kernel_console(self.shell))
         if args.fresh or args.detach or why_not_warm(script.engine, options):
             freed = kernel_pool.make_room()  # ranks of its own on the same devices: the warm ones' GPU memory is theirs
             if freed:
@@ -199,11 +215,38 @@ class DdpMagics(Magics):
         request = orchestrator.RunRequest(
             script, launch, session_notebook(cwd, self.shell.user_ns), cwd, parameters, {},
             f"%%ddp_exec {line}".strip(), source="the kernel", owner="kernel", warm=kernel_pool,
-            tracked=False)  # (a look at the ranks: no experiment record's, nor the kernel's open ones)
+            console=kernel_console(self.shell), tracked=False)  # (a look at the ranks: no experiment record's, nor the kernel's open ones)
         self._train(request)
         if args.keep:  # (a setup cell of this kernel's, as a '#| ddp' cell run now would be)
             self.history.record(f"#| ddp\n{cell}", None, (), self.shell.execution_count)
             print("[nbddp] kept: the cell is a setup cell of every later %%ddp_train now")
+        return None
+
+    @line_magic
+    def ddp_debug(self, line: str):
+        """Open a debugger (pdb) in the frame where the last ``%%ddp_train`` failed on the warm ranks, in the rank
+        that failed first (``--rank N``: that rank's), as IPython's ``%debug`` does in the kernel. Each rank keeps
+        its failure until the next run; ``q`` leaves the debugger."""
+        args = parse_line(_DEBUG_PARSER, line)
+        if args is None:
+            return None
+        console = kernel_console(self.shell)
+        if console is None:
+            raise UsageError("%ddp_debug needs a front end that answers input() (JupyterLab, Notebook, VS Code); "
+                             "this one doesn't (papermill, nbclient): nbddp run --debug-on-failure opens it in a "
+                             "terminal")
+        pool = kernel_pool.live()
+        failures = pool.failures() if pool is not None and not pool.busy() else {}
+        if not failures:
+            raise UsageError(NO_FAILURE)
+        rank = next(iter(failures)) if args.rank is None else args.rank
+        if rank not in failures:
+            raise UsageError(f"%ddp_debug --rank {rank}: rank {rank} keeps no failure of the last run; "
+                             f"rank(s) {', '.join(map(str, failures))} do")
+        failure = failures[rank]
+        first = " (the first to fail)" if rank == next(iter(failures)) else ""
+        print(f"[nbddp] rank {rank}{first}: {failure.get('type')}: {gist(str(failure.get('message')))}")
+        post_mortem(pool, rank, console)
         return None
 
     @line_magic
@@ -228,6 +271,7 @@ class DdpMagics(Magics):
         if names:
             print(f"[nbddp] {trackers.start_line(names)}")
         request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None,
+                          console=None,  # (nobody types into a detached run's ranks: its breakpoints are skipped)
                           kernel_records=trackers.public(records))  # (written into the run dir: no credentials)
         pid = detached.start(request, run_dir, request.cwd)
         print(f"[nbddp] detached (supervisor pid {pid}): restarting this kernel or closing the notebook leaves the "
@@ -300,6 +344,13 @@ class DdpMagics(Magics):
             result.raise_for_status()
         end(Status.SUCCEEDED, weights=weights_went(result.kernel), metrics=result.record.final_metrics)
         return None
+
+
+def kernel_console(shell) -> Console | None:  # noqa: ANN001 - IPython's shell
+    """The cell's input box, where its front end answers ``input()`` (JupyterLab, Notebook, VS Code; papermill and
+    nbclient don't: ``None``, and breakpoints are skipped); IPython in a terminal reads the terminal."""
+    kernel = getattr(shell, "kernel", None)
+    return None if kernel is not None and not getattr(kernel, "_allow_stdin", False) else Console()
 
 
 def _ranks(text: str | None, size: int) -> tuple[int, ...] | None:

@@ -165,6 +165,10 @@ class KernelPool(PoolKeeper):
                  f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; starter pid {pool.launch.pid}"]
         for rank, report in enumerate(pool.kept() if pool.runs else []):
             lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
+        failures = pool.failures()
+        if failures:  # (until the next run: %ddp_debug opens them)
+            lines.append("  the last run's failure, kept for %ddp_debug: " + ", ".join(
+                f"rank {rank} ({failure.get('type')})" for rank, failure in failures.items()))
         return "\n".join(lines)
 
     def make_room(self) -> str:
@@ -174,9 +178,12 @@ class KernelPool(PoolKeeper):
         if self.pool is None or not self.pool.alive() or not self.pool.runs:
             return ""
         gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
-        if not gpu or not self.pool.forget():
+        failures = self.pool.devices.kind == "cuda" and bool(self.pool.failures())  # (%ddp_debug's frames hold GPU memory)
+        if not (gpu or failures) or not self.pool.forget():
             return ""
-        return f"the warm ranks dropped the setup they kept ({size(gpu)} on the GPU) to leave the GPU to this run's ranks"
+        dropped = f"the setup they kept ({size(gpu)} on the GPU)" if gpu else ""
+        dropped += (" and " if dropped else "") + ("the failure they kept for %ddp_debug" if failures else "")
+        return f"the warm ranks dropped {dropped} to leave the GPU to this run's ranks"
 
     def forget(self) -> str:
         """Drop what the warm ranks keep of the setup (``%ddp_ranks forget``): a line saying so."""

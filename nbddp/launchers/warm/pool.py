@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Mapping
 
 from nbddp.contracts.atomic import write_json
+from nbddp.contracts.debug_channel import DebugChannel
 from nbddp.contracts.devices import Devices
 from nbddp.launchers.base import Launch
 from nbddp.launchers import private_rendezvous
@@ -133,6 +134,26 @@ class WarmPool:
         self.last_used = time.monotonic()
         write_json(self.dir.job(number), {"script": str(script), "cwd": str(cwd), "env": dict(rank_env)})
         return WarmRun(self, number)
+
+    def submit_post_mortem(self, rank: int) -> tuple[WarmRun, DebugChannel]:
+        """Hand the ranks a post-mortem: ``rank`` opens its debugger on the failure it keeps (the others end the job
+        at once); the channel its session uses, for the kernel to relay."""
+        number = self.runs
+        self.runs += 1
+        self.last_used = time.monotonic()
+        write_json(self.dir.job(number), {"kind": "debug", "rank": rank})
+        return WarmRun(self, number), DebugChannel(self.dir.debug_channel(number, rank))
+
+    def failures(self) -> dict[int, dict]:
+        """The failures the ranks keep from their last job (``{rank: {"time", "type", "message", "run_dir"}}``),
+        the first failure first."""
+        found = {}
+        for rank in range(self.devices.nproc):
+            try:
+                found[rank] = json.loads(self.dir.failure(rank).read_text())
+            except (OSError, ValueError):
+                continue
+        return dict(sorted(found.items(), key=lambda item: item[1].get("time", 0)))
 
     def endings(self, number: int) -> list[dict | None]:
         """Each rank's report of how it ended job ``number`` (``None``: not yet)."""

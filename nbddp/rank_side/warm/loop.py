@@ -55,7 +55,7 @@ import torch.distributed as dist  # noqa: E402
 
 from nbddp.contracts.atomic import write_json  # noqa: E402
 from nbddp.contracts.pool_dir import JobEnd, PoolDir
-from nbddp.rank_side import memory, trackers
+from nbddp.rank_side import debugger, memory, trackers
 from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
 from nbddp.rank_side.warm.process_state import ProcessState
 from nbddp.rank_side.warm.state import Plan, WarmState
@@ -83,6 +83,8 @@ def main(folder: Path) -> int:
     idle = RankEnv.from_environ().warm_idle or DEFAULT_WARM_IDLE
     signal.signal(signal.SIGINT, _interrupt_the_job)
     _dump_stacks_when_asked(pool, rank)
+    debugger.install()
+    debugger.relocate = _relocated  # (kept cells' frames named by this job's script lines)
     pool.ready_dir.mkdir(exist_ok=True)
     write_json(pool.ready(rank), os.getpid())
     global _state
@@ -93,6 +95,15 @@ def main(folder: Path) -> int:
         job = _next_job(pool, number, idle, state, rank)
         if job is None:
             break
+        if job.get("kind") == "debug":  # %ddp_debug: a post-mortem of the failure kept, nothing else touched
+            status = _post_mortem(job, pool, rank, number)
+            write_json(pool.job_exit(number, rank), {"status": status.value})
+            number += 1
+            continue
+        if _failure is not None:  # the last job failed here: its frames go, its setup's objects are put back
+            _let_failure_go(pool, rank)
+            _keep_setup(state, pool, rank, number - 1)
+            gc.collect()
         try:
             status = _run(job, pool, rank, size, number, state)
         except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
@@ -103,9 +114,14 @@ def main(folder: Path) -> int:
         os.dup2(pool_stderr, 2)
         write_json(pool.job_exit(number, rank), {"status": status.value})
         if status != JobEnd.OK:  # (said first: should freeing the group block, the kernel still ends the job)
+            if _failure is not None:  # its kept frames hold the group: its peers' connections are cut instead
+                _cut_peer_connections(pool, rank)
             rank_process.release_group()  # wakes the peers still in a collective with this rank
             pool.mark(pool.released(number, rank))
-        _keep_setup(state, pool, rank, number)  # the setup's objects back as after setup, while the rank waits
+        if _failure is None:
+            _keep_setup(state, pool, rank, number)  # the setup's objects back as after setup, while the rank waits
+        else:  # kept as the failure left them, for a post-mortem, until the next job
+            _write_kept(state, pool, rank, number)
         gc.collect()  # the job's garbage, once the kernel knows the job ended
         _release_device_memory()
         if not _every_rank_ended_well(pool, number, size):
@@ -200,6 +216,8 @@ def _next_job(pool: PoolDir, number: int, idle: float, state: WarmState, rank: i
         except (FileNotFoundError, ValueError):  # not there yet (written atomically)
             asked = _forget_requests(pool)
             if asked > _forgotten:
+                if _failure is not None:
+                    _let_failure_go(pool, rank)
                 state.forget()
                 _release_device_memory()
                 write_json(pool.kept(rank), {**state.report(), "job": number - 1})
@@ -248,15 +266,20 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
                       lambda line: print(f"[nbddp] {line}", flush=True) if rank == 0 else None)
         except SystemExit as exc:
             status = JobEnd.OK if exc.code in (None, 0) else JobEnd.FAILED
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             status = JobEnd.INTERRUPTED  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
+            if pool.heard(number, rank).exists():  # (interrupted in the job, not before it: where it was is kept)
+                _keep_failure(pool, rank, number, job, exc, _without_handler(from_script(exc.__traceback__,
+                                                                                         job["script"])))
+            del exc
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
             tb = from_script(exc.__traceback__, job["script"])
             report = _relocate(traceback.TracebackException(type(exc), exc, tb))
             rank_process.record_exception(rank, type(exc), exc, tb, report=report)
             print("".join(report.format()), end="", file=sys.stderr)
             status = JobEnd.FAILED
-            del tb, report  # their frames hold the job's namespace, and through it the process group
+            _keep_failure(pool, rank, number, job, exc, tb)
+            del tb, report, exc
         finally:
             _in_job = None
     finally:
@@ -294,6 +317,114 @@ def _agree(pool: PoolDir, number: int, rank: int, size: int):  # noqa: ANN202 - 
     return agree
 
 
+#: The failure of this rank's last job, kept for a post-mortem (``%ddp_debug``) until the next job: its traceback
+#: (whose frames hold the job's namespace as it failed) and the script it ran.
+_failure: tuple[TracebackType, str] | None = None
+
+
+def _keep_failure(pool: PoolDir, rank: int, number: int, job: dict, exc: BaseException,
+                  tb: TracebackType | None) -> None:
+    """Keep the failure's frames (an exception's, or where an interrupt found the rank: a peer had failed), and say
+    so (``failures/rank-R.json``: the kernel picks the rank that failed first)."""
+    global _failure
+    if tb is None:
+        return
+    _failure = (tb, job["script"])
+    try:
+        write_json(pool.failure(rank), {"job": number, "time": time.time(), "type": type(exc).__name__,
+                                        "message": str(exc)[:300] or "stopped there (a peer failed, or the run was "
+                                        "stopped)", "run_dir": str(RankEnv.from_environ(job["env"]).run_dir or "")})
+    except OSError:
+        pass
+
+
+def _without_handler(tb: TracebackType | None) -> TracebackType | None:
+    """An interrupt's traceback without its last frame, :func:`_interrupt_the_job`'s (nbddp's, not the job's): a
+    post-mortem opens where the rank was."""
+    first = tb
+    while tb is not None and tb.tb_next is not None:
+        if tb.tb_next.tb_frame.f_code is _interrupt_the_job.__code__:
+            tb.tb_next = None
+        else:
+            tb = tb.tb_next
+    return first
+
+
+def _let_failure_go(pool: PoolDir, rank: int) -> None:
+    global _failure
+    _failure = None
+    pool.failure(rank).unlink(missing_ok=True)
+
+
+def _post_mortem(job: dict, pool: PoolDir, rank: int, number: int) -> JobEnd:
+    """Job ``number`` is a post-mortem (``{"kind": "debug", "rank": R}``): rank R opens its debugger on the failure
+    it keeps (the frame it failed in, the namespace as it was), relayed by the kernel; the other ranks end the job
+    at once. Their group, and the kept setup, are left as they are."""
+    global _in_job, _script
+    from nbddp.contracts.debug_channel import DebugChannel
+    from nbddp.rank_side import debugger
+
+    if job.get("rank") != rank:
+        return JobEnd.OK
+    channel = DebugChannel(pool.debug_channel(number, rank))
+    if _failure is None:
+        channel.open(rank, "post-mortem")
+        channel.write(f"rank {rank} keeps no failure: its last job didn't fail here (or a later job ran)\n")
+        channel.close()
+        return JobEnd.OK
+    tb, _script = _failure
+    _in_job = (pool, number, rank)  # (an interrupt ends the session)
+    try:
+        debugger.post_mortem(tb, channel, rank, "post-mortem", debugger.notebook_lines(_script))
+    except KeyboardInterrupt:
+        return JobEnd.INTERRUPTED
+    finally:
+        _in_job = None
+        del tb
+    return JobEnd.OK
+
+
+def _cut_peer_connections(pool: PoolDir, rank: int) -> None:
+    """Shut down this rank's connections to its peers (gloo's), which wake a peer waiting for it in a collective
+    as freeing the group would; needed where the kept failure's frames keep the group from being freed.
+    Best effort: a peer that can't be woken is left to the kernel's interrupt and its departure rules."""
+    import socket
+
+    import psutil
+
+    def connections(process: psutil.Process) -> list:
+        listing = getattr(process, "net_connections", None) or process.connections
+        return listing(kind="tcp")
+
+    try:
+        peers = {tuple(c.laddr) for pid in _peer_pids(pool, rank) for c in connections(psutil.Process(pid)) if c.laddr}
+        for own in connections(psutil.Process()):
+            if own.raddr and tuple(own.raddr) in peers and own.fd >= 0:
+                with socket.fromfd(own.fd, socket.AF_INET6 if ":" in own.laddr[0] else socket.AF_INET,
+                                   socket.SOCK_STREAM) as copy:
+                    copy.shutdown(socket.SHUT_RDWR)
+    except (OSError, psutil.Error):
+        pass
+
+
+def _peer_pids(pool: PoolDir, rank: int) -> list[int]:
+    pids = []
+    for path in pool.ready_dir.glob("rank-*"):
+        try:
+            if int(path.name.split("-", 1)[1]) != rank:
+                pids.append(int(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def _write_kept(state: WarmState, pool: PoolDir, rank: int, number: int) -> None:
+    try:
+        write_json(pool.kept(rank), {**state.report(), "job": number})
+    except OSError:
+        pass
+
+
 def _keep_setup(state: WarmState, pool: PoolDir, rank: int, number: int) -> None:
     """After a job: the kept setup's objects back as they were after setup (what can't be, let go), and
     what the rank keeps written for ``%ddp_ranks``. Never costs the rank: a failure here keeps nothing."""
@@ -302,10 +433,7 @@ def _keep_setup(state: WarmState, pool: PoolDir, rank: int, number: int) -> None
     except Exception as exc:  # noqa: BLE001
         print(f"[nbddp] setup: not kept: putting it back failed ({type(exc).__name__}: {exc})", flush=True)
         state.forget()
-    try:
-        write_json(pool.kept(rank), {**state.report(), "job": number})
-    except OSError:
-        pass
+    _write_kept(state, pool, rank, number)
 
 
 def _relocated(filename: str, line: int) -> tuple[str, int]:

@@ -1,0 +1,191 @@
+"""A rank's debugger: :mod:`pdb` in the rank, typed into from the notebook or the terminal.
+
+A rank has no terminal, so its debugger talks through a :class:`~nbddp.contracts.debug_channel.DebugChannel`
+that the process following the run relays (:mod:`nbddp.job.debugger`): the kernel shows the debugger's
+output in the cell and asks for each command with ``input()`` (the front end's input box), ``nbddp run`` asks in
+its terminal. Three ways in:
+
+* ``breakpoint()`` (or ``nbddp.breakpoint(rank=0)``: that rank only) in a training cell: the rank stops there;
+  the others run on to their next collective and wait for it, as any rank waits for a slow peer; ``c`` goes on.
+  Nobody to type into it (papermill, a batch, a detached run: ``NBDDP_DEBUGGER`` unset): skipped, said once.
+* ``nbddp run --debug-on-failure``: a rank's uncaught exception opens a post-mortem before the rank ends.
+* ``%ddp_debug``: a warm rank's kept failure, in a job of its own (:mod:`nbddp.rank_side.warm.loop`).
+
+Every frame the debugger names (``where``, ``up``, the ``>`` line) gets its notebook cell and line beside it, as
+tracebacks do. Not a fork of pdb: :class:`RelayedPdb` only changes where pdb reads and writes.
+"""
+
+from __future__ import annotations
+
+import os
+import pdb
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Callable
+
+from nbddp.contracts.debug_channel import DebugChannel
+from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
+
+#: Maps a frame's (file, line) to the current job's script, where a warm rank's kept cells were compiled in an
+#: earlier job's script (set by :mod:`nbddp.rank_side.warm.loop`).
+relocate: Callable[[str, int], tuple[str, int]] = lambda filename, line: (filename, line)
+
+#: How many sessions this process opened (each gets a channel of its own), and the run dirs where a skipped
+#: breakpoint was said already.
+_sessions = 0
+_skipped_in: set[str] = set()
+
+
+class _Output:
+    """pdb's stdout: the channel's ``out``."""
+
+    def __init__(self, channel: DebugChannel) -> None:
+        self.channel = channel
+
+    def write(self, text: str) -> int:
+        self.channel.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Input:
+    """pdb's stdin: each line the relay's answer. An interrupt (the run being stopped) reads as end-of-file, which
+    pdb takes as ``quit``; :class:`RelayedPdb` then lets the interrupt go on."""
+
+    def __init__(self, channel: DebugChannel) -> None:
+        self.channel, self.lines, self.interrupted = channel, 0, False
+
+    def readline(self) -> str:
+        self.lines += 1
+        try:
+            return self.channel.read_line(self.lines)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            return ""
+
+
+class RelayedPdb(pdb.Pdb):
+    """pdb reading and writing through a channel; each frame line with its notebook cell."""
+
+    def __init__(self, channel: DebugChannel, where: Callable[[str, int], str | None]) -> None:
+        self.channel, self._where, self._input = channel, where, _Input(channel)
+        super().__init__(stdin=self._input, stdout=_Output(channel), nosigint=True, readrc=False)
+
+    def format_stack_entry(self, frame_lineno, lprefix: str = ": ") -> str:  # noqa: ANN001 - bdb's signature
+        text = super().format_stack_entry(frame_lineno, lprefix)
+        frame, line = frame_lineno
+        where = self._where(frame.f_code.co_filename, line)
+        return f"{text}  [{where}]" if where else text
+
+    def set_continue(self) -> None:
+        super().set_continue()
+        if not self.breaks:  # nothing left to stop at: the session is over, the rank runs on
+            self.channel.close()
+
+    def set_quit(self) -> None:
+        super().set_quit()
+        self.channel.close()
+
+    def interaction(self, frame, tb_or_exc) -> None:  # noqa: ANN001 - pdb's signature (3.13 passes an exception)
+        super().interaction(frame, tb_or_exc)
+        if self._input.interrupted:  # the run was stopped while the debugger waited: stop as an interrupt does
+            self.channel.close()
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+
+def notebook_lines(script: str | Path | None) -> Callable[[str, int], str | None]:
+    """``(file, line) → "nb.ipynb, cell 3, line 2"`` for the lines of ``script`` (``None`` elsewhere, or without
+    its source map)."""
+    try:
+        source_map = SourceMap.load(sourcemap_path(script)) if script else None
+    except (OSError, ValueError, KeyError, TypeError):
+        source_map = None
+    if source_map is None:
+        return lambda filename, line: None
+    script = os.path.abspath(script)
+
+    def where(filename: str, line: int) -> str | None:
+        filename, line = relocate(filename, line)
+        return source_map.where(line) if os.path.abspath(filename) == script else None
+    return where
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def _script() -> str | None:
+    return getattr(sys.modules.get("__main__"), "__file__", None)
+
+
+def new_channel(folder: Path, rank: int) -> DebugChannel:
+    """A channel of its own for this process's next session, in ``folder`` (a run dir's ``debug/``)."""
+    global _sessions
+    _sessions += 1
+    return DebugChannel(Path(folder) / f"rank-{rank}-{os.getpid()}-{_sessions}")
+
+
+def breakpoint(*args: object, rank: int | None = None, **kwargs: object) -> None:  # noqa: A001 - the builtin's hook
+    """``breakpoint()`` in a training cell (nbddp makes it :data:`sys.breakpointhook`), or
+    ``nbddp.breakpoint(rank=0)``: stop ``rank`` only (every rank that reaches it, by default) in a debugger the
+    notebook or terminal relays. Outside nbddp (a plain ``python train.py``), Python's own."""
+    me = _rank()
+    if rank is not None and me != rank or os.environ.get("PYTHONBREAKPOINT") == "0":
+        return
+    env, caller = RankEnv.from_environ(), sys._getframe(1)
+    if env.run_dir is None:
+        return sys.__breakpointhook__(*args, **kwargs)
+    if not env.debugger:
+        if str(env.run_dir) not in _skipped_in:
+            _skipped_in.add(str(env.run_dir))
+            print("[nbddp] breakpoint() skipped: nobody can type into a debugger here (papermill, a batch, "
+                  "nbddp.run(), a detached or cluster run); %%ddp_train in a notebook, or nbddp run in a terminal, "
+                  "opens it", flush=True)
+        return
+    channel = new_channel(env.run_dir.debug, me)
+    channel.open(me, "breakpoint")
+    print(f"[nbddp] rank {me} stopped at breakpoint(): its debugger is open where the run was started; "
+          "the other ranks wait at their next collective", flush=True)
+    RelayedPdb(channel, notebook_lines(_script())).set_trace(caller)
+
+
+def post_mortem(tb: TracebackType, channel: DebugChannel, rank: int, why: str,
+                where: Callable[[str, int], str | None]) -> None:
+    """A debugger at the frame ``tb`` ended in (``up`` walks towards the script's top), until ``q`` or ``c``."""
+    channel.open(rank, why)
+    debugger = RelayedPdb(channel, where)
+    try:
+        debugger.reset()
+        debugger.interaction(None, tb)
+    finally:
+        channel.close()
+
+
+def on_failure(rank: int, exc: BaseException, tb: TracebackType | None) -> None:
+    """``--debug-on-failure``: a post-mortem of the rank's uncaught exception, before the rank ends (its peers
+    wait in their collectives meanwhile; the launcher stops them once it ends)."""
+    env = RankEnv.from_environ()
+    if not (env.debug_on_failure and env.debugger and env.run_dir is not None and tb is not None) \
+            or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return
+    try:  # the first rank to fail only: the others fail because it stopped (a peer gone), which says nothing new
+        env.run_dir.debug.mkdir(mode=0o700, exist_ok=True)
+        os.close(os.open(env.run_dir.debug_first_failure, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except OSError:
+        return
+    print(f"[nbddp] rank {rank} failed: its debugger is open where the run was started (--debug-on-failure)",
+          flush=True)
+    post_mortem(tb, new_channel(env.run_dir.debug, rank), rank, "failure", notebook_lines(_script()))
+
+
+def install() -> None:
+    """``breakpoint()`` in the training opens :func:`breakpoint`'s relayed session."""
+    sys.breakpointhook = breakpoint
+
