@@ -124,9 +124,12 @@ def test_breakpoint_without_anyone_to_type_is_skipped_with_one_line(tmp_path, mo
     monkeypatch.setenv("PYTHONBREAKPOINT", "0")
     debugger.breakpoint()
     monkeypatch.delenv("PYTHONBREAKPOINT")
-    monkeypatch.setenv("RANK", "0")
-    debugger.breakpoint(rank=1)
+    monkeypatch.setenv("RANK", "1")
+    debugger.breakpoint()  # (rank 0's by default)
+    debugger.breakpoint(rank=0)
     assert capsys.readouterr().out == ""
+    debugger.breakpoint(rank="all")
+    assert "breakpoint() skipped" in capsys.readouterr().out
     assert not (tmp_path / "debug").exists()
 
 
@@ -208,7 +211,7 @@ def test_ddp_debug_breakpoint_and_no_stdin_on_real_warm_ranks(tmp_path):
         again = kernel.run("%%ddp_train --cpu --nproc 2\nprint('kept', kept.tolist(), nbddp.rank(), flush=True)", cell_id="train")
         assert "[rank 0] kept [0.0, 0.0] 0" in again and "on a warm rank" in again, again  # a fresh run's state
         assert "no warm rank keeps a failure" in kernel.run("%ddp_debug")  # (let go by the next run)
-        stopped = kernel.run("%%ddp_train --cpu --nproc 2\nx = 41\nnbddp.breakpoint(rank=0)\nx += 1\n"
+        stopped = kernel.run("%%ddp_train --cpu --nproc 2\nx = 41\nbreakpoint()\nx += 1\n"
                              "torch.distributed.barrier()\nprint('after', x, nbddp.rank(), flush=True)\n",
                              ["p x", "n", "p x", "c"], cell_id="train")
         assert "rank 0 stopped at breakpoint()" in stopped, stopped

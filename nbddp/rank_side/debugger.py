@@ -5,8 +5,9 @@ that the process following the run relays (:mod:`nbddp.job.debugger`): the kerne
 output in the cell and asks for each command with ``input()`` (the front end's input box), ``nbddp run`` asks in
 its terminal. Three ways in:
 
-* ``breakpoint()`` (or ``nbddp.breakpoint(rank=0)``: that rank only) in a training cell: the rank stops there;
-  the others run on to their next collective and wait for it, as any rank waits for a slow peer; ``c`` goes on.
+* ``breakpoint()`` in a training cell (rank 0's; ``nbddp.breakpoint(rank=1)``, another's; ``rank="all"``: each
+  rank's in turn): the rank stops there; the others run on to their next collective and wait for it, as any rank
+  waits for a slow peer; ``c`` goes on.
   Nobody to type into it (papermill, a batch, a detached run: ``NBDDP_DEBUGGER`` unset): skipped, said once.
 * ``nbddp run --debug-on-failure``: a rank's uncaught exception opens a post-mortem before the rank ends.
 * ``%ddp_debug``: a warm rank's kept failure, in a job of its own (:mod:`nbddp.rank_side.warm.loop`).
@@ -132,12 +133,13 @@ def new_channel(folder: Path, rank: int) -> DebugChannel:
     return DebugChannel(Path(folder) / f"rank-{rank}-{os.getpid()}-{_sessions}")
 
 
-def breakpoint(*args: object, rank: int | None = None, **kwargs: object) -> None:  # noqa: A001 - the builtin's hook
+def breakpoint(*args: object, rank: int | str = 0, **kwargs: object) -> None:  # noqa: A001 - the builtin's hook
     """``breakpoint()`` in a training cell (nbddp makes it :data:`sys.breakpointhook`), or
-    ``nbddp.breakpoint(rank=0)``: stop ``rank`` only (every rank that reaches it, by default) in a debugger the
-    notebook or terminal relays. Outside nbddp (a plain ``python train.py``), Python's own."""
+    ``nbddp.breakpoint(rank=1)``: stop ``rank`` (rank 0 by default; ``"all"``: every rank that reaches it, one
+    session after another) in a debugger the notebook or terminal relays; the other ranks go on to their next
+    collective and wait there. Outside nbddp (a plain ``python train.py``), Python's own."""
     me = _rank()
-    if rank is not None and me != rank or os.environ.get("PYTHONBREAKPOINT") == "0":
+    if rank != "all" and me != rank or os.environ.get("PYTHONBREAKPOINT") == "0":
         return
     env, caller = RankEnv.from_environ(), sys._getframe(1)
     if env.run_dir is None:
