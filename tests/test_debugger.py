@@ -13,12 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from nbddp.contracts.debug_channel import DebugChannel
+from nbddp.contracts.debug_channel import DebugChannel, channels_under
 from nbddp.job.debugger import Console, relay
 from nbddp.rank_side import debugger
 from tests.conftest import alive
@@ -32,18 +33,21 @@ def _failing():
     inner([1, 2])
 
 
-def _session_in_a_thread(channel: DebugChannel) -> threading.Thread:
-    """A post-mortem of ``_failing``'s exception, as a rank runs it, in a thread: (file, line) of this file are
-    'cell 9' of a notebook."""
+def _session_in_a_thread(folder: Path) -> tuple[threading.Thread, DebugChannel]:
+    """A post-mortem of ``_failing``'s exception, as a rank runs it, in a thread (file, line of this file are
+    'cell 9' of a notebook); the channel it opened in ``folder``."""
     try:
         _failing()
     except ValueError as exc:
-        tb = exc.__traceback__
+        tb, headline = exc.__traceback__, f"ValueError: {exc}"
     here = os.path.abspath(__file__)
     where = lambda filename, line: f"nb.ipynb, cell 9, line {line}" if os.path.abspath(filename) == here else None  # noqa: E731
-    thread = threading.Thread(target=debugger.post_mortem, args=(tb, channel, 1, "post-mortem", where), daemon=True)
+    thread = threading.Thread(target=debugger.post_mortem, args=(tb, folder, 1, "post-mortem", where, headline),
+                              daemon=True)
     thread.start()
-    return thread
+    while not channels_under(folder):
+        time.sleep(0.01)
+    return thread, channels_under(folder)[0]
 
 
 def _answering(answers: list[str], prompts: list[str]):
@@ -54,10 +58,8 @@ def _answering(answers: list[str], prompts: list[str]):
 
 
 def test_a_relayed_post_mortem_reads_the_failing_frame_walks_up_and_names_notebook_lines(tmp_path):
-    channel, shown, prompts = DebugChannel(tmp_path / "session"), [], []
-    thread = _session_in_a_thread(channel)
-    while not channel.session.exists():
-        time.sleep(0.01)
+    shown, prompts = [], []
+    thread, channel = _session_in_a_thread(tmp_path / "debug")
     relay(channel, Console(_answering(["p doubled", "up", "p values", "where", "q"], prompts), shown.append),
           others_wait=False)
     thread.join(5)
@@ -65,6 +67,7 @@ def test_a_relayed_post_mortem_reads_the_failing_frame_walks_up_and_names_notebo
     assert not thread.is_alive() and channel.closed_mark.exists()
     assert prompts == ["(Pdb) "] * 5
     assert "rank 1's debugger: p EXPR" in text and "waiting for" not in text
+    assert "ValueError: bad [2, 4]\n> " in text, text  # (the exception first)
     assert "-> raise ValueError" in text and "[nb.ipynb, cell 9, line" in text, text
     assert "[2, 4]" in text, text  # p doubled: the failing frame's local
     assert "inner([1, 2])" in text, text  # up: the frame that called it
@@ -72,10 +75,8 @@ def test_a_relayed_post_mortem_reads_the_failing_frame_walks_up_and_names_notebo
 
 
 def test_stopping_the_cell_in_the_debugger_ends_the_session_and_goes_on(tmp_path):
-    channel, shown = DebugChannel(tmp_path / "session"), []
-    thread = _session_in_a_thread(channel)
-    while not channel.session.exists():
-        time.sleep(0.01)
+    shown = []
+    thread, channel = _session_in_a_thread(tmp_path / "debug")
 
     def interrupted(prompt: str) -> str:
         raise KeyboardInterrupt
@@ -87,10 +88,8 @@ def test_stopping_the_cell_in_the_debugger_ends_the_session_and_goes_on(tmp_path
 
 
 def test_a_front_end_that_answers_nothing_ends_the_session(tmp_path):
-    channel, shown = DebugChannel(tmp_path / "session"), []
-    thread = _session_in_a_thread(channel)
-    while not channel.session.exists():
-        time.sleep(0.01)
+    shown = []
+    thread, channel = _session_in_a_thread(tmp_path / "debug")
 
     def no_input(prompt: str) -> str:
         raise EOFError
@@ -115,6 +114,7 @@ def test_breakpoint_without_anyone_to_type_is_skipped_with_one_line(tmp_path, mo
     """papermill, a batch, a detached run: NBDDP_DEBUGGER unset; PYTHONBREAKPOINT=0 and another rank's breakpoint: silent."""
     monkeypatch.setenv("NBDDP_RUN_DIR", str(tmp_path))
     monkeypatch.delenv("NBDDP_DEBUGGER", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(debugger, "_skipped_in", set())
     debugger.breakpoint()
     debugger.breakpoint()

@@ -8,12 +8,13 @@ folder is the run dir's or the warm pool's, private to the user (what is typed h
 
 ::
 
-    CHANNEL/                        RUN_DIR/debug/rank-R (a breakpoint, a failure), or POOL/debug/N-R (a post-mortem)
+    CHANNEL/                        RUN_DIR/debug/rank-R-PID-K (a breakpoint, a failure; K: the process's K-th
+                                    session), or POOL/debug/N/rank-R-PID-K (job N, a post-mortem)
       session.json                  the session is open: the rank, its pid, why (breakpoint, post-mortem)
       out                           what the debugger wrote, appended as it writes
       asks/K                        the debugger waits for its K-th line (it holds the size of ``out`` then)
       answers/K                     that line, as the user typed it
-      quit                          the relay is gone (interrupted): the debugger reads end-of-file and leaves
+      quit                          the relay is gone: the debugger reads end-of-file (a breakpoint's rank goes on)
       closed                        the session ended: the rank runs on (or ends its post-mortem)
 
 Both sides poll; a line answered a few milliseconds late is nothing to a person typing. Nothing here imports torch.
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.contracts.atomic import write_json, write_text
+from nbddp.contracts.owned import private_folder
 
 #: How often each side looks for the other's next file.
 POLL_SECONDS = 0.01
@@ -67,8 +69,9 @@ class DebugChannel:
 
     def open(self, rank: int, why: str) -> None:
         """Start a session (a fresh one: a post-mortem asked twice gets a new folder from its caller)."""
+        private_folder(self.path.parent, "the debugger's folder", parents=True)  # (inside the run dir or pool: the user's alone)
         for folder in (self.path, self.path / "asks", self.path / "answers"):
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, exist_ok=True)
         self.out.touch()
         write_json(self.session, {"rank": rank, "pid": os.getpid(), "why": why, "time": time.time()})
 
@@ -115,7 +118,8 @@ class DebugChannel:
         write_text(self.answer(number), line)  # (whole: the rank never reads half a line)
 
     def leave(self) -> None:
-        """The relay can answer no more: the debugger reads end-of-file."""
+        """The relay can answer no more: the debugger reads end-of-file (the folder made if the rank hasn't yet)."""
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.quit_mark.touch()
 
 

@@ -22,7 +22,7 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
       forget                        how many times the owner asked the ranks to drop their kept setup
       forgot/K-R                    rank R dropped it, asked for the K-th time
       failures/rank-R.json          rank R keeps the failure of its last job for a post-mortem (%ddp_debug): when, what
-      debug/N-R/                    job N is rank R's post-mortem: its debugger session (:mod:`nbddp.contracts.debug_channel`)
+      debug/N/                      job N is a rank's post-mortem: its debugger session (:mod:`nbddp.contracts.debug_channel`)
       stop                          its owner is stopping it for good: the folder can go
       store/                        where torchrun's agent and the ranks meet (FileStores)
       logs/launcher.log             the ranks' starter's output, and the ranks' before each job
@@ -122,8 +122,9 @@ class PoolDir:
         """Rank R's kept failure (its last job's, until the next job): ``{"job", "time", "type", "message", "run_dir"}``."""
         return self.path / "failures" / f"rank-{rank}.json"
 
-    def debug_channel(self, number: int, rank: int) -> Path:
-        return self.path / "debug" / f"{number}-{rank}"
+    def debug_sessions(self, number: int) -> Path:
+        """Job ``number`` is a post-mortem: the folder of its debugger sessions (one channel each)."""
+        return self.path / "debug" / str(number)
 
     def stack(self, rank: int) -> Path:
         return self.path / "stacks" / f"rank-{rank}.txt"

@@ -10,6 +10,7 @@ on every poll (:meth:`nbddp.job.lifecycle.Job.wait`), so a ``breakpoint()`` open
 
 from __future__ import annotations
 
+import builtins
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,7 @@ class Console:
     """How a door talks to a person: ``ask(prompt)`` reads one line (``EOFError``: nobody will answer),
     ``show(text)`` writes text as it comes."""
 
-    ask: Callable[[str], str] = input
+    ask: Callable[[str], str] = lambda prompt: builtins.input(prompt)  # (ipykernel replaces it per cell: looked up then)
     show: Callable[[str], None] = lambda text: print(text, end="", flush=True)
 
 
@@ -39,7 +40,7 @@ class Relayed:
     done: set[Path] = field(default_factory=set)
 
 
-def relay_open(sessions: Relayed, console: Console, running: Callable[[], bool]) -> float:
+def relay_open(sessions: Relayed, console: Console, running: Callable[[], bool], others_wait: bool = True) -> float:
     """Relay every session opened in ``sessions.folder`` and not relayed yet, each to its end; the seconds spent
     (a run's time limits don't count the time a person spent in the debugger)."""
     if not sessions.folder.is_dir():
@@ -49,7 +50,7 @@ def relay_open(sessions: Relayed, console: Console, running: Callable[[], bool])
         if channel.path not in sessions.done:
             sessions.done.add(channel.path)
             started = time.monotonic()
-            relay(channel, console, running)
+            relay(channel, console, running, others_wait)
             spent += time.monotonic() - started
     return spent
 
@@ -63,9 +64,9 @@ def relay(channel: DebugChannel, console: Console, running: Callable[[], bool] =
     rank, pid = description.get("rank", "?"), description.get("pid")
     wait = f" (the other ranks are waiting for rank {rank}'s debugger at their next collective)" if others_wait else ""
     console.show(f"[nbddp] rank {rank}'s debugger{wait}: {HELP}\n")
-    shown, number = 0, 1
+    shown, number, left = 0, 1, False
     while True:
-        asked = channel.asked(number)
+        asked = None if left else channel.asked(number)
         if asked is not None:
             text, shown = _read(channel, shown, asked)
             before, _, prompt = text.rpartition("\n")
@@ -77,8 +78,9 @@ def relay(channel: DebugChannel, console: Console, running: Callable[[], bool] =
                 channel.leave()
                 raise
             except Exception:  # noqa: BLE001 - EOFError, or a front end that takes no input: nobody answers
-                channel.leave()
-                line = ""
+                channel.leave()  # (the debugger reads end-of-file: a breakpoint's rank goes on)
+                left = True
+                continue
             channel.reply(number, line)
             number += 1
             continue
@@ -112,15 +114,18 @@ def _read(channel: DebugChannel, start: int, end: int | str | None) -> tuple[str
 
 def post_mortem(pool, rank: int, console: Console) -> None:  # noqa: ANN001 - a WarmPool
     """``%ddp_debug``: hand the warm ranks a post-mortem of ``rank``'s kept failure and relay its session; returns
-    once the rank has left it (``q`` or ``c``). ``KeyboardInterrupt`` (the cell stopped) ends the session first."""
-    run, channel = pool.submit_post_mortem(rank)
+    once the rank has left it (``q`` or ``c``). ``KeyboardInterrupt`` (the cell stopped) ends the session, and
+    the job, first."""
+    run, folder = pool.submit_post_mortem(rank)
+    sessions = Relayed(folder)
     running = lambda: run.poll() is None  # noqa: E731
     try:
-        while not channel.session.exists() and running():
+        while running():
+            relay_open(sessions, console, running, others_wait=False)
             time.sleep(POLL_SECONDS)
-        if channel.session.exists():
-            relay(channel, console, running, others_wait=False)
-    finally:
-        channel.leave()
-        while run.poll() is None:  # (at once: the session is over, or told to end)
-            time.sleep(POLL_SECONDS)
+        relay_open(sessions, console, running, others_wait=False)  # (one the rank opened and closed at once)
+    except BaseException:
+        for channel in channels_under(folder):
+            channel.leave()
+        run.stop()
+        raise

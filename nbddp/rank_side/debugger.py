@@ -40,7 +40,7 @@ _skipped_in: set[str] = set()
 
 
 class _Output:
-    """pdb's stdout: the channel's ``out``."""
+    """pdb's stdout: the current channel's ``out``."""
 
     def __init__(self, channel: DebugChannel) -> None:
         self.channel = channel
@@ -55,7 +55,8 @@ class _Output:
 
 class _Input:
     """pdb's stdin: each line the relay's answer. An interrupt (the run being stopped) reads as end-of-file, which
-    pdb takes as ``quit``; :class:`RelayedPdb` then lets the interrupt go on."""
+    pdb takes as ``quit``, and :class:`RelayedPdb` then lets the interrupt go on; a relay gone (nobody will answer)
+    reads as ``c``: the rank goes on."""
 
     def __init__(self, channel: DebugChannel) -> None:
         self.channel, self.lines, self.interrupted = channel, 0, False
@@ -63,18 +64,32 @@ class _Input:
     def readline(self) -> str:
         self.lines += 1
         try:
-            return self.channel.read_line(self.lines)
+            return self.channel.read_line(self.lines) or "c\n"
         except KeyboardInterrupt:
             self.interrupted = True
             return ""
 
 
 class RelayedPdb(pdb.Pdb):
-    """pdb reading and writing through a channel; each frame line with its notebook cell."""
+    """pdb reading and writing through a channel; each frame line with its notebook cell.
 
-    def __init__(self, channel: DebugChannel, where: Callable[[str, int], str | None]) -> None:
-        self.channel, self._where, self._input = channel, where, _Input(channel)
-        super().__init__(stdin=self._input, stdout=_Output(channel), nosigint=True, readrc=False)
+    One session per stop: ``c`` closes it (the rank runs on), and the next stop (a breakpoint set with ``b``, another
+    ``breakpoint()``) opens a new channel in the same folder, which the relay finds as it found the first."""
+
+    def __init__(self, folder: Path, rank: int, why: str, where: Callable[[str, int], str | None]) -> None:
+        self.folder, self.rank, self.why, self._where = folder, rank, why, where
+        channel = self._open()
+        self._input, self._output = _Input(channel), _Output(channel)
+        super().__init__(stdin=self._input, stdout=self._output, nosigint=True, readrc=False)
+
+    @property
+    def channel(self) -> DebugChannel:
+        return self._input.channel
+
+    def _open(self) -> DebugChannel:
+        channel = new_channel(self.folder, self.rank)
+        channel.open(self.rank, self.why)
+        return channel
 
     def format_stack_entry(self, frame_lineno, lprefix: str = ": ") -> str:  # noqa: ANN001 - bdb's signature
         text = super().format_stack_entry(frame_lineno, lprefix)
@@ -84,14 +99,16 @@ class RelayedPdb(pdb.Pdb):
 
     def set_continue(self) -> None:
         super().set_continue()
-        if not self.breaks:  # nothing left to stop at: the session is over, the rank runs on
-            self.channel.close()
+        self.channel.close()  # the rank runs on; a later stop opens a session of its own
 
     def set_quit(self) -> None:
         super().set_quit()
         self.channel.close()
 
     def interaction(self, frame, tb_or_exc) -> None:  # noqa: ANN001 - pdb's signature (3.13 passes an exception)
+        if self.channel.closed_mark.exists():  # a stop after `c`: a new session
+            self._input.channel = self._output.channel = self._open()
+            self._input.lines = 0
         super().interaction(frame, tb_or_exc)
         if self._input.interrupted:  # the run was stopped while the debugger waited: stop as an interrupt does
             self.channel.close()
@@ -133,11 +150,16 @@ def new_channel(folder: Path, rank: int) -> DebugChannel:
     return DebugChannel(Path(folder) / f"rank-{rank}-{os.getpid()}-{_sessions}")
 
 
+#: The debugger of this process's current job (``breakpoint()`` again while it is open: the same session).
+_active: RelayedPdb | None = None
+
+
 def breakpoint(*args: object, rank: int | str = 0, **kwargs: object) -> None:  # noqa: A001 - the builtin's hook
     """``breakpoint()`` in a training cell (nbddp makes it :data:`sys.breakpointhook`), or
     ``nbddp.breakpoint(rank=1)``: stop ``rank`` (rank 0 by default; ``"all"``: every rank that reaches it, one
     session after another) in a debugger the notebook or terminal relays; the other ranks go on to their next
     collective and wait there. Outside nbddp (a plain ``python train.py``), Python's own."""
+    global _active
     me = _rank()
     if rank != "all" and me != rank or os.environ.get("PYTHONBREAKPOINT") == "0":
         return
@@ -151,31 +173,49 @@ def breakpoint(*args: object, rank: int | str = 0, **kwargs: object) -> None:  #
                   "nbddp.run(), a detached or cluster run); %%ddp_train in a notebook, or nbddp run in a terminal, "
                   "opens it", flush=True)
         return
-    channel = new_channel(env.run_dir.debug, me)
-    channel.open(me, "breakpoint")
     print(f"[nbddp] rank {me} stopped at breakpoint(): its debugger is open where the run was started; "
           "the other ranks wait at their next collective", flush=True)
-    RelayedPdb(channel, notebook_lines(_script())).set_trace(caller)
+    if _active is None or _active.folder != env.run_dir.debug:
+        _active = RelayedPdb(env.run_dir.debug, me, "breakpoint", notebook_lines(_script()))
+    _active.set_trace(caller)
 
 
-def post_mortem(tb: TracebackType, channel: DebugChannel, rank: int, why: str,
-                where: Callable[[str, int], str | None]) -> None:
-    """A debugger at the frame ``tb`` ended in (``up`` walks towards the script's top), until ``q`` or ``c``."""
-    channel.open(rank, why)
-    debugger = RelayedPdb(channel, where)
+def end_job() -> None:
+    """A warm rank's job ended: no tracing, no breakpoint, no open session carries into the next."""
+    global _active
+    import threading
+
+    sys.settrace(None)
+    threading.settrace(None)
+    if _active is not None:
+        _active.clear_all_breaks()
+        _active.channel.close()
+        _active = None
+
+
+def post_mortem(tb: TracebackType, folder: Path, rank: int, why: str, where: Callable[[str, int], str | None],
+                headline: str = "") -> DebugChannel:
+    """A debugger at the frame ``tb`` ended in (``up`` walks towards the script's top), until ``q`` or ``c``, in a
+    channel of its own in ``folder``, opened with ``headline`` (the exception); the channel it used."""
+    debugger = RelayedPdb(folder, rank, why, where)
+    if headline:
+        debugger.channel.write(headline.rstrip() + "\n")
     try:
         debugger.reset()
         debugger.interaction(None, tb)
     finally:
-        channel.close()
+        debugger.channel.close()
+    return debugger.channel
 
 
 def on_failure(rank: int, exc: BaseException, tb: TracebackType | None) -> None:
     """``--debug-on-failure``: a post-mortem of the rank's uncaught exception, before the rank ends (its peers
-    wait in their collectives meanwhile; the launcher stops them once it ends)."""
+    wait in their collectives meanwhile, up to ``--collective-timeout``; the launcher stops them once it ends)."""
+    import bdb
+
     env = RankEnv.from_environ()
     if not (env.debug_on_failure and env.debugger and env.run_dir is not None and tb is not None) \
-            or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            or isinstance(exc, (KeyboardInterrupt, SystemExit, bdb.BdbQuit)):
         return
     try:  # the first rank to fail only: the others fail because it stopped (a peer gone), which says nothing new
         env.run_dir.debug.mkdir(mode=0o700, exist_ok=True)
@@ -184,7 +224,7 @@ def on_failure(rank: int, exc: BaseException, tb: TracebackType | None) -> None:
         return
     print(f"[nbddp] rank {rank} failed: its debugger is open where the run was started (--debug-on-failure)",
           flush=True)
-    post_mortem(tb, new_channel(env.run_dir.debug, rank), rank, "failure", notebook_lines(_script()))
+    post_mortem(tb, env.run_dir.debug, rank, "failure", notebook_lines(_script()), f"{type(exc).__name__}: {exc}")
 
 
 def install() -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Mapping
 
 from nbddp.contracts.atomic import write_json
-from nbddp.contracts.debug_channel import DebugChannel
 from nbddp.contracts.devices import Devices
 from nbddp.launchers.base import Launch
 from nbddp.launchers import private_rendezvous
@@ -129,20 +128,20 @@ class WarmPool:
 
     def submit(self, script: Path, rank_env: Mapping[str, str], cwd: Path) -> WarmRun:
         """Hand the ranks their next job; the returned handle stands in for a launcher process."""
-        number = self.runs
+        number = self.dir.jobs_handed_out()  # (a post-mortem is a job too, not a run)
         self.runs += 1
         self.last_used = time.monotonic()
         write_json(self.dir.job(number), {"script": str(script), "cwd": str(cwd), "env": dict(rank_env)})
         return WarmRun(self, number)
 
-    def submit_post_mortem(self, rank: int) -> tuple[WarmRun, DebugChannel]:
+    def submit_post_mortem(self, rank: int) -> tuple[WarmRun, Path]:
         """Hand the ranks a post-mortem: ``rank`` opens its debugger on the failure it keeps (the others end the job
-        at once); the channel its session uses, for the kernel to relay."""
-        number = self.runs
-        self.runs += 1
+        at once); the folder its session's channel appears in, for the kernel to relay. (Not a run: the ranks count
+        runs without it.)"""
+        number = self.dir.jobs_handed_out()
         self.last_used = time.monotonic()
         write_json(self.dir.job(number), {"kind": "debug", "rank": rank})
-        return WarmRun(self, number), DebugChannel(self.dir.debug_channel(number, rank))
+        return WarmRun(self, number), self.dir.debug_sessions(number)
 
     def failures(self) -> dict[int, dict]:
         """The failures the ranks keep from their last job (``{rank: {"time", "type", "message", "run_dir"}}``),

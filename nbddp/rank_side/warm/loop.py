@@ -89,7 +89,7 @@ def main(folder: Path) -> int:
     write_json(pool.ready(rank), os.getpid())
     global _state
     _state = state = WarmState(Path.cwd())
-    number = 0
+    number = runs = 0  # (jobs handed out, and runs among them: a post-mortem is no run)
     pool_stdout, pool_stderr = os.dup(1), os.dup(2)
     while True:
         job = _next_job(pool, number, idle, state, rank)
@@ -98,14 +98,17 @@ def main(folder: Path) -> int:
         if job.get("kind") == "debug":  # %ddp_debug: a post-mortem of the failure kept, nothing else touched
             status = _post_mortem(job, pool, rank, number)
             write_json(pool.job_exit(number, rank), {"status": status.value})
+            _write_kept(state, pool, rank, number)  # (%ddp_ranks reads it as the last job's)
             number += 1
             continue
+        runs += 1
         if _failure is not None:  # the last job failed here: its frames go, its setup's objects are put back
             _let_failure_go(pool, rank)
             _keep_setup(state, pool, rank, number - 1)
             gc.collect()
+            _release_device_memory()
         try:
-            status = _run(job, pool, rank, size, number, state)
+            status = _run(job, pool, rank, size, number, state, runs)
         except KeyboardInterrupt:  # an interrupt a moment after the job ended (see _interrupt_the_job)
             status = JobEnd.INTERRUPTED
         sys.stdout.flush()
@@ -239,10 +242,10 @@ def _forget_requests(pool: PoolDir) -> int:
         return 0
 
 
-def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: WarmState) -> JobEnd:
+def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: WarmState, run: int = 1) -> JobEnd:
     """Run one job's script as a fresh rank would (its setup cells kept from the last job where they didn't
     change): ``ok``, ``failed`` or ``interrupted``. A job stopped before this rank took it ends
-    ``interrupted`` without running."""
+    ``interrupted`` without running. ``run``: which run of this rank's it is (1 the first)."""
     global _in_job, _script
     from nbddp.rank_side import process as rank_process
 
@@ -261,7 +264,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
             if pool.stopped(number).exists():
                 raise KeyboardInterrupt
             rank_process.log_to_run_dir(rank)
-            rank_process.announce(rank, size, note=f" on a warm rank (its run {number + 1})" if number else "")
+            rank_process.announce(rank, size, note=f" on a warm rank (its run {run})" if run > 1 else "")
             state.run(Path(job["script"]), _agree(pool, number, rank, size),
                       lambda line: print(f"[nbddp] {line}", flush=True) if rank == 0 else None)
         except SystemExit as exc:
@@ -284,6 +287,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
             _in_job = None
     finally:
         trackers.end_job(status == JobEnd.FAILED, status == JobEnd.INTERRUPTED)  # (its lines: the job's log)
+        debugger.end_job()  # (no tracing, breakpoint or open session of this job's in the next)
         memory.watch(None)  # the next job counts its own peak, in its own run dir
         signal.signal(signal.SIGINT, _interrupt_the_job)  # the job may have installed its own handler
         sys.modules["__main__"] = main
@@ -318,8 +322,8 @@ def _agree(pool: PoolDir, number: int, rank: int, size: int):  # noqa: ANN202 - 
 
 
 #: The failure of this rank's last job, kept for a post-mortem (``%ddp_debug``) until the next job: its traceback
-#: (whose frames hold the job's namespace as it failed) and the script it ran.
-_failure: tuple[TracebackType, str] | None = None
+#: (whose frames hold the job's namespace as it failed), the script it ran, and the exception's line.
+_failure: tuple[TracebackType, str, str] | None = None
 
 
 def _keep_failure(pool: PoolDir, rank: int, number: int, job: dict, exc: BaseException,
@@ -327,15 +331,21 @@ def _keep_failure(pool: PoolDir, rank: int, number: int, job: dict, exc: BaseExc
     """Keep the failure's frames (an exception's, or where an interrupt found the rank: a peer had failed), and say
     so (``failures/rank-R.json``: the kernel picks the rank that failed first)."""
     global _failure
-    if tb is None:
-        return
-    _failure = (tb, job["script"])
+    import bdb
+
+    if tb is None or isinstance(exc, bdb.BdbQuit) or not _in_script(tb, job["script"]):
+        return  # (`q` in a debugger; an interrupt that came before the script ran: nothing of the job's to see)
+    _failure = (tb, job["script"], f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
     try:
         write_json(pool.failure(rank), {"job": number, "time": time.time(), "type": type(exc).__name__,
                                         "message": str(exc)[:300] or "stopped there (a peer failed, or the run was "
                                         "stopped)", "run_dir": str(RankEnv.from_environ(job["env"]).run_dir or "")})
     except OSError:
         pass
+
+
+def _in_script(tb: TracebackType, script: str) -> bool:
+    return os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(script)
 
 
 def _without_handler(tb: TracebackType | None) -> TracebackType | None:
@@ -359,28 +369,34 @@ def _let_failure_go(pool: PoolDir, rank: int) -> None:
 def _post_mortem(job: dict, pool: PoolDir, rank: int, number: int) -> JobEnd:
     """Job ``number`` is a post-mortem (``{"kind": "debug", "rank": R}``): rank R opens its debugger on the failure
     it keeps (the frame it failed in, the namespace as it was), relayed by the kernel; the other ranks end the job
-    at once. Their group, and the kept setup, are left as they are."""
+    at once. Their group and the kept setup are left as they are; what the session changed in the process (its
+    environment, its folder, ``sys.path``) is put back, as after any job."""
     global _in_job, _script
-    from nbddp.contracts.debug_channel import DebugChannel
-    from nbddp.rank_side import debugger
+    from nbddp.rank_side.debugger import new_channel, notebook_lines, post_mortem
 
-    if job.get("rank") != rank:
+    pool.mark(pool.taken(number, rank))
+    if job.get("rank") != rank or pool.stopped(number).exists():
         return JobEnd.OK
-    channel = DebugChannel(pool.debug_channel(number, rank))
+    folder = pool.debug_sessions(number)
     if _failure is None:
+        channel = new_channel(folder, rank)
         channel.open(rank, "post-mortem")
         channel.write(f"rank {rank} keeps no failure: its last job didn't fail here (or a later job ran)\n")
         channel.close()
         return JobEnd.OK
-    tb, _script = _failure
+    tb, _script, headline = _failure
+    saved = ProcessState.capture()
     _in_job = (pool, number, rank)  # (an interrupt ends the session)
     try:
-        debugger.post_mortem(tb, channel, rank, "post-mortem", debugger.notebook_lines(_script))
+        post_mortem(tb, folder, rank, "post-mortem", notebook_lines(_script), headline)
     except KeyboardInterrupt:
         return JobEnd.INTERRUPTED
     finally:
         _in_job = None
         del tb
+        debugger.end_job()
+        signal.signal(signal.SIGINT, _interrupt_the_job)
+        saved.restore()
     return JobEnd.OK
 
 
