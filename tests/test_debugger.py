@@ -20,7 +20,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from nbddp.contracts.debug_channel import DebugChannel, channels_under
-from nbddp.job.debugger import Console, relay
+from nbddp.job.debugger import Console, Relayed, relay, relay_open
 from nbddp.rank_side import debugger
 from tests.conftest import alive
 from tests.test_magic import ProtocolKernel
@@ -248,3 +248,32 @@ def test_nbddp_run_debug_on_failure_opens_the_first_failing_ranks_frame_in_the_t
     assert "rank 1 raised ValueError: bad batch" in out, out
     pids = [int(line.split("pid ")[1].rstrip(")")) for line in out.splitlines() if "started (pid" in line]
     assert len(pids) == 2 and not any(alive(pid) for pid in pids), out
+
+
+def test_after_c_a_later_stop_opens_a_new_session_that_the_relay_finds(tmp_path, monkeypatch):
+    """A breakpoint() in a loop: `c` ends the first session (the rank runs on), the second stop opens another; a
+    breakpoint() stepped through in an open session is a line like any other (one debugger per job)."""
+    folder, seen = tmp_path / "debug", []
+    monkeypatch.setenv("NBDDP_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("NBDDP_DEBUGGER", "1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(debugger, "_active", None)
+
+    def rank_side():
+        for step in range(3):
+            debugger.breakpoint()
+            seen.append(step)
+        debugger.end_job()
+
+    thread = threading.Thread(target=rank_side, daemon=True)
+    thread.start()
+    shown, prompts = [], []
+    answers = ["p step", "c", "p step", "n", "n", "n", "p step", "c"]
+    sessions = Relayed(folder)
+    while thread.is_alive():
+        relay_open(sessions, Console(_answering(answers, prompts), shown.append), thread.is_alive)
+        time.sleep(0.01)
+    text = "".join(shown)
+    assert not answers and seen == [0, 1, 2], text
+    assert len(channels_under(folder)) == 2, text  # (c ended the first; the third stop came by `n`, in the second)
+    assert "\n0\n" in text and "\n1\n" in text and "\n2\n" in text, text

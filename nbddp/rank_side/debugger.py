@@ -173,6 +173,8 @@ def breakpoint(*args: object, rank: int | str = 0, **kwargs: object) -> None:  #
                   "nbddp.run(), a detached or cluster run); %%ddp_train in a notebook, or nbddp run in a terminal, "
                   "opens it", flush=True)
         return
+    if _active is not None and _active.folder == env.run_dir.debug and not _active.channel.closed_mark.exists():
+        return  # (stepping through it in an open session: a line like any other)
     print(f"[nbddp] rank {me} stopped at breakpoint(): its debugger is open where the run was started; "
           "the other ranks wait at their next collective", flush=True)
     if _active is None or _active.folder != env.run_dir.debug:
