@@ -206,8 +206,8 @@ def test_ddp_debug_breakpoint_and_no_stdin_on_real_warm_ranks(tmp_path):
         assert "-> raise ValueError('broke on ' + str(batch.tolist()))  [In [3], line 6]" in one, one
         assert "-> inner(batch)  [the %%ddp_train cell, line 6]" in one, one  # where / up: mapped to the cells
         assert "(1, tensor([11., 11.]), tensor([5., 5.]))" in one, one  # as the failure left them
-        zero = kernel.run("%ddp_debug --rank 0", ["where", "q"])  # (it failed in the barrier, or was interrupted)
-        assert "rank 0: " in zero and "-> torch.distributed.barrier()  [the %%ddp_train cell, line 7]" in zero, zero
+        zero = kernel.run("%ddp_debug --rank 0", ["where", "q"])  # (failed in the barrier, or interrupted before it)
+        assert "[nbddp] rank 0: " in zero and "  [the %%ddp_train cell, line " in zero, zero
         again = kernel.run("%%ddp_train --cpu --nproc 2\nprint('kept', kept.tolist(), nbddp.rank(), flush=True)", cell_id="train")
         assert "[rank 0] kept [0.0, 0.0] 0" in again and "on a warm rank" in again, again  # a fresh run's state
         assert "no warm rank keeps a failure" in kernel.run("%ddp_debug")  # (let go by the next run)

@@ -15,6 +15,14 @@ from typing import Any
 from nbddp.contracts.status import Status
 
 
+def exception_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: the first line of its message`` (``limit`` characters of it at most): how a warning names an exception
+    that it reports and goes past (a tracker's, a store's), without its traceback."""
+    text = str(exc).strip()
+    first = text.splitlines()[0][:limit] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 class NbddpError(Exception):
     """Base class: an error the user can act on. Never a bug in nbddp."""
 

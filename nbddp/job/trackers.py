@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbddp.contracts.atomic import read_json, write_json
+from nbddp.contracts.errors import exception_line
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.uris import with_credentials, without_credentials
@@ -209,9 +210,8 @@ def record_ending(paths: RunDir, record: Any, error: str = "") -> list[str]:
         try:
             said += add(paths, record, tracking, written, kernel, asked, tags, parameters)
         except Exception as exc:  # noqa: BLE001 - the store gone since: the run's record (result.json) stands
-            reason = (str(exc).strip().splitlines() or [""])[0][:300]
             said.append(f"warning: {tracker}: how the run ended could not be added to its record "
-                        f"({type(exc).__name__}: {reason})")
+                        f"({exception_line(exc)})")
     return said
 
 
@@ -400,7 +400,7 @@ def _wandb_process(code: str, given: dict[str, Any], tracking: dict[str, Any], f
 
 
 def _by_step(paths: RunDir) -> list[tuple[int, dict[str, float]]]:
-    """``nbddp.log``'s values, a row per step in the order logged (W&B takes a run's steps only increasing)."""
+    """``nbddp.log``'s values, a row per step, by increasing step (W&B takes a run's steps only increasing)."""
     rows: dict[int, dict[str, float]] = {}
     for key, value, step, _ in _nbddp_metrics(paths):
         rows.setdefault(step, {})[key] = value
@@ -443,6 +443,4 @@ def group_batch(out: Path, runs: list[tuple[RunDir, bool]]) -> list[str]:
         write_json(out / BATCH_RECORDS, {**noted, "mlflow_parents": parents})
         return []
     except Exception as exc:  # noqa: BLE001 - the runs' own records stand
-        reason = (str(exc).strip().splitlines() or [""])[0][:300]
-        return [f"warning: MLflow: the batch's runs could not be grouped under a parent run ({type(exc).__name__}: "
-                f"{reason})"]
+        return [f"warning: MLflow: the batch's runs could not be grouped under a parent run ({exception_line(exc)})"]

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nbddp.contracts.atomic import read_json, write_json
+from nbddp.contracts.errors import exception_line
 from nbddp.contracts.metrics import COUNTERS, step_of
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.uris import with_credentials, without_credentials
@@ -119,8 +120,7 @@ def _fail(tracker: str, exc: BaseException) -> None:
     """Say once that ``tracker`` failed, and drop its calls for the rest of the job."""
     if tracker not in _failed:
         _failed.add(tracker)
-        reason = (str(exc).strip().splitlines() or [""])[0][:300]
-        print(f"[nbddp] warning: {tracker} failed ({type(exc).__name__}: {reason}); this run's {tracker} records "
+        print(f"[nbddp] warning: {tracker} failed ({exception_line(exc)}); this run's {tracker} records "
               "stop here, the training goes on", file=sys.stderr, flush=True)
 
 

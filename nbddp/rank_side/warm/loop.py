@@ -267,15 +267,20 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
             rank_process.announce(rank, size, note=f" on a warm rank (its run {run})" if run > 1 else "")
             state.run(Path(job["script"]), _agree(pool, number, rank, size),
                       lambda line: print(f"[nbddp] {line}", flush=True) if rank == 0 else None)
+        # Each handler first leaves the job: an interrupt landing while it reports the job's end (the kernel stops
+        # every rank once one failed) must not cut the report, nor the failure kept, short.
         except SystemExit as exc:
+            _in_job = None
             status = JobEnd.OK if exc.code in (None, 0) else JobEnd.FAILED
         except KeyboardInterrupt as exc:
+            _in_job = None
             status = JobEnd.INTERRUPTED  # the kernel stopped the job (Ctrl-C, a time limit, a failed peer)
             if pool.heard(number, rank).exists():  # (interrupted in the job, not before it: where it was is kept)
                 _keep_failure(pool, rank, number, job, exc, _without_handler(from_script(exc.__traceback__,
                                                                                          job["script"])))
             del exc
         except BaseException as exc:  # noqa: BLE001 - reported like an uncaught exception, then the next job
+            _in_job = None
             tb = from_script(exc.__traceback__, job["script"])
             report = _relocate(traceback.TracebackException(type(exc), exc, tb))
             rank_process.record_exception(rank, type(exc), exc, tb, report=report)
