@@ -251,8 +251,9 @@ def test_nbddp_run_debug_on_failure_opens_the_first_failing_ranks_frame_in_the_t
 
 
 def test_after_c_a_later_stop_opens_a_new_session_that_the_relay_finds(tmp_path, monkeypatch):
-    """A breakpoint() in a loop: `c` ends the first session (the rank runs on), the second stop opens another; a
-    breakpoint() stepped through in an open session is a line like any other (one debugger per job)."""
+    """A breakpoint() in a loop: `c` ends each session (the rank runs on), the next stop opens another, which the
+    relay finds as it found the first; one debugger for the job. (Stepping onto a breakpoint() line differs: 3.13's
+    pdb stops before the call, 3.11's after it.)"""
     folder, seen = tmp_path / "debug", []
     monkeypatch.setenv("NBDDP_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("NBDDP_DEBUGGER", "1")
@@ -268,12 +269,13 @@ def test_after_c_a_later_stop_opens_a_new_session_that_the_relay_finds(tmp_path,
     thread = threading.Thread(target=rank_side, daemon=True)
     thread.start()
     shown, prompts = [], []
-    answers = ["p step", "c", "p step", "n", "n", "n", "p step", "c"]
+    answers = ["p step", "c"] * 3
     sessions = Relayed(folder)
-    while thread.is_alive():
+    deadline = time.monotonic() + 60
+    while thread.is_alive() and time.monotonic() < deadline:
         relay_open(sessions, Console(_answering(answers, prompts), shown.append), thread.is_alive)
         time.sleep(0.01)
     text = "".join(shown)
     assert not answers and seen == [0, 1, 2], text
-    assert len(channels_under(folder)) == 2, text  # (c ended the first; the third stop came by `n`, in the second)
+    assert len(channels_under(folder)) == 3, text
     assert "\n0\n" in text and "\n1\n" in text and "\n2\n" in text, text

@@ -30,6 +30,13 @@ thread's Python stack to ``stacks/rank-R.txt`` (:mod:`faulthandler`, which runs 
 thread is doing), so that the kernel can say where such a rank was
 (:mod:`nbddp.launchers.warm.departure`).
 
+A job that failed (or that an interrupt stopped in the script) leaves its failure kept until the next job: its
+traceback, whose frames hold the namespace as it failed, for ``%ddp_debug``, whose post-mortem is a job of its own
+(``{"kind": "debug"}``: one rank runs pdb on it, relayed by the kernel; :mod:`nbddp.rank_side.debugger`). So the
+setup's objects are put back at the start of the next job instead of at once, and since those frames keep the
+process group from being freed, the rank shuts down its connections to its peers, which wakes them as freeing
+would have.
+
 ``python -m nbddp.launchers.warm.agent POOL --nproc N --report R -- -m nbddp.rank_side.warm.loop POOL`` starts
 the pool's ranks (:class:`nbddp.launchers.warm.pool.WarmPool`); under ``torchrun … -m nbddp.rank_side.warm.loop
 POOL`` each would be the same rank.
