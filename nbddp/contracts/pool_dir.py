@@ -74,6 +74,16 @@ class PoolDir:
     def ready(self, rank: int) -> Path:
         return self.ready_dir / f"rank-{rank}"
 
+    def rank_pids(self) -> dict[int, int]:
+        """Each rank's pid, from its ready mark (ranks still starting have none)."""
+        pids = {}
+        for path in self.ready_dir.glob("rank-*"):
+            try:
+                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return pids
+
     @property
     def jobs(self) -> Path:
         return self.path / "jobs"

@@ -63,6 +63,15 @@ class SourceMap:
     def load(cls, path: str | Path) -> "SourceMap":
         return cls.from_json(Path(path).read_text(encoding="utf-8"))
 
+    @classmethod
+    def beside(cls, script: str | Path | None) -> "SourceMap | None":
+        """The map beside ``script`` (``train.py.map.json``), or ``None``: no script, or no readable map there (moved
+        away, a script not nbddp's)."""
+        try:
+            return cls.load(sourcemap_path(script)) if script else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def translate_traceback(self, text: str) -> str:
         """Append ``[notebook cell N, line L]`` to every traceback frame line in the script."""
         name = re.escape(Path(self.script).name)

@@ -27,7 +27,7 @@ from typing import Callable
 
 from nbddp.contracts.debug_channel import DebugChannel
 from nbddp.contracts.rank_env import RankEnv
-from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
+from nbddp.contracts.sourcemap import SourceMap
 
 #: Maps a frame's (file, line) to the current job's script, where a warm rank's kept cells were compiled in an
 #: earlier job's script (set by :mod:`nbddp.rank_side.warm.loop`).
@@ -119,10 +119,7 @@ class RelayedPdb(pdb.Pdb):
 def notebook_lines(script: str | Path | None) -> Callable[[str, int], str | None]:
     """``(file, line) → "nb.ipynb, cell 3, line 2"`` for the lines of ``script`` (``None`` elsewhere, or without
     its source map)."""
-    try:
-        source_map = SourceMap.load(sourcemap_path(script)) if script else None
-    except (OSError, ValueError, KeyError, TypeError):
-        source_map = None
+    source_map = SourceMap.beside(script)
     if source_map is None:
         return lambda filename, line: None
     script = os.path.abspath(script)
@@ -134,6 +131,8 @@ def notebook_lines(script: str | Path | None) -> Callable[[str, int], str | None
 
 
 def _rank() -> int:
+    """:func:`nbddp.rank_side.ranks.rank`'s answer, which this module can't import (ranks imports process, which
+    imports this module)."""
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", 0))

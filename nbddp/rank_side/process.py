@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from nbddp.contracts.atomic import write_json
-from nbddp.contracts.sourcemap import SourceMap, sourcemap_path
+from nbddp.contracts.sourcemap import SourceMap
 from nbddp.contracts.errors import NbddpError
 from nbddp.rank_side import debugger, log_cap, memory, trackers
 from nbddp.contracts.rank_env import RankEnv
@@ -129,10 +129,7 @@ def map_tracebacks_to_the_notebook() -> None:
     read from the source map beside it (``train.py.map.json``). Under nbddp the job translates them itself;
     without the map (moved away, a script not nbddp's) tracebacks are Python's own."""
     script = getattr(sys.modules.get("__main__"), "__file__", None)
-    try:
-        source_map = SourceMap.load(sourcemap_path(script)) if script else None
-    except (OSError, ValueError, KeyError, TypeError):
-        source_map = None
+    source_map = SourceMap.beside(script)
     if source_map is None or sys.excepthook is not sys.__excepthook__:
         return  # (a hook of the user's or a library's: theirs to print)
 

@@ -87,6 +87,8 @@ def _exec_parser() -> ArgumentParser:
 
 
 _EXEC_PARSER = _exec_parser()
+
+
 def _debug_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="%ddp_debug", description="A debugger (pdb) in the frame where the last %%ddp_train "
                             "failed on the warm ranks, in the rank that failed first.")

@@ -108,13 +108,7 @@ class WarmPool:
 
     def rank_pids(self) -> dict[int, int]:
         """Each rank's pid, from its ready mark (ranks still starting have none)."""
-        pids = {}
-        for path in self.dir.ready_dir.glob("rank-*"):
-            try:
-                pids[int(path.name.split("-", 1)[1])] = int(path.read_text())
-            except (OSError, ValueError):
-                continue
-        return pids
+        return self.dir.rank_pids()
 
     def ready(self) -> bool:
         return self.dir.ready_dir.is_dir() and len(list(self.dir.ready_dir.glob("rank-*"))) == self.devices.nproc

@@ -425,7 +425,8 @@ def _cut_peer_connections(pool: PoolDir, rank: int) -> None:
         return listing(kind="tcp")
 
     try:
-        peers = {tuple(c.laddr) for pid in _peer_pids(pool, rank) for c in connections(psutil.Process(pid)) if c.laddr}
+        peer_pids = [pid for other, pid in pool.rank_pids().items() if other != rank]
+        peers = {tuple(c.laddr) for pid in peer_pids for c in connections(psutil.Process(pid)) if c.laddr}
         for own in connections(psutil.Process()):
             if own.raddr and tuple(own.raddr) in peers and own.fd >= 0:
                 with socket.fromfd(own.fd, socket.AF_INET6 if ":" in own.laddr[0] else socket.AF_INET,
@@ -433,17 +434,6 @@ def _cut_peer_connections(pool: PoolDir, rank: int) -> None:
                     copy.shutdown(socket.SHUT_RDWR)
     except (OSError, psutil.Error):
         pass
-
-
-def _peer_pids(pool: PoolDir, rank: int) -> list[int]:
-    pids = []
-    for path in pool.ready_dir.glob("rank-*"):
-        try:
-            if int(path.name.split("-", 1)[1]) != rank:
-                pids.append(int(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def _write_kept(state: WarmState, pool: PoolDir, rank: int, number: int) -> None:
