@@ -308,6 +308,55 @@ def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- the first run in a fresh kernel
+
+FIRST_ROWS = FIRST_AT_ONCE, FIRST_AFTER_PAUSE = ("first run in a fresh kernel, its setup cells just run",
+                                                 f"first run in a fresh kernel, {FIX_SECONDS * 3:.0f} s after its setup cells")
+
+
+def measure_first(tools: list[Tool], work: Path, kernels: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+    """Each tool's first training run in fresh kernels (``kernels`` of each, the tools interleaved): the setup cells
+    run back to back, then the training cell at once, or after a pause (a person reading the cell first)."""
+    figures: dict[str, dict[str, list]] = {tool.name: {row: [] for row in FIRST_ROWS} for tool in tools}
+    for round_ in range(kernels):
+        for row, pause in ((FIRST_AT_ONCE, 0.0), (FIRST_AFTER_PAUSE, FIX_SECONDS * 3)):
+            for tool in tools:
+                kernel = Kernel(work)
+                try:
+                    for cell in tool.setup:
+                        kernel.run(cell)
+                    time.sleep(pause)
+                    first = kernel.run(tool.cell["ok"])
+                finally:
+                    kernel.close()
+                _check(tool, first, "ok")
+                figures[tool.name][row].append(first.seconds if first.trained() else None)
+                log(f"kernel {round_ + 1}/{kernels} {tool.name}, {row}: {first.seconds:.2f}s")
+    return figures
+
+
+def first_markdown(figures: dict[str, dict[str, list]], kernels: int, tools: list[Tool]) -> str:
+    names = list(figures)
+    lines = ["### The first run in a fresh kernel", "",
+             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
+             f"{platform.python_version()}; {kernels} fresh kernels per tool and row, the tools interleaved; "
+             "`python -m benchmarks.peers --first-run`. A fresh kernel runs the tool's setup cells (nbddp: `%load_ext "
+             "nbddp` and a `#| ddp` cell importing torch and building the model; Accelerate: importing torch and "
+             "Accelerate, defining the function; nbdistributed: loading it and `%dist_init -n 2`, which starts its "
+             "workers), then the same trivial training cell as above, timed from its execute request to the kernel "
+             "idle; medians with min–max.", "",
+             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for row in FIRST_ROWS:
+        lines.append(f"| {row} | " + " | ".join(
+            "**failed** every time (see below)" if figures[name][row] and not any(figures[name][row])
+            else summary(figures[name][row]) for name in names) + " |")
+    for tool in tools:
+        if tool.notes:  # (the first: the others differ by a message id at most)
+            more = f" ({len(tool.notes)} times)" if len(tool.notes) > 1 else ""
+            lines += ["", f"{tool.name}{more}: {tool.notes[0]}"]
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- a re-run after a 3 s setup cell
 
 #: Every tool's setup: 3 s of loading (a sleep), a seeded model and data; its training: 3 SGD steps, then the
@@ -425,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="tools to run (nbddp nbdistributed accelerate torchrun)")
     parser.add_argument("--setup-cell", action="store_true",
                         help="measure the re-run after a 3 s setup cell instead (the peers-setup block)")
+    parser.add_argument("--first-run", action="store_true",
+                        help="measure the first run in fresh kernels instead (--rounds kernels per tool; the "
+                             "peers-first block)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # running in the peers' environment
     args = parser.parse_args(argv)
     if not args.inside:
@@ -443,11 +495,14 @@ def main(argv: list[str] | None = None) -> int:
         makers = {"nbddp": nbddp_tool, "nbdistributed": nbdistributed_tool, "accelerate": accelerate_tool,
                   "torchrun": lambda: torchrun_tool(work)}
         tools = [make() for name, make in makers.items() if not args.only or name in args.only]
-        figures = measure(tools, work, args.rounds, lambda text: print(text, flush=True))
-    text = markdown(figures, args.rounds, tools)
+        log = lambda text: print(text, flush=True)  # noqa: E731
+        if args.first_run:
+            text = first_markdown(measure_first(tools, work, args.rounds, log), args.rounds, tools)
+        else:
+            text = markdown(measure(tools, work, args.rounds, log), args.rounds, tools)
     print(text)
     if args.out:
-        replace_block(args.out, "peers", text)
+        replace_block(args.out, "peers-first" if args.first_run else "peers", text)
     return 0
 
 

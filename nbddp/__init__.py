@@ -48,7 +48,13 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: _typing.Any) -> None:
-    """``%load_ext nbddp``: registers the ``%%ddp_train`` cell magic."""
+    """``%load_ext nbddp``: starts the warm ranks' starter (it imports torch in the background: loading the extension
+    is the intent to train), then registers the ``%%ddp_train`` cell magic and the others."""
+    from nbddp.doors.jupyter.kernel_pool import prepare
+
+    said = prepare()
     from nbddp.doors.jupyter.magics import load_ipython_extension as load
 
     load(ipython)
+    if said:
+        print(f"[nbddp] {said}")

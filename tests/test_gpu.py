@@ -162,6 +162,33 @@ def test_a_kernel_that_initialised_cuda_still_trains_on_fresh_gpu_ranks(tmp_path
         kernel.close()
 
 
+def test_the_starter_loaded_with_the_extension_holds_no_gpu_and_the_first_gpu_run_takes_under_5s(tmp_path):
+    """``%load_ext nbddp`` starts the warm ranks' starter, which imports torch but never initialises CUDA (no
+    context, no GPU memory: ``nvidia-smi`` doesn't list it); the first run forks its ranks from it, each then
+    initialising CUDA and NCCL itself, in under 5 s (issue 46's bound on one H100)."""
+    import subprocess
+
+    import psutil
+
+    kernel = ProtocolKernel(tmp_path, timeout=300)
+    try:
+        kernel.execute("%load_ext nbddp")
+        starter = int(re.search(r"starter \(pid (\d+)\)", kernel.execute("%ddp_ranks")).group(1))
+        deadline = time.monotonic() + 60
+        while "has imported torch" not in kernel.execute("%ddp_ranks") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=True).stdout.split()
+        assert str(starter) not in apps, apps
+        kernel.execute(SETUP, "setup")
+        out = train(kernel)
+        assert "succeeded in" in out and "[rank 0] trained with nccl on cuda:0" in out, out
+        assert all(psutil.Process(pid).ppid() == starter for pid in pids(out).values())
+        assert wall_times(tmp_path)[0] < 5.0, wall_times(tmp_path)
+    finally:
+        kernel.close()
+
+
 # ---------------------------------------------------------------- NCCL's warm ranks
 
 

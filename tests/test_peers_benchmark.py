@@ -41,3 +41,13 @@ def test_the_setup_cell_rows_give_every_tool_python_cells_and_say_what_was_not_m
                            "b": {"seconds": [0.1], "same": [False]}, "c": {"missing": ["not installed"]}}, 2)
     assert "| a | 0.35 s (0.30–0.40) | yes, byte for byte |" in text
     assert "| b | 0.10 s | **no**: 1 of 1 re-runs differ |" in text and "| c | not measured here: not installed | — |" in text
+
+
+def test_the_first_run_rows_say_a_tool_that_failed_every_time_and_its_first_note_once():
+    from benchmarks.peers import FIRST_ROWS, first_markdown
+
+    tools = [Tool("a", [], {}), Tool("b", [], {}, notes=["timed out 1", "timed out 2"])]
+    figures = {"a": {row: [1.2, 0.8, 1.0] for row in FIRST_ROWS}, "b": {row: [None, None] for row in FIRST_ROWS}}
+    text = first_markdown(figures, 3, tools)
+    assert all(f"| {row} | 1.00 s (0.80–1.20) | **failed** every time (see below) |" in text for row in FIRST_ROWS)
+    assert "b (2 times): timed out 1" in text and "timed out 2" not in text

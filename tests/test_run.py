@@ -119,6 +119,7 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
     value = "it's \"q\"\\ é\nline2"
     write_notebook(tmp_path / "p.ipynb", [
         code("tag = 'default'\nsteps = 1\nscale = 0.5", "parameters"),
+        code("%load_ext nbddp\n%ddp_ranks"),  # (a kernel beside a job prepares no warm ranks: the job's are its own)
         code(SETUP + "\ncontent = open('data.txt').read()"),
         code("#| ddp-train\nprint(f'rank {nbddp.rank()} tag={tag!r} steps={steps} content={content}')\n"
              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nloader = torch.utils.data.DataLoader(range(4))"),
@@ -136,6 +137,7 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
     assert ("nbddp: warning: -p scale '0.5x' is text (it doesn't read as a Python literal), but the notebook's "
             "default 0.5 is a number: the cells get '0.5x' as it is.") in run.output
     assert "kernel tag=" in run.output and "scale='0.5x'" in run.output
+    assert "[nbddp] no warm ranks" in run.output and "preparing warm ranks" not in run.output, run.output
     (run_dir,) = (tmp_path / "runs").iterdir()  # every file one mode, the umask's; the folder the user's alone
     modes = {str(f.relative_to(run_dir)): oct(stat.S_IMODE(f.stat().st_mode)) for f in run_dir.rglob("*") if f.is_file()}
     assert {"output.ipynb", "result.json", "weights.pt", "logs/rank-0.log", "logs/launcher.log"} <= set(modes), modes

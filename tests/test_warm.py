@@ -67,12 +67,13 @@ def test_a_warm_rerun_gives_a_fresh_runs_weights_in_a_fraction_of_its_time(kerne
     again = train(kernel)  # the kernel's model is trained now: the ranks must not continue from it
     assert pids(again) == started and "starting fresh" not in again and "on a warm rank (its run 2)" in again
     assert weight(kernel) == fresh_weights
-    walls = [json.loads((d / "result.json").read_text())["wall_time_s"] for d in run_dirs(tmp_path)]
-    assert walls[1] < 1.0 and walls[1] < walls[0] / 3, walls
-
     fresh = train(kernel, "--fresh")  # the same cells on ranks started for this run alone
     assert not set(pids(fresh).values()) & set(started.values()) and "on a warm rank" not in fresh
     assert weight(kernel) == fresh_weights
+    # (Against the fresh run: the first run forked its ranks from a starter that had imported torch as the setup
+    # cell ran, a second or so; the fresh one started its own.)
+    walls = [json.loads((d / "result.json").read_text())["wall_time_s"] for d in run_dirs(tmp_path)]
+    assert walls[1] < 1.0 and walls[1] < walls[2] / 3, walls
 
     # A job changing process-wide state (torch's settings, its folder, sys.path, a seeded generator)...
     train(kernel, extra="torch.set_default_dtype(torch.float64); torch.set_float32_matmul_precision('medium')\n"
@@ -122,10 +123,9 @@ def last_wall_time(tmp_path) -> float:
 
 
 def warm_time(tmp_path) -> bool:
-    """The last run took a warm run's time: well under the first run's, which started the ranks (an absolute
-    bound would measure the machine's load: a shared 2-core machine can take seconds for a warm run)."""
-    first = json.loads((run_dirs(tmp_path)[0] / "result.json").read_text())["wall_time_s"]
-    return last_wall_time(tmp_path) < min(first / 2, 5.0)
+    """The last run waited for nothing: a warm run's time, on a loaded machine. (Which ranks ran it, the pids say;
+    a first run, its ranks forked from a preloaded starter, may take as little as a second itself.)"""
+    return last_wall_time(tmp_path) < 3.0
 
 
 def test_a_failed_timed_out_or_interrupted_run_keeps_its_ranks_and_the_next_run_is_a_fresh_runs(kernel, tmp_path):

@@ -9,6 +9,9 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
 
     POOL/                           a private temp folder, nbddp-warm-<owner pid>-XXXX
       pool.json                     what the pool was started with (its key, idle limit, launcher pid/group)
+      preloaded.json                a starter started ahead of its first run has imported what its ranks will
+      go.json                       a starter started ahead of its first run (preloaded) is given it: the
+                                    starter's options, the ranks' environment and folder
       ready/rank-R                  rank R joined the group and waits (its pid)
       jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
       taken/N-R                     rank R took job N (a rank without it hasn't: it won't run the job once stopped)
@@ -66,6 +69,16 @@ class PoolDir:
     @property
     def description(self) -> Path:
         return self.path / "pool.json"
+
+    @property
+    def go(self) -> Path:
+        """The first run's word to a starter that preloaded its ranks' imports (:mod:`nbddp.launchers.warm.agent`)."""
+        return self.path / "go.json"
+
+    @property
+    def preloaded(self) -> Path:
+        """Such a starter has imported its ranks' imports (``{"seconds": …}``: how long that took)."""
+        return self.path / "preloaded.json"
 
     @property
     def ready_dir(self) -> Path:

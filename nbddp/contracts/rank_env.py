@@ -46,7 +46,20 @@ VARIABLES = {
     "tensorboard_dir": "NBDDP_TENSORBOARD_DIR",
     "debugger": "NBDDP_DEBUGGER",
     "debug_on_failure": "NBDDP_DEBUG_ON_FAILURE",
+    "kernel_beside_job": "NBDDP_KERNEL_BESIDE_JOB",
 }
+
+
+def kernel_beside_a_job(environ: Mapping[str, str] | None = None) -> bool:
+    """``NBDDP_KERNEL_BESIDE_JOB`` (no rank reads it): this kernel runs a notebook's other cells beside its job
+    (``nbddp run``, papermill's nbddp engine), whose ranks are the job's own: its ``%load_ext nbddp`` prepares no
+    warm ranks."""
+    return (os.environ if environ is None else environ).get(VARIABLES["kernel_beside_job"]) == "1"
+
+
+def beside_a_job(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for such a kernel."""
+    return {**environ, VARIABLES["kernel_beside_job"]: "1"}
 
 
 def threads_per_rank(nproc: int) -> str:

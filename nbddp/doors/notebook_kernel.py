@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 from nbddp.contracts.atomic import write_json
 from nbddp.display.terminal import NotebookOutputSink
 from nbddp.contracts.errors import RunError
+from nbddp.contracts.rank_env import beside_a_job
 from nbddp.job import trackers
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
@@ -188,7 +189,7 @@ class NotebookKernel:
         client = self._client = self.client()
         index = 0
         try:
-            with client.setup_kernel(cleanup_kc=True, preexec_fn=_lower_priority):
+            with client.setup_kernel(cleanup_kc=True, preexec_fn=_lower_priority, env=kernel_environment()):
                 for index, cell in enumerate(self.nb.cells):
                     if cell.cell_type != "code":
                         continue
@@ -378,6 +379,12 @@ class _Pump(threading.Thread):
 def _seconds_left(deadline: float | None) -> int | None:
     """Seconds left for a kernel cell (nbclient takes whole seconds)."""
     return None if deadline is None else max(1, math.ceil(deadline - time.monotonic()))
+
+
+def kernel_environment() -> dict[str, str]:
+    """The kernel's environment: this process's, marked as a kernel beside a job (its ``%load_ext nbddp`` prepares
+    no warm ranks: the job's ranks are its own)."""
+    return beside_a_job(os.environ)
 
 
 def _lower_priority() -> None:

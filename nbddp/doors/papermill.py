@@ -54,7 +54,7 @@ from papermill.exceptions import PapermillException
 from nbddp.display.ending import ending_of
 from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink
-from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells
+from nbddp.doors.notebook_kernel import NotebookKernel, TrainingCells, kernel_environment
 from nbddp.contracts.errors import CellSyntaxError, NbddpError, UsageError
 from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
@@ -222,7 +222,7 @@ class PapermillKernel(NotebookKernel):
         try:
             # papermill's loop: a failing cell is marked and ends it, without raising. (nbclient shuts down only
             # a kernel whose manager it made itself unless told to: this one's is ours, for its IPC sockets.)
-            client.execute(cleanup_kc=True)
+            client.execute(cleanup_kc=True, env=kernel_environment())
         except CellTimeoutError as exc:
             self.timeout_error = exc
             return KernelResult.failed(str(exc).strip().splitlines()[0], Status.TIMEOUT, error=exc)

@@ -45,7 +45,7 @@ class Ranks:
     def __init__(self, program: Sequence[str], nproc: int) -> None:
         """``program``: what follows ``python -u`` for each rank (a script, or ``-m MODULE ARGS``)."""
         port = free_port(LOOPBACK)  # nothing listens on it (the ranks meet in files): for libraries that read it
-        forked_rank.preload(threads_per_rank(nproc))
+        forked_rank.preload(threads_per_rank(nproc), forked_rank.RANK_IMPORTS)
         base = dict(os.environ)
         self.procs = [forked_rank.start(program, {**base, **torchrun_variables(rank, rank, nproc, master=(LOOPBACK, port),
                                                                                run_id=f"nbddp-{os.getpid()}")})

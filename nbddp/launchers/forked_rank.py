@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import importlib
 import io
 import os
 import signal
@@ -41,12 +42,20 @@ from nbddp.rank_side.parent_death import die_with_parent
 
 #: Where ranks are forked rather than started afresh.
 FORKS = sys.platform.startswith("linux")
+#: What a DDP rank imports besides torch, preloaded by its starter: torch.distributed and nbddp's rank side
+#: (milliseconds, once torch is in), and what DDP's constructor imports (torch._dynamo and sympy: 1.3 s here, once
+#: in the starter rather than in every rank at the same time). Not ``nbddp.runtime``: importing it makes a rank.
+RANK_IMPORTS = ("torch.distributed", "torch.distributed.nn.functional", "nbddp.rank_side.torch_engine",
+                "nbddp.rank_side.process", "torch._dynamo")
 
 
-def preload(threads: str) -> None:
+def preload(threads: str, modules: Sequence[str] = ()) -> None:
     """Import what every rank imports first, with the ranks' ``OMP_NUM_THREADS`` (``threads``, unless the
     user set it) in place beforehand: libgomp and OpenBLAS size their thread pools from it as they load, so a
-    starter that imported torch under another value would fork ranks with the wrong pools (and threads)."""
+    starter that imported torch under another value would fork ranks with the wrong pools (and threads).
+
+    ``modules``: more modules to import after torch (a warm pool's starter preloads what its ranks will import:
+    imported here once rather than by every rank, each doing the whole import at the same time)."""
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     if not FORKS:
         return
@@ -54,6 +63,11 @@ def preload(threads: str) -> None:
         import torch  # noqa: F401
     except Exception:  # noqa: BLE001 - not installed, or broken (a CUDA library): each rank says so, as it would
         return
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the rank that needs it fails there, as a fresh one would
+            pass
     import gc
 
     gc.freeze()  # torch's objects: never garbage, and a collection in a rank would copy their pages

@@ -39,6 +39,25 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def memory_held(pid: int) -> int:
+    """Bytes of memory process ``pid`` and its descendants hold, each counting its share of the pages they
+    share (their proportional set sizes, where the system tells them; else resident sizes): what they cost the
+    machine together, not counting torch's pages once per forked rank. 0 for a process gone."""
+    try:
+        processes = [psutil.Process(pid)]
+        processes += processes[0].children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+    held = 0
+    for process in processes:
+        try:
+            info = process.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        held += getattr(info, "pss", info.rss)
+    return held
+
+
 #: Seconds between the SIGTERM that stops a process nbddp started here (a rank, a launcher) and the SIGKILL for
 #: what is left: long enough for a rank to leave its group and flush its log. A launcher that needs longer says
 #: so (:attr:`nbddp.launchers.base.Launcher.stop_grace`: Slurm's cancel, Ray's actors); every stop takes it from there.

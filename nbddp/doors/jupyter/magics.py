@@ -19,6 +19,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from nbddp.display.ending import NO_WEIGHTS, Ending, first_line, weights_went
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
+from nbddp.doors.jupyter.kernel_pool import kernel_pool, prepare
 from nbddp.doors.jupyter.session import session_notebook
 from nbddp.contracts.errors import UsageError
 from nbddp.job import orchestrator
@@ -28,7 +29,6 @@ from nbddp.contracts.metrics import last_metrics
 from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
-from nbddp.launchers.warm.keepers import KernelPool
 from nbddp.launchers.warm.rules import why_not_warm
 from nbddp.plan.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
                            check_seconds, launch_options, parse_line)
@@ -53,8 +53,9 @@ _PARSER = _parser()
 
 def _ranks_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="%ddp_ranks", description="The kernel's warm ranks: show them and the setup each "
-                            "keeps, drop that setup (forget), stop or restart them.")
-    parser.add_argument("action", nargs="?", choices=("show", "forget", "stop", "restart"), default="show")
+                            "keeps, drop that setup (forget), stop or restart them, or prepare them before the first "
+                            "run (start: %load_ext nbddp does).")
+    parser.add_argument("action", nargs="?", choices=("show", "start", "forget", "stop", "restart"), default="show")
     parser.add_argument("--idle", type=float, metavar="SECONDS",
                         help=f"idle ranks exit after this long without a run (default {DEFAULT_WARM_IDLE:g})")
     return parser
@@ -106,8 +107,6 @@ NO_WARM_RANKS = ("%%ddp_exec runs on the kernel's warm ranks, and there are none
                  "(its ranks stay warm; %ddp_ranks shows them)")
 #: What a %%ddp_exec cell is called in its tracebacks and script.
 EXEC_LABEL = "the %%ddp_exec cell"
-#: This kernel's warm ranks for ``%%ddp_train`` (one pool per kernel, however often the extension is loaded).
-kernel_pool = KernelPool()
 
 
 @magics_class
@@ -142,14 +141,17 @@ class DdpMagics(Magics):
             return None
         if args.idle is not None:
             check_seconds(args.idle, "--idle")
-            kernel_pool.idle = args.idle
+            kernel_pool.set_idle(args.idle)
         if args.action == "forget":
             print(f"[nbddp] {kernel_pool.forget()}")
+            return None
+        if args.action == "start":
+            print(f"[nbddp] {kernel_pool.prepare() or kernel_pool.describe()}")
             return None
         if args.action in ("stop", "restart"):
             stopped = kernel_pool.stop()
             print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
-                  + ("; the next %%ddp_train starts fresh ones" if args.action == "restart" else ""))
+                  + (f"; {kernel_pool.prepare()}" if args.action == "restart" else ""))  # (none left: it says)
             return None
         print(f"[nbddp] {kernel_pool.describe()}")
         return None
@@ -416,11 +418,16 @@ def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+    """Register the magics and, loading it being the intent to train, prepare the warm ranks: their starter imports
+    torch in the background meanwhile (one line says so; not in a kernel beside a job, whose ranks are the job's)."""
     apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process)
     ipython.register_magics(DdpMagics(ipython))
     cleanup = ipython.input_transformer_manager.cleanup_transforms
     if _bodiless_cell_magic not in cleanup:
         cleanup.append(_bodiless_cell_magic)
+    said = prepare()  # ("" once nbddp's own load_ipython_extension started it, first thing)
+    if said:
+        print(f"[nbddp] {said}")
 
 
 def _bodiless_cell_magic(lines: list[str]) -> list[str]:

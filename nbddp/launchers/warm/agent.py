@@ -8,25 +8,55 @@ owner is gone: a kernel killed outright (a restart, SIGKILL) can't remove its po
 process outlives it by the moment the starter takes to stop the ranks (parent-death signal, see
 :mod:`nbddp.rank_side.parent_death`). After a rank failed while its owner lives, the folder stays: the
 owner reads the starter's report there to name the dead rank, then removes it.
+
+``python -m nbddp.launchers.warm.agent POOL --preload IDLE NPROC`` starts it ahead of its first run (a kernel that
+loaded the extension: :class:`nbddp.launchers.warm.preload.Preload`): it imports what its ranks will import
+(:data:`PRELOADED`) and waits for the first run's word (``go.json``: the starter's options, the
+ranks' environment and folder), then forks the ranks at once. Where that word asks for what the imports already
+read otherwise (another folder, another environment, another ``OMP_NUM_THREADS``), the process starts again as
+that run's plain starter (an ``exec``: the same pid, the same parent-death signal), as if nothing had been
+preloaded. With no word for ``IDLE`` seconds it leaves, and the folder goes: what was preloaded is released.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import sys
+import time
+from typing import Mapping
 
-from nbddp.launchers import direct_main
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.status import signal_exit_code
+from nbddp.contracts.rank_env import VARIABLES, threads_per_rank
+from nbddp.launchers import direct_main, forked_rank
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
+
+PRELOAD = "--preload"
+#: What a warm rank imports before its first job, besides torch: a DDP rank's imports, and the warm loop's.
+PRELOADED = (*forked_rank.RANK_IMPORTS, "nbddp.rank_side.warm.state", "nbddp.rank_side.debugger",
+             "nbddp.rank_side.trackers", "nbddp.rank_side.memory")
+#: How often a preloaded starter looks for its first run's word.
+GO_POLL_SECONDS = 0.01
+#: What torch's import doesn't read, so that a first run may differ in it from the preload: nbddp's own variables
+#: and the GPUs a run chose (CUDA reads them as it starts, in a rank).
+_NOT_READ_AT_IMPORT = (*VARIABLES.values(), "CUDA_VISIBLE_DEVICES")
 
 
 def main(argv: list[str]) -> None:
     pool = PoolDir(argv[0])
     idle = False
+    for name in ("SIGTERM", "SIGHUP"):  # its owner's death, or stop, before the starter has its own handlers: the
+        signal.signal(getattr(signal, name), _leave)  # folder goes on the way out (the ranks reset them, see forked_rank)
     try:
-        idle = direct_main.main(argv[1:]) == 0  # every rank returned: none had a job for its idle limit
+        starter = argv[1:]
+        if starter[:1] == [PRELOAD]:
+            starter = _preloaded(pool, float(starter[1]), int(starter[2]))
+        # (None: no run came; 0: every rank returned, none having had a job for its idle limit)
+        idle = starter is None or direct_main.main(starter) == 0
     finally:
         for _ in range(3):  # a signal landing before they are all ignored interrupts this, once
             try:
@@ -36,6 +66,40 @@ def main(argv: list[str]) -> None:
                 continue
         if idle or pool.stop_mark.exists() or _owner_gone(pool.owner()):
             shutil.rmtree(pool.path, ignore_errors=True)
+
+
+def _preloaded(pool: PoolDir, idle: float, nproc: int) -> list[str] | None:
+    """Import what the ranks will, then wait for the first run's word: its starter options (``None``: no run
+    came within ``idle`` seconds, or the owner stopped the pool). Where the run wants another folder or
+    environment than the imports read, this process is replaced by the run's plain starter."""
+    imported, started = _as_imported(os.environ, nproc), time.monotonic()
+    forked_rank.preload(imported["OMP_NUM_THREADS"], PRELOADED)  # (all of it, a run come meanwhile or not: each
+    # rank would import the rest whole, on a core of its own)
+    write_json(pool.preloaded, {"seconds": round(time.monotonic() - started, 3)})
+    deadline = time.monotonic() + idle
+    while not pool.go.exists():
+        if pool.stop_mark.exists() or (time.monotonic() > deadline and not pool.go.exists()):
+            return None
+        time.sleep(GO_POLL_SECONDS)
+    go = json.loads(pool.go.read_text(encoding="utf-8"))
+    starter, env, cwd = list(go["argv"]), dict(go["env"]), go["cwd"]
+    if cwd != os.getcwd() or _as_imported(env, int(go["nproc"])) != imported:
+        os.chdir(cwd)
+        os.execve(sys.executable, [sys.executable, "-m", "nbddp.launchers.warm.agent", str(pool.path), *starter], env)
+    os.environ.clear()
+    os.environ.update(env)
+    return starter
+
+
+def _leave(signum: int, frame: object) -> None:
+    raise SystemExit(signal_exit_code(signum))
+
+
+def _as_imported(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """What of an environment the imports may have read, with the ``OMP_NUM_THREADS`` ``nproc`` ranks get."""
+    seen = {name: value for name, value in environ.items() if name not in _NOT_READ_AT_IMPORT}
+    seen.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc))
+    return seen
 
 
 def _ignore_stop_signals() -> None:

@@ -2,7 +2,7 @@
 runs adopt, and the keepers (one pool each, and the one rule for keeping it after a run that didn't succeed).
 
 ``nbddp batch`` keeps a :class:`PoolKeeper` per device slot; ``%%ddp_train`` a :class:`KernelPool` per kernel,
-which the Jupyter door owns (:data:`nbddp.doors.jupyter.magics.kernel_pool`).
+which the Jupyter door owns (:data:`nbddp.doors.jupyter.kernel_pool.kernel_pool`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Mapping
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
+from nbddp.launchers.process_groups import memory_held
 from nbddp.launchers.warm.pool import WarmPool
+from nbddp.launchers.warm.preload import Preload
 from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key
 from nbddp.plan.options import DEFAULT_WARM_IDLE, LaunchOptions
 
@@ -90,7 +92,7 @@ class PoolKeeper:
                     return self.pool, f"{last_run}: on the same warm ranks, in a new process group"
                 return self.pool, (f"{last_run} and its warm ranks could not be kept ({replaced}): on fresh ones, "
                                    f"started as it ended ({self.pool.startup_note()})")
-            self.stop()
+            self._stop_pool()
         elif replaced:
             why = f"{last_run} and its warm ranks could not be kept ({replaced})"
         self.pool = self._start(key, devices, environ)
@@ -107,11 +109,15 @@ class PoolKeeper:
             return
         self.last_run, self.replaced = note, pool.why_not_kept()
         if self.replaced:
-            self.stop()
+            self._stop_pool()
             if self.replace_at_once:
                 self.pool = self._start(pool.key, pool.devices, pool.environ)
 
     def stop(self) -> bool:
+        """Stop the warm ranks; ``False`` if there were none."""
+        return self._stop_pool()
+
+    def _stop_pool(self) -> bool:
         """Stop the warm ranks; ``False`` if there were none. (Forgotten only once stopped, so that an
         interrupt meanwhile still finds them.)"""
         if self.pool is None:
@@ -123,13 +129,39 @@ class PoolKeeper:
 
 class KernelPool(PoolKeeper):
     """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`),
-    replaced at once when a run's ranks can't be kept, and stopped when the kernel exits."""
+    replaced at once when a run's ranks can't be kept, and stopped when the kernel exits. Their starter is
+    started ahead, when the extension is loaded (:meth:`prepare`), so that the first run finds torch imported."""
 
     def __init__(self) -> None:
         super().__init__(DEFAULT_WARM_IDLE)
         self._at_exit = False
         self.launch: LaunchOptions | None = None
         """The launch options of the last run the ranks served (``%%ddp_exec`` runs on the same ranks with them)."""
+        self.preload: Preload | None = None
+        """The next pool's starter, started ahead of its first run."""
+
+    def prepare(self) -> str:
+        """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``), unless
+        ranks or a starter are there already (``""``); a line saying what happened."""
+        if self.live() is not None or (self.preload is not None and self.preload.alive()):
+            return ""
+        try:
+            self.preload = Preload(self.idle)
+        except OSError as exc:
+            self.preload = None
+            return f"could not start the warm ranks' starter ahead ({exc}): the first %%ddp_train starts it"
+        self._stop_at_exit()
+        return (f"preparing warm ranks: their starter imports torch now, in the background, and leaves after "
+                f"{self.idle:g}s without a run (%ddp_ranks stop releases it)")
+
+    def set_idle(self, seconds: float) -> None:
+        """``%ddp_ranks --idle``: the ranks started from now on wait this long; a starter waiting for its first run
+        is started again with it."""
+        self.idle = seconds
+        if self.preload is not None and self.preload.alive() and self.preload.idle != seconds:
+            self.preload.stop()
+            self.preload = None
+            self.prepare()
 
     def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
@@ -143,13 +175,27 @@ class KernelPool(PoolKeeper):
         return self.pool if self.pool is not None and self.pool.alive() else None
 
     def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
-        pool = super()._start(key, devices, environ)
+        preload, self.preload = self.preload, None
+        if preload is not None and not preload.usable(key.python):
+            preload.stop()
+            preload = None
+        pool = WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ, preload=preload)
+        self._stop_at_exit()
+        return pool
+
+    def _stop_at_exit(self) -> None:
         if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
             import atexit
 
             atexit.register(self.stop)
             self._at_exit = True
-        return pool
+
+    def stop(self) -> bool:
+        """Stop the warm ranks and a starter started ahead; ``False`` if there were neither."""
+        preload, self.preload = self.preload, None
+        if preload is not None:
+            preload.stop()
+        return self._stop_pool() or preload is not None
 
     def held_gpus(self) -> tuple[str, ...]:
         """The GPUs this kernel's live warm ranks hold, where a run chose them by name (``--gpus free``)."""
@@ -159,10 +205,13 @@ class KernelPool(PoolKeeper):
         """What ``%ddp_ranks`` says about the warm ranks, and what each keeps of the setup."""
         pool = self.pool
         if pool is None or not pool.alive():
-            return "no warm ranks: the next %%ddp_train starts them"
+            if self.preload is not None and self.preload.alive():
+                return self.preload.describe()
+            return "no warm ranks: the next %%ddp_train starts them (%ddp_ranks start prepares them now)"
         state = "ready" if pool.ready() else "starting"
         lines = [f"{pool.devices.nproc} warm ranks ({pool.devices.describe()}), {state}: {pool.runs} run(s), "
-                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; starter pid {pool.launch.pid}"]
+                 f"idle for {pool.idle_for():.0f}s of {pool.idle:.0f}s; starter pid {pool.launch.pid}; "
+                 f"{size(memory_held(pool.launch.pid))} of memory held (starter and ranks, shared pages counted once)"]
         for rank, report in enumerate(pool.kept() if pool.runs else []):
             lines.append(f"  rank {rank}: {kept_summary(report) if report else 'nothing kept yet'}")
         failures = pool.failures()

@@ -1,7 +1,8 @@
 """The handle on one pool of warm ranks: start them, hand them jobs, ask what they keep, stop them.
 
 A :class:`WarmPool` is nbddp's rank starter (:mod:`nbddp.launchers.warm.agent`) started once with
-:mod:`nbddp.rank_side.warm.loop` as its module; each job it is handed is a :class:`~nbddp.launchers.warm.run.WarmRun`.
+:mod:`nbddp.rank_side.warm.loop` as its module (or one started ahead, :class:`~nbddp.launchers.warm.preload.Preload`,
+handed it); each job it is handed is a :class:`~nbddp.launchers.warm.run.WarmRun`.
 Nothing here imports torch.
 """
 
@@ -26,6 +27,7 @@ from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.direct import starter_options
 from nbddp.launchers.warm.departure import Departure
+from nbddp.launchers.warm.preload import Preload
 from nbddp.launchers.warm.rules import PoolKey
 from nbddp.launchers.warm.run import WarmRun
 from nbddp.plan.options import DEFAULT_WARM_IDLE
@@ -40,29 +42,35 @@ class WarmPool:
     """N warm ranks under one starter, and the jobs handed to them in turn."""
 
     def __init__(self, key: PoolKey, devices: Devices, idle: float = DEFAULT_WARM_IDLE,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, preload: Preload | None = None) -> None:
         """Start the ranks: their starter under :mod:`nbddp.rank_side.parent_death`, so they die with this process.
 
         ``environ``: what the ranks inherit (this process's environment by default; a batch passes
-        each device slot's own ``CUDA_VISIBLE_DEVICES``).
+        each device slot's own ``CUDA_VISIBLE_DEVICES``). ``preload``: a starter started ahead (alive, and for
+        ``key.python``), which is handed the ranks to fork instead.
         """
         self.key, self.devices, self.idle, self.environ = key, devices, idle, environ
-        self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
+        self.dir = preload.dir if preload is not None else PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.runs = 0
         self.stopped = False
         self.lost = ""
         self.last_used = self.started = time.monotonic()
         store = private_rendezvous.prepare(self.dir.store)
-        argv = [key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir),
-                *starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop", str(self.dir)]
+        starter = [*starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop", str(self.dir)]
         environ = os.environ if environ is None else environ
         env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
                       warm_idle=idle, pool_owner=os.getpid()).to_environ(environ)
         env |= private_rendezvous.environment(store, environ)
-        self.launch: Launch = LocalProcess(LaunchSpec(tuple(argv), env, Path(key.cwd), self.dir.launcher_log))
+        if preload is None:
+            argv = (key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), *starter)
+            self.launch: Launch = LocalProcess(LaunchSpec(argv, env, Path(key.cwd), self.dir.launcher_log))
+        else:
+            self.launch = preload.launch
         try:
             write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
                                               "pgid": self.launch.pgid})
+            if preload is not None:
+                write_json(self.dir.go, {"argv": starter, "env": env, "cwd": key.cwd, "nproc": devices.nproc})
         except BaseException:
             self.stop()
             raise

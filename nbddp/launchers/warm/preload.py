@@ -1,0 +1,90 @@
+"""A warm pool's starter started before the pool's first run, importing meanwhile what its ranks will import.
+
+A kernel's first ``%%ddp_train`` would otherwise wait for its ranks' starter to import torch (1.2 s here) and for
+DDP's first use to import ``torch._dynamo`` (1 s more): a first run of 3 s where a warm re-run takes 0.1 s. Loading
+the extension is the intent to train: the kernel starts this starter then (:meth:`nbddp.launchers.warm.keepers.
+KernelPool.prepare`), and the first run hands it its ranks (:class:`nbddp.launchers.warm.pool.WarmPool` with
+``preload``), which it forks at once (:mod:`nbddp.launchers.warm.agent`, ``--preload``).
+
+What it holds while it waits is torch's CPU side, shared with the ranks it forks: no rank, no process group, no
+socket, no GPU (torch initialises CUDA in a rank, when a job asks). Unused for the idle limit, it leaves and its
+folder goes, as idle warm ranks do; a first run that wants another folder or environment than it imported with
+gets the starter it would have had (the agent starts again as that run's plain starter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+from nbddp.contracts.atomic import write_json
+from nbddp.contracts.devices import resolve
+from nbddp.contracts.owned import touch
+from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.contracts.rank_memory import size
+from nbddp.launchers import private_rendezvous
+from nbddp.launchers.local_process import LaunchSpec, LocalProcess
+from nbddp.launchers.process_groups import memory_held, owned_temp_dir
+from nbddp.launchers.warm.agent import PRELOAD
+
+
+class Preload:
+    """The starter of the kernel's next warm pool, started ahead of its first run (``%load_ext nbddp``)."""
+
+    def __init__(self, idle: float, environ: Mapping[str, str] | None = None) -> None:
+        """Start it from this process's folder, with ``environ`` (this process's by default), waiting ``idle``
+        seconds for a run once it has imported what its ranks will."""
+        self.idle, self.cwd, self.python = idle, Path.cwd(), sys.executable
+        self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
+        self.started = time.monotonic()
+        environ = os.environ if environ is None else environ
+        store = private_rendezvous.prepare(self.dir.store)
+        nproc = resolve().nproc  # a run with no options gets this many ranks: OMP_NUM_THREADS as theirs
+        argv = (self.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), PRELOAD, f"{idle:g}", str(nproc))
+        env = {**environ, **private_rendezvous.environment(store, environ)}
+        self.launch = LocalProcess(LaunchSpec(argv, env, self.cwd, self.dir.launcher_log))
+        try:
+            write_json(self.dir.description, {"preload": True, "idle": idle, "pid": self.launch.pid,
+                                              "pgid": self.launch.pgid})
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        """Running, and waiting for its first run (the starter removes the folder as it leaves, idle)."""
+        return self.launch.poll() is None and self.dir.description.exists() and not self.dir.go.exists()
+
+    def usable(self, python: str) -> bool:
+        """It can take a first run of ``python`` now: alive, and not about to leave idle."""
+        return self.alive() and python == self.python and time.monotonic() - self.started < self.idle
+
+    def preloaded_in(self) -> float | None:
+        """How long its imports took, once done (``None``: not yet)."""
+        try:
+            return float(json.loads(self.dir.preloaded.read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        """What ``%ddp_ranks`` says of it."""
+        took = self.preloaded_in()
+        state = (f"has imported torch and what DDP needs ({took:.1f}s)" if took is not None
+                 else f"is importing torch ({time.monotonic() - self.started:.1f}s so far)")
+        return (f"no warm ranks yet: their starter (pid {self.launch.pid}) {state}; the first %%ddp_train forks "
+                f"them from it at once. It holds {size(memory_held(self.launch.pid))} of memory, no GPU, and leaves "
+                f"after {self.idle:g}s without a run (%ddp_ranks stop releases it now)")
+
+    def stop(self) -> None:
+        """Stop it and remove its folder."""
+        try:
+            touch(self.dir.stop_mark)
+        except OSError:
+            pass
+        if self.launch.poll() is None or self.launch.alive():
+            self.launch.stop()
+        shutil.rmtree(self.dir.path, ignore_errors=True)
