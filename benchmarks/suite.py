@@ -185,7 +185,7 @@ class Kernel:
 def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None = None) -> dict[str, dict[str, list[float]]]:
     """``before``: ``(ref, checkout)`` of an earlier nbddp, whose ``nbddp run`` is timed in the same rounds."""
     loop = write_training(work, "hand.py", "bench.ipynb", steps)
-    cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (starts warm ranks)",
+    cases = ["torchrun by hand", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (warm ranks forked from the starter %load_ext started)",
              "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run"]
     if before is not None:
         cases.insert(2, f"nbddp run before ({before[0]})")
@@ -213,7 +213,7 @@ def startup(work: Path, rounds: int, steps: int, before: tuple[str, Path] | None
             for run in range(1, 11):
                 result = kernel.train(f"%%ddp_train --cpu --nproc 2\n{loop}")
                 if run == 1:
-                    add("%%ddp_train, 1st run (starts warm ranks)", *result)
+                    add("%%ddp_train, 1st run (warm ranks forked from the starter %load_ext started)", *result)
                 if run in (2, 10):
                     add(f"%%ddp_train warm, {run}{'nd' if run == 2 else 'th'} run", *result)
         finally:
@@ -490,11 +490,13 @@ def report(args: argparse.Namespace, figures: dict) -> str:
         lines.append(f"| {case} | {summary(values['first'])} | {summary(values['end'])} | {ratio:.2f}× |")
     lines += ["", "The torchrun and `nbddp run` times start at the command; the `%%ddp_train` times at the cell's "
               "execute request (its kernel already running, as in a notebook). `nbddp run` includes its kernel "
-              "(setup and other cells) beside the job.", "",
+              "(setup and other cells) beside the job. The 1st warm run follows the `--fresh` one, its starter having "
+              "had that run's time to import torch; a first run in a fresh kernel right after its setup cells is "
+              "section 7's \"The first run in a fresh kernel\".", "",
               f"## 2. Training throughput ({args.long_steps} steps per job, {1 if args.quick else 2} rounds)", "",
               *throughput_lines(rates), "",
               f"## 3. Log streaming ({logs['lines']} lines from rank 0: {args.paced} paced at 100 lines/s, then a burst)", "",
-              "| where | first line | paced: latency p50 | p99 | lines lost | burst: lines/s |",
+              "| where | first line | paced: latency p50 | p99 | lines not shown | burst: lines/s |",
               "|---|---|---|---|---|---|",
               f"| terminal (`nbddp run`) | {logs['first_ms']:.0f} ms | {logs['p50_ms']:.0f} ms | {logs['p99_ms']:.0f} ms | "
               f"{logs['lost']} | {logs['burst_lines_per_s']:.0f} |",
@@ -505,9 +507,11 @@ def report(args: argparse.Namespace, figures: dict) -> str:
               "view shows lines at once, up to 4 updates in a row; while lines keep coming it sends them in chunks, "
               "4 a second, which is most of the paced lines' latency. A chunk shows at most its "
               f"last 400 lines under a count of those skipped: of the burst, the view showed {cell['burst_shown']} lines "
-              f"and counted {cell['burst_skipped']} as skipped; \"lost\" is what was neither, and the run dir's log held "
-              f"{cell['logged']} of the {cell['lines']} lines. Burst lines/s: the burst's length over the time from its "
-              "first print to its last line shown.", "",
+              f"and counted {cell['burst_skipped']} as skipped. Under a flood the follower reads at most 256 kB of a rank's "
+              "log per look (a Stop under a flood still ends in seconds) and says how much it passed over (\"… N of "
+              "output not shown here\", naming the log): \"not shown\" is every line neither shown nor counted, and "
+              f"the run dir's log held {cell['logged']} of the {cell['lines']} lines. Burst lines/s: the burst's length "
+              "over the time from its first print to its last line shown.", "",
               f"## 4. Returning the model ({args.rounds} rounds)", "",
               "| parameters | nbddp save + load into the model | plain torch.save + torch.load | ratio | "
               "loader's peak memory / model size: nbddp | plain |", "|---|---|---|---|---|---|"]

@@ -50,9 +50,9 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: _typing.Any) -> None:
     """``%load_ext nbddp``: starts the warm ranks' starter (it imports torch in the background: loading the extension
     is the intent to train), then registers the ``%%ddp_train`` cell magic and the others."""
-    from nbddp.doors.jupyter.kernel_pool import prepare
+    from nbddp.doors.jupyter.kernel_pool import kernel_pool
 
-    said = prepare()
+    said = kernel_pool.prepare()  # first: the magics' imports take 0.2 s
     from nbddp.doors.jupyter.magics import load_ipython_extension as load
 
     load(ipython)

@@ -19,7 +19,7 @@ def test_the_suite_measures_every_figure_in_quick_mode(tmp_path):
     for section in ("## 1. Start", "## 2. Training throughput", "## 3. Log streaming", "## 4. Returning the model",
                     "## 5. The light paths", "## 6. `nbddp batch` on warm ranks"):
         assert section in text, text
-    for case in ("torchrun by hand", "exported script under torchrun", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (starts warm ranks)",
+    for case in ("torchrun by hand", "exported script under torchrun", "nbddp run", "%%ddp_train --fresh", "%%ddp_train, 1st run (warm ranks forked from the starter %load_ext started)",
                  "%%ddp_train warm, 2nd run", "%%ddp_train warm, 10th run", "import nbddp", "nbddp export (200 cells)",
                  "--fresh", "warm ranks"):
         assert f"| {case} |" in text, text

@@ -8,6 +8,7 @@ imported with gets a plain starter (the same process, started again), with its o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -20,7 +21,7 @@ import pytest
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm import agent
 from tests.conftest import alive
-from tests.test_magic import ProtocolKernel
+from tests.test_magic import ProtocolKernel, run_dirs
 from tests.test_warm import SETUP, pids, train, weight
 
 STARTER = re.compile(r"starter \(pid (\d+)\)")
@@ -52,6 +53,12 @@ def kernel(tmp_path):
     session.close()
 
 
+def _forked_from(rank: int, starter: int) -> bool:
+    """``rank`` was forked from ``starter``'s process as it is (a fork keeps its parent's command line; a rank started
+    as a fresh interpreter, or after the starter started again, has another)."""
+    return psutil.Process(rank).ppid() == starter and psutil.Process(rank).cmdline() == psutil.Process(starter).cmdline()
+
+
 @pytest.mark.slow
 def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fresh_runs_weights(kernel, tmp_path):
     loaded = kernel.execute("%load_ext nbddp")
@@ -70,13 +77,16 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
     kernel.execute(SETUP, "setup")
     first = train(kernel)
     started = pids(first)
-    assert len(started) == 2 and "[rank 1] trained 1" in first, first
-    assert all(psutil.Process(pid).ppid() == starter for pid in started.values())  # forked from the preloaded one
+    assert len(started) == 2 and "[rank 1] trained 1" in first and "could not serve" not in first, first
+    assert all(_forked_from(pid, starter) for pid in started.values())  # (a plain kernel's environment fits it)
+    assert not folder.go.exists()  # (the kernel's environment is on disk no longer than the starter needs it)
     first_weights = weight(kernel)
     shown = kernel.execute("%ddp_ranks")
     assert "2 warm ranks" in shown and re.search(r"\d+(\.\d+)? [kMG]B of memory held", shown), shown
     fresh = train(kernel, "--fresh")
     assert not set(pids(fresh).values()) & set(started.values()) and weight(kernel) == first_weights
+    walls = [json.loads((d / "result.json").read_text())["wall_time_s"] for d in run_dirs(tmp_path)]
+    assert walls[0] < walls[1] / 3, walls  # the first run, its starter ready, against ranks started for the run
 
     kernel.execute("%ddp_ranks stop")
     assert _wait(lambda: not alive(starter) and not folder.path.exists(), 10)
@@ -102,27 +112,71 @@ def test_an_unused_starter_is_released_after_the_idle_limit_and_when_stopped(ker
 
 
 @pytest.mark.slow
-def test_a_first_run_that_wants_another_environment_gets_a_plain_starter_with_its_own_threads(kernel):
-    """One rank on 2 cores gets OMP_NUM_THREADS=2, where the starter imported torch for the default 2 ranks' 1:
-    the starter starts again as that run's (the same process), and the rank has the threads a fresh one would."""
+def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_their_own_threads(kernel):
+    """An environment changed since the extension loaded, or one rank on 2 cores (OMP_NUM_THREADS=2, where the
+    starter imported torch for the default 2 ranks' 1): the run says why and its ranks are a fresh starter's."""
     kernel.execute("%load_ext nbddp")
     starter = _starter(kernel)
     kernel.execute("%env MY_SETTING=1")
     kernel.execute(SETUP, "setup")
-    out = train(kernel, "--nproc 1", extra="print('threads', torch.get_num_threads(), os.environ.get('MY_SETTING'))\n")
-    assert "[rank 0] trained 0" in out, out
-    expected = max(1, (os.cpu_count() or 1))
-    assert f"threads {expected} 1" in out, out
-    (rank,) = pids(out).values()
-    assert psutil.Process(rank).ppid() == starter  # the same process, started again as this run's starter
+    out = train(kernel, extra="print('setting', os.environ.get('MY_SETTING'))\n")
+    assert ("the warm ranks' starter loaded with the extension could not serve this run (environment variables "
+            "changed (MY_SETTING)): started a fresh one") in out and "[rank 1] setting 1" in out, out
+    assert _wait(lambda: not alive(starter), 5)  # (stopped: what it imported no rank may inherit)
+
+    kernel.execute("%ddp_ranks restart")  # a starter with MY_SETTING
+    starter = _starter(kernel)
+    out = train(kernel, "--nproc 1", extra="print('threads', torch.get_num_threads())\n")
+    threads = os.cpu_count() or 1
+    if threads > 1:
+        assert f"could not serve this run (1 rank(s) get OMP_NUM_THREADS={threads}, and it imported torch for " \
+               f"{max(1, threads // 2)})" in out, out
+    assert f"[rank 0] threads {threads}" in out, out  # as a fresh rank would have
+
+
+@pytest.mark.slow
+def test_the_starter_itself_checks_the_first_runs_word_and_a_run_that_claimed_it_is_waited_for(tmp_path):
+    """The starter's own check (the kernel's comes first): a word that doesn't fit (1 rank: OMP_NUM_THREADS=2 here)
+    has it start again as that run's plain starter; one that fits forks the ranks from it, even after its idle
+    limit, once the run claimed it before (a first run as the starter was about to leave)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text("import torch\nprint('RANK', torch.get_num_threads(), open('/proc/self/cmdline').read().split(chr(0)))\n")
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    for nproc, idle, pause in ((1, "30", 0.0), (2, "0.5", 2.0)):
+        folder = tmp_path / f"nbddp-warm-{os.getpid()}-{nproc}"
+        folder.mkdir(mode=0o700)
+        pool, log = PoolDir(folder), tmp_path / f"starter-{nproc}.log"
+        with open(log, "wb") as out:
+            starter = subprocess.Popen([sys.executable, "-m", "nbddp.launchers.warm.agent", str(folder), agent.PRELOAD,
+                                        idle, "2"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            assert _wait(pool.preloaded.exists, 60), log.read_text()
+            assert pool.claim("run") and not pool.claim("idle")
+            time.sleep(pause)  # (past its idle limit: claimed, it waits for the word)
+            word = {"argv": ["--nproc", str(nproc), "--report", str(tmp_path / "report.json"), "--", str(script)],
+                    "env": env, "cwd": str(tmp_path), "nproc": nproc}
+            (folder / "go.json").write_text(json.dumps(word))
+            assert starter.wait(60) == 0, log.read_text()
+        finally:
+            if starter.poll() is None:
+                starter.kill()
+        lines = [line for line in log.read_text().splitlines() if line.startswith("RANK")]
+        assert len(lines) == nproc, log.read_text()
+        threads = max(1, (os.cpu_count() or 1) // nproc)
+        assert all(line.startswith(f"RANK {threads} ") for line in lines), lines
+        assert all((agent.PRELOAD in line) == (nproc == 2) for line in lines), lines  # forked from the preload or not
+        assert not folder.exists()  # (its ranks returned: it left, and its folder went)
 
 
 def test_what_the_imports_read_leaves_out_nbddps_variables_and_the_gpus_chosen():
     base = {"PATH": "/bin", "HOME": "/root"}
-    seen = agent._as_imported({**base, "NBDDP_WARM": "1", "CUDA_VISIBLE_DEVICES": "1"}, 2)
+    seen = agent.as_imported({**base, "NBDDP_WARM": "1", "CUDA_VISIBLE_DEVICES": "1"}, 2)
     assert seen == {**base, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
-    assert agent._as_imported({**base, "OMP_NUM_THREADS": "7"}, 2)["OMP_NUM_THREADS"] == "7"  # the user's own
-    assert agent._as_imported(base, 2) != agent._as_imported({**base, "MY_SETTING": "1"}, 2)
+    assert agent.as_imported({**base, "OMP_NUM_THREADS": "7"}, 2)["OMP_NUM_THREADS"] == "7"  # the user's own
+    assert agent.as_imported(base, 2) != agent.as_imported({**base, "MY_SETTING": "1"}, 2)
 
 
 @pytest.mark.slow
@@ -136,6 +190,7 @@ def test_a_killed_kernels_starter_goes_with_its_folder(tmp_path):
         assert _wait(folder.preloaded.exists)  # (waiting for its first run, as it mostly is)
         session.km.restart_kernel(now=True)  # SIGKILL
         assert _wait(lambda: not alive(starter), 10), "the starter outlived its kernel"
-        assert _wait(lambda: not folder.path.exists(), 5), "its folder stayed"
+        assert _wait(lambda: not folder.path.exists(), 5), (sorted(p.name for p in folder.path.iterdir()),
+                                                               (folder.path / "logs" / "launcher.log").read_text())
     finally:
         session.close()

@@ -10,8 +10,10 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
     POOL/                           a private temp folder, nbddp-warm-<owner pid>-XXXX
       pool.json                     what the pool was started with (its key, idle limit, launcher pid/group)
       preloaded.json                a starter started ahead of its first run has imported what its ranks will
+      claimed                       such a starter was claimed, by its first run (``run``) or by itself
+                                    leaving idle (``idle``): whoever created the file first
       go.json                       a starter started ahead of its first run (preloaded) is given it: the
-                                    starter's options, the ranks' environment and folder
+                                    starter's options, the ranks' environment and folder (read, then removed)
       ready/rank-R                  rank R joined the group and waits (its pid)
       jobs/N.json                   job N: the script, its folder, its NBDDP_* variables
       taken/N-R                     rank R took job N (a rank without it hasn't: it won't run the job once stopped)
@@ -34,6 +36,7 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -74,6 +77,17 @@ class PoolDir:
     def go(self) -> Path:
         """The first run's word to a starter that preloaded its ranks' imports (:mod:`nbddp.launchers.warm.agent`)."""
         return self.path / "go.json"
+
+    def claim(self, who: str) -> bool:
+        """Claim a starter started ahead for ``who`` (``run``, ``idle``): ``True`` for the first to ask only. (The
+        file is created exclusively: a first run and the starter's idle limit can't both win.)"""
+        try:
+            descriptor = os.open(self.path / "claimed", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return False
+        with os.fdopen(descriptor, "w") as claim:
+            claim.write(who)
+        return True
 
     @property
     def preloaded(self) -> Path:

@@ -49,6 +49,16 @@ VARIABLES = {
     "kernel_beside_job": "NBDDP_KERNEL_BESIDE_JOB",
 }
 
+#: Environment variables (prefixes) that differ between runs by design, that nbddp sets per run, or that a library
+#: sets in the kernel when imported there: none of them makes warm ranks stale (:func:`nbddp.launchers.warm.rules.
+#: pool_key`), nor a preloaded starter (:mod:`nbddp.launchers.warm.agent`).
+PER_RUN_VARIABLES = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES",
+                     # Set by a library on import (Lightning): a rank that imports it sets them too.
+                     "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
+                     # Set by a tracker in the kernel (MLflow's telemetry session on import, W&B's service on
+                     # wandb.init); a rank never uses the kernel's service (nbddp.rank_side.trackers).
+                     "_MLFLOW_", "WANDB_SERVICE")
+
 
 def kernel_beside_a_job(environ: Mapping[str, str] | None = None) -> bool:
     """``NBDDP_KERNEL_BESIDE_JOB`` (no rank reads it): this kernel runs a notebook's other cells beside its job

@@ -95,7 +95,8 @@ class ForkedRank:
 def start(program: Sequence[str], env: Mapping[str, str]) -> "ForkedRank | subprocess.Popen":
     """Start ``python -u *program`` (a script and its arguments, or ``-m MODULE ARGS``) with ``env``: forked
     from this process where :data:`FORKS`, else a fresh interpreter."""
-    if not FORKS or threading.active_count() > 1:  # (a Python thread may hold a lock a fork would keep held)
+    # (A Python thread may hold a lock a fork would keep held; CUDA can't be forked, should an import have started it.)
+    if not FORKS or threading.active_count() > 1 or _cuda_initialised():
         return subprocess.Popen([sys.executable, "-u", *program], start_new_session=True,
                                 stdin=subprocess.DEVNULL, env=dict(env))
     sys.stdout.flush()
@@ -110,6 +111,14 @@ def start(program: Sequence[str], env: Mapping[str, str]) -> "ForkedRank | subpr
         traceback.print_exc()
         code = 1
     os._exit(code & 0xFF)  # (as the C library's exit() keeps it)
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a broken CUDA library: not initialised here
+        return False
 
 
 def _become_fresh(env: Mapping[str, str]) -> None:

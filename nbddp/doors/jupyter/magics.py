@@ -19,7 +19,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from nbddp.display.ending import NO_WEIGHTS, Ending, first_line, weights_went
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
-from nbddp.doors.jupyter.kernel_pool import kernel_pool, prepare
+from nbddp.doors.jupyter.kernel_pool import kernel_pool
 from nbddp.doors.jupyter.session import session_notebook
 from nbddp.contracts.errors import UsageError
 from nbddp.job import orchestrator
@@ -149,9 +149,10 @@ class DdpMagics(Magics):
             print(f"[nbddp] {kernel_pool.prepare() or kernel_pool.describe()}")
             return None
         if args.action in ("stop", "restart"):
-            stopped = kernel_pool.stop()
-            print(f"[nbddp] {'stopped the warm ranks' if stopped else 'no warm ranks to stop'}"
-                  + (f"; {kernel_pool.prepare()}" if args.action == "restart" else ""))  # (none left: it says)
+            said = ["stopped the warm ranks" if kernel_pool.stop() else "no warm ranks to stop"]
+            if args.action == "restart":
+                said.append(kernel_pool.prepare() or "the next %%ddp_train starts fresh ones")
+            print(f"[nbddp] {'; '.join(said)}")
             return None
         print(f"[nbddp] {kernel_pool.describe()}")
         return None
@@ -418,16 +419,12 @@ def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001
-    """Register the magics and, loading it being the intent to train, prepare the warm ranks: their starter imports
-    torch in the background meanwhile (one line says so; not in a kernel beside a job, whose ranks are the job's)."""
+    """Register the magics (``nbddp.load_ipython_extension`` has prepared the warm ranks first)."""
     apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process)
     ipython.register_magics(DdpMagics(ipython))
     cleanup = ipython.input_transformer_manager.cleanup_transforms
     if _bodiless_cell_magic not in cleanup:
         cleanup.append(_bodiless_cell_magic)
-    said = prepare()  # ("" once nbddp's own load_ipython_extension started it, first thing)
-    if said:
-        print(f"[nbddp] {said}")
 
 
 def _bodiless_cell_magic(lines: list[str]) -> list[str]:

@@ -30,20 +30,22 @@ from typing import Mapping
 
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.status import signal_exit_code
-from nbddp.contracts.rank_env import VARIABLES, threads_per_rank
+from nbddp.contracts.rank_env import PER_RUN_VARIABLES, threads_per_rank
 from nbddp.launchers import direct_main, forked_rank
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
+from nbddp.rank_side.parent_death import arm
 
 PRELOAD = "--preload"
 #: What a warm rank imports before its first job, besides torch: a DDP rank's imports, and the warm loop's.
 PRELOADED = (*forked_rank.RANK_IMPORTS, "nbddp.rank_side.warm.state", "nbddp.rank_side.debugger",
              "nbddp.rank_side.trackers", "nbddp.rank_side.memory")
-#: How often a preloaded starter looks for its first run's word.
-GO_POLL_SECONDS = 0.01
-#: What torch's import doesn't read, so that a first run may differ in it from the preload: nbddp's own variables
-#: and the GPUs a run chose (CUDA reads them as it starts, in a rank).
-_NOT_READ_AT_IMPORT = (*VARIABLES.values(), "CUDA_VISIBLE_DEVICES")
+#: How often a preloaded starter looks for its first run's word: often for its first seconds (a first run right after
+#: the setup cells), then less (an idle starter woke 100 times a second).
+GO_POLL_SECONDS, GO_POLL_FAST_FOR, IDLE_GO_POLL_SECONDS = 0.01, 10.0, 0.05
+#: What torch's import doesn't read, so that a first run may differ in it from the preload: what makes no warm ranks
+#: stale (nbddp's own variables among them) and the GPUs a run chose (CUDA reads them as it starts, in a rank).
+_NOT_READ_AT_IMPORT = (*PER_RUN_VARIABLES, "CUDA_VISIBLE_DEVICES")
 
 
 def main(argv: list[str]) -> None:
@@ -69,35 +71,48 @@ def main(argv: list[str]) -> None:
 
 
 def _preloaded(pool: PoolDir, idle: float, nproc: int) -> list[str] | None:
-    """Import what the ranks will, then wait for the first run's word: its starter options (``None``: no run
-    came within ``idle`` seconds, or the owner stopped the pool). Where the run wants another folder or
-    environment than the imports read, this process is replaced by the run's plain starter."""
-    imported, started = _as_imported(os.environ, nproc), time.monotonic()
+    """Import what the ranks will, then wait for the first run's word: its starter options (``None``: its owner is
+    gone, stopped it, or no run claimed it within ``idle`` seconds). Where the run wants another folder or
+    environment than the imports read (the kernel checks first: this is the backstop), this process is replaced by
+    the run's plain starter."""
+    arm(signal.SIGTERM)  # (started without parent_death's wrapper: see Preload)
+    if os.getppid() != pool.owner():
+        return None  # the owner died before the signal was armed
+    before, started = dict(os.environ), time.monotonic()
+    imported = as_imported(before, nproc)
     forked_rank.preload(imported["OMP_NUM_THREADS"], PRELOADED)  # (all of it, a run come meanwhile or not: each
     # rank would import the rest whole, on a core of its own)
     write_json(pool.preloaded, {"seconds": round(time.monotonic() - started, 3)})
-    deadline = time.monotonic() + idle
+    waiting_since = time.monotonic()
     while not pool.go.exists():
-        if pool.stop_mark.exists() or (time.monotonic() > deadline and not pool.go.exists()):
-            return None
-        time.sleep(GO_POLL_SECONDS)
+        waited = time.monotonic() - waiting_since
+        if pool.stop_mark.exists() or (waited > idle and pool.claim("idle")):
+            return None  # (a run that claimed it first writes its word next)
+        time.sleep(GO_POLL_SECONDS if waited < GO_POLL_FAST_FOR else IDLE_GO_POLL_SECONDS)
     go = json.loads(pool.go.read_text(encoding="utf-8"))
+    pool.go.unlink()  # (the kernel's environment, secrets included, stays on disk no longer than this)
     starter, env, cwd = list(go["argv"]), dict(go["env"]), go["cwd"]
-    if cwd != os.getcwd() or _as_imported(env, int(go["nproc"])) != imported:
+    if cwd != os.getcwd() or as_imported(env, int(go["nproc"])) != imported:
         os.chdir(cwd)
         os.execve(sys.executable, [sys.executable, "-m", "nbddp.launchers.warm.agent", str(pool.path), *starter], env)
+    added = {name: value for name, value in os.environ.items() if before.get(name) != value}  # by the imports
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update({**added, **env})
     return starter
 
 
 def _leave(signum: int, frame: object) -> None:
+    """Leave, once: a killed owner's dying threads can each send a parent-death signal (see
+    :func:`_ignore_stop_signals`), and one landing as the folder is being removed would leave it half removed."""
+    _ignore_stop_signals()
     raise SystemExit(signal_exit_code(signum))
 
 
-def _as_imported(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
-    """What of an environment the imports may have read, with the ``OMP_NUM_THREADS`` ``nproc`` ranks get."""
-    seen = {name: value for name, value in environ.items() if name not in _NOT_READ_AT_IMPORT}
+def as_imported(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
+    """What of an environment the imports may have read, with the ``OMP_NUM_THREADS`` ``nproc`` ranks get: a starter
+    started ahead serves a first run whose ranks' environment reads the same (the one rule, checked by the kernel,
+    :meth:`nbddp.launchers.warm.preload.Preload.why_not`, and again here)."""
+    seen = {name: value for name, value in environ.items() if not name.startswith(_NOT_READ_AT_IMPORT)}
     seen.setdefault("OMP_NUM_THREADS", threads_per_rank(nproc))
     return seen
 

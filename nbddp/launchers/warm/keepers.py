@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Mapping
 
 from nbddp.contracts.devices import Devices
+from nbddp.contracts.rank_env import RankEnv, kernel_beside_a_job
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
 from nbddp.launchers.process_groups import memory_held
 from nbddp.launchers.warm.pool import WarmPool
-from nbddp.launchers.warm.preload import Preload
+from nbddp.launchers.warm.preload import Preload, ranks_environment
 from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key
 from nbddp.plan.options import DEFAULT_WARM_IDLE, LaunchOptions
 
@@ -98,8 +99,9 @@ class PoolKeeper:
         self.pool = self._start(key, devices, environ)
         return self.pool, f"starting fresh warm ranks: {why}" if why else ""
 
-    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
-        return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ)
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None,
+               preload: Preload | None = None) -> WarmPool:
+        return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ, preload=preload)
 
     def after_run(self, pool: WarmPool, status: Status) -> None:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
@@ -139,15 +141,18 @@ class KernelPool(PoolKeeper):
         """The launch options of the last run the ranks served (``%%ddp_exec`` runs on the same ranks with them)."""
         self.preload: Preload | None = None
         """The next pool's starter, started ahead of its first run."""
+        self.preload_note = ""
+        """Why the last run's ranks couldn't come from that starter, when they couldn't."""
 
     def prepare(self) -> str:
         """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``), unless
-        ranks or a starter are there already (``""``); a line saying what happened."""
-        if self.live() is not None or (self.preload is not None and self.preload.alive()):
+        ranks or a starter are there already, or this kernel runs beside a job, whose ranks are the job's own
+        (``""``); a line saying what happened."""
+        if kernel_beside_a_job() or self.live() is not None or (self.preload is not None and self.preload.alive()):
             return ""
         try:
             self.preload = Preload(self.idle)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the extension loads all the same; the first run starts the ranks
             self.preload = None
             return f"could not start the warm ranks' starter ahead ({exc}): the first %%ddp_train starts it"
         self._stop_at_exit()
@@ -166,20 +171,35 @@ class KernelPool(PoolKeeper):
     def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool, str]:
         """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
         environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
+        self.preload_note = ""
         pool, said = self.pool_with(pool_key(devices, cwd, launch, environ), devices, environ)
         self.launch = launch
-        return pool, said
+        return pool, "; ".join(line for line in (said, self.preload_note) if line)
 
     def live(self) -> WarmPool | None:
         """The warm ranks, when they are running (``None``: none, or gone: idle too long, or stopped)."""
         return self.pool if self.pool is not None and self.pool.alive() else None
 
-    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None,
+               preload: Preload | None = None) -> WarmPool:
+        """The ranks forked from the starter started ahead, where it can serve them (else it goes, said in
+        :attr:`preload_note`, and fresh ones start)."""
         preload, self.preload = self.preload, None
-        if preload is not None and not preload.usable(key.python):
-            preload.stop()
-            preload = None
-        pool = WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ, preload=preload)
+        if preload is not None:
+            ranks_env = ranks_environment(RankEnv(nproc=devices.nproc), preload.dir.store,
+                                          os.environ if environ is None else environ)
+            why = preload.why_not(key.python, key.cwd, ranks_env, devices.nproc)
+            if why:
+                preload.stop()
+                preload = None
+                self.preload_note = f"the warm ranks' starter loaded with the extension could not serve this run " \
+                                    f"({why}): started a fresh one"
+        try:
+            pool = super()._start(key, devices, environ, preload=preload)
+        except BaseException:
+            if preload is not None:
+                preload.stop()
+            raise
         self._stop_at_exit()
         return pool
 
@@ -191,11 +211,12 @@ class KernelPool(PoolKeeper):
             self._at_exit = True
 
     def stop(self) -> bool:
-        """Stop the warm ranks and a starter started ahead; ``False`` if there were neither."""
+        """Stop the warm ranks and a starter started ahead; ``False`` if there were neither (running)."""
         preload, self.preload = self.preload, None
+        waiting = preload is not None and preload.alive()
         if preload is not None:
             preload.stop()
-        return self._stop_pool() or preload is not None
+        return self._stop_pool() or waiting
 
     def held_gpus(self) -> tuple[str, ...]:
         """The GPUs this kernel's live warm ranks hold, where a run chose them by name (``--gpus free``)."""

@@ -27,7 +27,7 @@ from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
 from nbddp.launchers.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.direct import starter_options
 from nbddp.launchers.warm.departure import Departure
-from nbddp.launchers.warm.preload import Preload
+from nbddp.launchers.warm.preload import Preload, ranks_environment
 from nbddp.launchers.warm.rules import PoolKey
 from nbddp.launchers.warm.run import WarmRun
 from nbddp.plan.options import DEFAULT_WARM_IDLE
@@ -55,18 +55,18 @@ class WarmPool:
         self.stopped = False
         self.lost = ""
         self.last_used = self.started = time.monotonic()
-        store = private_rendezvous.prepare(self.dir.store)
-        starter = [*starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop", str(self.dir)]
-        environ = os.environ if environ is None else environ
-        env = RankEnv(device=devices.kind, nproc=devices.nproc, collective_timeout=key.collective_timeout, warm=True,
-                      warm_idle=idle, pool_owner=os.getpid()).to_environ(environ)
-        env |= private_rendezvous.environment(store, environ)
-        if preload is None:
-            argv = (key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), *starter)
-            self.launch: Launch = LocalProcess(LaunchSpec(argv, env, Path(key.cwd), self.dir.launcher_log))
-        else:
-            self.launch = preload.launch
+        if preload is not None:
+            self.launch: Launch = preload.launch  # (first: stop() below stops it, should anything fail)
         try:
+            starter = [*starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop",
+                       str(self.dir)]
+            env = ranks_environment(RankEnv(device=devices.kind, nproc=devices.nproc,
+                                            collective_timeout=key.collective_timeout, warm=True, warm_idle=idle,
+                                            pool_owner=os.getpid()),
+                                    private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
+            if preload is None:
+                argv = (key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), *starter)
+                self.launch = LocalProcess(LaunchSpec(argv, env, Path(key.cwd), self.dir.launcher_log))
             write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
                                               "pgid": self.launch.pgid})
             if preload is not None:
@@ -257,8 +257,9 @@ class WarmPool:
     def terminate(self, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and the starter (their reports stay readable until :meth:`stop`). Safe to call again."""
         self.stopped = True
-        if self.launch.poll() is None or self.launch.alive():
-            self.launch.stop(sig)
+        launch = getattr(self, "launch", None)  # (none yet: the pool failed to start before its starter did)
+        if launch is not None and (launch.poll() is None or launch.alive()):
+            launch.stop(sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop every rank and the starter, and remove the pool's folder (its starter removes it too, should

@@ -26,11 +26,18 @@ from nbddp.contracts.atomic import write_json
 from nbddp.contracts.devices import resolve
 from nbddp.contracts.owned import touch
 from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
+from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.rank_memory import size
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
 from nbddp.launchers.process_groups import memory_held, owned_temp_dir
-from nbddp.launchers.warm.agent import PRELOAD
+from nbddp.launchers.warm import agent
+
+
+def ranks_environment(rank_env: RankEnv, store: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """What a warm pool's ranks (and their starter) inherit: ``environ``, nbddp's variables for them, and where they
+    meet (:mod:`nbddp.launchers.private_rendezvous`)."""
+    return rank_env.to_environ(environ) | private_rendezvous.environment(store, environ)
 
 
 class Preload:
@@ -38,16 +45,27 @@ class Preload:
 
     def __init__(self, idle: float, environ: Mapping[str, str] | None = None) -> None:
         """Start it from this process's folder, with ``environ`` (this process's by default), waiting ``idle``
-        seconds for a run once it has imported what its ranks will."""
+        seconds for a run once it has imported what its ranks will.
+
+        Raises:
+            OSError: it could not be started (its folder is removed).
+        """
         self.idle, self.cwd, self.python = idle, Path.cwd(), sys.executable
         self.dir = PoolDir(owned_temp_dir(FOLDER_PREFIX))
         self.started = time.monotonic()
-        environ = os.environ if environ is None else environ
-        store = private_rendezvous.prepare(self.dir.store)
-        nproc = resolve().nproc  # a run with no options gets this many ranks: OMP_NUM_THREADS as theirs
-        argv = (self.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), PRELOAD, f"{idle:g}", str(nproc))
-        env = {**environ, **private_rendezvous.environment(store, environ)}
-        self.launch = LocalProcess(LaunchSpec(argv, env, self.cwd, self.dir.launcher_log))
+        try:
+            self.nproc = resolve().nproc  # a run with no options gets this many ranks: OMP_NUM_THREADS as theirs
+            env = ranks_environment(RankEnv(warm=True, pool_owner=os.getpid()),
+                                    private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
+            self.imported = agent.as_imported(env, self.nproc)
+            """What of the ranks' environment its imports read (as :func:`~nbddp.launchers.warm.agent.as_imported`)."""
+            argv = (self.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), agent.PRELOAD, f"{idle:g}",
+                    str(self.nproc))
+            # Its own parent-death signal, armed first thing: the wrapper's interpreter would delay the first run.
+            self.launch = LocalProcess(LaunchSpec(argv, env, self.cwd, self.dir.launcher_log, arms_itself=True))
+        except BaseException:
+            shutil.rmtree(self.dir.path, ignore_errors=True)
+            raise
         try:
             write_json(self.dir.description, {"preload": True, "idle": idle, "pid": self.launch.pid,
                                               "pgid": self.launch.pgid})
@@ -59,9 +77,28 @@ class Preload:
         """Running, and waiting for its first run (the starter removes the folder as it leaves, idle)."""
         return self.launch.poll() is None and self.dir.description.exists() and not self.dir.go.exists()
 
-    def usable(self, python: str) -> bool:
-        """It can take a first run of ``python`` now: alive, and not about to leave idle."""
-        return self.alive() and python == self.python and time.monotonic() - self.started < self.idle
+    def why_not(self, python: str, cwd: str, ranks_env: Mapping[str, str], nproc: int) -> str:
+        """Why it can't start the ranks of a first run of ``python`` from ``cwd``, whose ranks inherit ``ranks_env``
+        (``""``: it can, and is now claimed for that run). The starter checks again (:mod:`~nbddp.launchers.warm.
+        agent`): what it imported with must be what the ranks get."""
+        if not self.alive():
+            return "it had left (idle) or was stopped"
+        if python != self.python:
+            return "the Python interpreter changed"
+        if str(Path(cwd).resolve()) != str(self.cwd.resolve()):
+            return "the working folder changed"
+        wanted = agent.as_imported(ranks_env, nproc)
+        if wanted != self.imported:
+            names = sorted(name for name in {*wanted, *self.imported} if wanted.get(name) != self.imported.get(name))
+            if names == ["OMP_NUM_THREADS"]:
+                return (f"{nproc} rank(s) get OMP_NUM_THREADS={wanted.get(names[0])}, and it imported torch for "
+                        f"{self.imported.get(names[0])}")
+            return f"environment variables changed ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+        try:
+            claimed = self.dir.claim("run")
+        except OSError:
+            claimed = False
+        return "" if claimed else "it was leaving (idle)"
 
     def preloaded_in(self) -> float | None:
         """How long its imports took, once done (``None``: not yet)."""

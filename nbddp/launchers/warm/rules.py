@@ -16,21 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from nbddp.contracts.devices import Devices
+from nbddp.contracts.rank_env import PER_RUN_VARIABLES
 from nbddp.contracts.status import Status
 from nbddp.engines import spawns_its_own_ranks
 
 if TYPE_CHECKING:
     from nbddp.plan.options import LaunchOptions
-
-#: Environment variables that differ between runs by design, that nbddp sets per run, or that a library
-#: sets in the kernel when imported there: none of them makes warm ranks stale.
-_PER_RUN = ("NBDDP_", "JPY_", "PYDEVD_", "TERM", "COLUMNS", "LINES",
-            # Set by a library on import (Lightning): a rank that imports it sets them too.
-            "PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_CACHE_DIR",
-            # Set by a tracker in the kernel (MLflow's telemetry session on import, W&B's service on wandb.init);
-            # a rank never uses the kernel's service (nbddp.rank_side.trackers).
-            "_MLFLOW_", "WANDB_SERVICE")
-
 
 def why_not_warm(engine: str, launch: "LaunchOptions") -> str:
     """Why warm ranks can't serve a run of ``engine`` with ``launch`` (``""``: they can). The one rule."""
@@ -75,7 +66,7 @@ def pool_key(devices: Devices, cwd: Path, launch: "LaunchOptions",
     """What ranks for a run of ``launch`` on ``devices`` from ``cwd`` must have been started with (``environ``: what
     they inherit, this process's environment by default)."""
     environ = os.environ if environ is None else environ
-    kept = sorted((k, v) for k, v in environ.items() if not k.startswith(_PER_RUN))
+    kept = sorted((k, v) for k, v in environ.items() if not k.startswith(PER_RUN_VARIABLES))
     digest = hashlib.sha256(json.dumps(kept).encode()).hexdigest()[:16]
     return PoolKey(devices.kind, devices.nproc, sys.executable, str(Path(cwd).resolve()), digest,
                    launch.collective_timeout)
