@@ -289,7 +289,7 @@ def summary(values: list) -> str:
     med = statistics.median(numbers)
     failed = len(values) - len(numbers)
     spread = f" ({min(numbers):.2f}–{max(numbers):.2f})" if len(numbers) > 1 else ""
-    return f"{med:.2f} s{spread}" + (f"; **broken** once in {len(values)}" if failed else "")
+    return f"{med:.2f} s{spread}" + (f"; **broken** in {failed} of {len(values)}" if failed else "")
 
 
 def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]) -> str:

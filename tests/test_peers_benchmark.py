@@ -7,7 +7,8 @@ from benchmarks.peers import ENDINGS, ROWS, Tool, accelerate_tool, markdown, nbd
 
 def test_a_rows_values_read_as_a_median_a_breakage_or_liveness():
     assert summary([0.2, 0.1, 0.3]) == "0.20 s (0.10–0.30)"
-    assert summary([0.25, None]) == "0.25 s; **broken** once in 2"
+    assert summary([0.25, None]) == "0.25 s; **broken** in 1 of 2"
+    assert summary([0.25, None, None]) == "0.25 s; **broken** in 2 of 3"
     assert summary([None]).startswith("**broken**: the next run failed")  # measured once: it broke
     assert summary([]) == "n/a"
     assert summary([True, True]) == "live text" and summary([False]) == "**none until the cell ends**"
