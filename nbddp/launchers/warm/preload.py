@@ -8,8 +8,10 @@ KernelPool.prepare`), and the first run hands it its ranks (:class:`nbddp.launch
 
 What it holds while it waits is torch's CPU side, shared with the ranks it forks: no rank, no process group, no
 socket, no GPU (torch initialises CUDA in a rank, when a job asks). Unused for the idle limit, it leaves and its
-folder goes, as idle warm ranks do; a first run that wants another folder or environment than it imported with
-gets the starter it would have had (the agent starts again as that run's plain starter).
+folder goes, as idle warm ranks do. A first run it doesn't fit (another folder, another environment as torch's import
+reads it, another ``OMP_NUM_THREADS``: :meth:`Preload.why_not`) gets a fresh starter and says why; the starter checks
+the run's word again itself, and starts again as that run's plain starter where it doesn't fit. The first run and the
+idle limit claim it exclusively (``PoolDir.claim``): a run never finds it gone.
 """
 
 from __future__ import annotations
