@@ -262,6 +262,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
+def ranks_prepared_ahead_where_tested(request, monkeypatch):
+    """``%load_ext nbddp`` starts the warm ranks' starter ahead (2.5 CPU-seconds of imports) only in the modules that
+    test warm ranks (``PREPARES_AHEAD = True``: the user's path, there); elsewhere the suite's many kernels that never
+    train on warm ranks would pay it for nothing (``NBDDP_PREPARE_AHEAD=0``, which kernels inherit)."""
+    if not getattr(request.module, "PREPARES_AHEAD", False):
+        monkeypatch.setenv("NBDDP_PREPARE_AHEAD", "0")
+    else:
+        monkeypatch.delenv("NBDDP_PREPARE_AHEAD", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def private_state_dir(tmp_path_factory, monkeypatch):
     """Live-run registry per test (children inherit it through the environment)."""
     monkeypatch.setenv("NBDDP_STATE_DIR", str(tmp_path_factory.mktemp("state")))

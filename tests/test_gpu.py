@@ -21,6 +21,8 @@ from tests.test_magic import ProtocolKernel, run_dirs
 from tests.test_warm import pids
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.timeout(600)]
+#: Kernels here start the warm ranks' starter at %load_ext, as users' do (tests/conftest.py).
+PREPARES_AHEAD = True
 
 SETUP = """#| ddp
 import os, time, torch, nbddp

@@ -24,6 +24,8 @@ from tests.conftest import alive
 from tests.test_magic import ProtocolKernel, run_dirs
 from tests.test_warm import SETUP, pids, train, weight
 
+#: Kernels here start the warm ranks' starter at %load_ext, as users' do (tests/conftest.py).
+PREPARES_AHEAD = True
 STARTER = re.compile(r"starter \(pid (\d+)\)")
 
 

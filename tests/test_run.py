@@ -24,6 +24,9 @@ SETUP = """#| ddp
 import time
 import torch
 import nbddp
+
+#: (nbddp run's kernels run beside their job and prepare no warm ranks: tested here as users get them, conftest.py.)
+PREPARES_AHEAD = True
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 2)"""
 

@@ -20,6 +20,8 @@ from tests.conftest import alive
 from tests.test_magic import ProtocolKernel, run_dirs
 
 pytestmark = pytest.mark.slow
+#: Kernels here start the warm ranks' starter at %load_ext, as users' do (tests/conftest.py).
+PREPARES_AHEAD = True
 
 SETUP = """#| ddp
 import os, time, torch, nbddp

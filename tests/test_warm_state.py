@@ -17,6 +17,8 @@ import pytest
 from tests.test_magic import ProtocolKernel, run_dirs
 
 pytestmark = pytest.mark.slow
+#: Kernels here start the warm ranks' starter at %load_ext, as users' do (tests/conftest.py).
+PREPARES_AHEAD = True
 
 #: What a training cell found when it started, and the bytes of the weights it brought back.
 DIGEST = ("import hashlib\nprint('weights', hashlib.sha1(b''.join(p.detach().numpy().tobytes() "

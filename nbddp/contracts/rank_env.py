@@ -47,6 +47,7 @@ VARIABLES = {
     "debugger": "NBDDP_DEBUGGER",
     "debug_on_failure": "NBDDP_DEBUG_ON_FAILURE",
     "kernel_beside_job": "NBDDP_KERNEL_BESIDE_JOB",
+    "prepare_ahead": "NBDDP_PREPARE_AHEAD",
 }
 
 #: Environment variables (prefixes) that differ between runs by design, that nbddp sets per run, or that a library
@@ -65,6 +66,14 @@ def kernel_beside_a_job(environ: Mapping[str, str] | None = None) -> bool:
     (``nbddp run``, papermill's nbddp engine), whose ranks are the job's own: its ``%load_ext nbddp`` prepares no
     warm ranks."""
     return (os.environ if environ is None else environ).get(VARIABLES["kernel_beside_job"]) == "1"
+
+
+def prepares_ranks_ahead(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``%load_ext nbddp`` starts the warm ranks' starter ahead of the first run: not in a kernel beside a job,
+    nor with ``NBDDP_PREPARE_AHEAD=0`` (a machine too tight to hold torch's imports on speculation; the test suite,
+    whose kernels mostly never train on warm ranks, but for the tests of warm ranks)."""
+    environ = os.environ if environ is None else environ
+    return not kernel_beside_a_job(environ) and environ.get(VARIABLES["prepare_ahead"]) != "0"
 
 
 def beside_a_job(environ: Mapping[str, str]) -> dict[str, str]:

@@ -42,12 +42,14 @@ from nbddp.rank_side.parent_death import die_with_parent
 
 #: Where ranks are forked rather than started afresh.
 FORKS = sys.platform.startswith("linux")
-#: What a DDP rank imports besides torch, preloaded by its starter: torch.distributed and nbddp's rank side
-#: (milliseconds, once torch is in), and what DDP's constructor imports (torch._dynamo and sympy: 1.3 s here, once
-#: in the starter rather than in every rank at the same time). Not ``nbddp.runtime``: importing it makes a rank.
+#: What a DDP rank imports besides torch, preloaded by a starter: torch.distributed and nbddp's rank side (milliseconds,
+#: once torch is in). Not ``nbddp.runtime``: importing it makes a rank.
 RANK_IMPORTS = ("torch.distributed", "torch.distributed.nn.functional", "nbddp.rank_side.torch_engine",
-                "nbddp.rank_side.process", "torch._dynamo")
-
+                "nbddp.rank_side.process")
+#: What DDP's constructor imports besides (torch._dynamo and sympy: 1.1 s here): a warm pool's starter started ahead
+#: imports it in the background; a fresh run's starter doesn't, being on the run's path, where a job that builds no
+#: DDP would wait for it, and its ranks would import it at the same time anyway.
+DDP_IMPORTS = ("torch._dynamo",)
 
 def preload(threads: str, modules: Sequence[str] = ()) -> None:
     """Import what every rank imports first, with the ranks' ``OMP_NUM_THREADS`` (``threads``, unless the

@@ -37,9 +37,9 @@ from nbddp.launchers.process_groups import process_alive
 from nbddp.rank_side.parent_death import arm
 
 PRELOAD = "--preload"
-#: What a warm rank imports before its first job, besides torch: a DDP rank's imports, and the warm loop's.
+#: What a warm rank imports before its first job, besides torch: a DDP rank's imports, the warm loop's, and DDP's.
 PRELOADED = (*forked_rank.RANK_IMPORTS, "nbddp.rank_side.warm.state", "nbddp.rank_side.debugger",
-             "nbddp.rank_side.trackers", "nbddp.rank_side.memory")
+             "nbddp.rank_side.trackers", "nbddp.rank_side.memory", *forked_rank.DDP_IMPORTS)
 #: How often a preloaded starter looks for its first run's word: often for its first seconds (a first run right after
 #: the setup cells), then less (an idle starter woke 100 times a second).
 GO_POLL_SECONDS, GO_POLL_FAST_FOR, IDLE_GO_POLL_SECONDS = 0.01, 10.0, 0.05

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Mapping
 
 from nbddp.contracts.devices import Devices
-from nbddp.contracts.rank_env import RankEnv, kernel_beside_a_job
+from nbddp.contracts.rank_env import RankEnv, prepares_ranks_ahead
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
 from nbddp.launchers.process_groups import memory_held
@@ -146,9 +146,10 @@ class KernelPool(PoolKeeper):
 
     def prepare(self) -> str:
         """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``), unless
-        ranks or a starter are there already, or this kernel runs beside a job, whose ranks are the job's own
-        (``""``); a line saying what happened."""
-        if kernel_beside_a_job() or self.live() is not None or (self.preload is not None and self.preload.alive()):
+        ranks or a starter are there already, or this kernel doesn't prepare ranks ahead (beside a job, whose ranks are
+        the job's own; ``NBDDP_PREPARE_AHEAD=0``: :func:`~nbddp.contracts.rank_env.prepares_ranks_ahead`) (``""``); a
+        line saying what happened."""
+        if not prepares_ranks_ahead() or self.live() is not None or (self.preload is not None and self.preload.alive()):
             return ""
         try:
             self.preload = Preload(self.idle)
