@@ -2,8 +2,9 @@
 
 Real kernels (raw execute requests), real starters importing torch, 2 gloo ranks. What it must keep: the first
 run's weights are a fresh run's; nothing of it reachable by another user (a private folder, no socket); released
-after the idle limit and by ``%ddp_ranks stop``; a first run that wants another environment than the starter
-imported with gets a plain starter (the same process, started again), with its own thread count.
+after the idle limit and by ``%ddp_ranks stop``; a first run that wants another environment (or thread count) than
+the starter imported with gets fresh ranks and says why, and the starter's own check starts it again as that run's
+plain starter; a first run and the idle limit can't both claim it.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asserts no timing: evens out .ci/run's lanes
 def test_an_unused_starter_is_released_after_the_idle_limit_and_when_stopped(kernel):
     kernel.execute("%load_ext nbddp")
     first = _starter(kernel)
@@ -114,6 +116,7 @@ def test_an_unused_starter_is_released_after_the_idle_limit_and_when_stopped(ker
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asserts no timing: evens out .ci/run's lanes
 def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_their_own_threads(kernel):
     """An environment changed since the extension loaded, or one rank on 2 cores (OMP_NUM_THREADS=2, where the
     starter imported torch for the default 2 ranks' 1): the run says why and its ranks are a fresh starter's."""
@@ -137,6 +140,7 @@ def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_t
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asserts no timing: evens out .ci/run's lanes
 def test_the_starter_itself_checks_the_first_runs_word_and_a_run_that_claimed_it_is_waited_for(tmp_path):
     """The starter's own check (the kernel's comes first): a word that doesn't fit (1 rank: OMP_NUM_THREADS=2 here)
     has it start again as that run's plain starter; one that fits forks the ranks from it, even after its idle
@@ -182,6 +186,7 @@ def test_what_the_imports_read_leaves_out_nbddps_variables_and_the_gpus_chosen()
 
 
 @pytest.mark.slow
+@pytest.mark.beside  # asserts no timing: evens out .ci/run's lanes
 def test_a_killed_kernels_starter_goes_with_its_folder(tmp_path):
     """SIGKILL leaves the kernel no chance to stop it: its parent-death signal ends it, and it removes its folder."""
     session = ProtocolKernel(tmp_path)
