@@ -292,16 +292,24 @@ def summary(values: list) -> str:
     return f"{med:.2f} s{spread}" + (f"; **broken** in {failed} of {len(values)}" if failed else "")
 
 
-def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]) -> str:
+def _measured() -> str:
+    return (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
+            f"{platform.python_version()}")
+
+
+def _table(figures: dict[str, dict[str, list]], rows: tuple[str, ...], cell=summary) -> list[str]:  # noqa: ANN001
+    """A row per figure, a column per tool; ``cell`` writes one tool's values of one row."""
     names = list(figures)
+    return (["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+            + [f"| {row} | " + " | ".join(cell(figures[name][row]) for name in names) + " |" for row in rows])
+
+
+def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]) -> str:
     lines = ["## 7. Peers: the edit loop side by side", "",
-             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
-             f"{platform.python_version()}; {rounds} rounds, the tools interleaved; `python -m benchmarks.peers`. "
+             f"{_measured()}; {rounds} rounds, the tools interleaved; `python -m benchmarks.peers`. "
              "A trivial 2-rank CPU training cell in a real kernel driven by raw execute requests (a front end that "
              "renders no widgets, as nbclient, papermill and `jupyter console` are); medians with min–max.", "",
-             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for row in ROWS:
-        lines.append(f"| {row} | " + " | ".join(summary(figures[name][row]) for name in names) + " |")
+             *_table(figures, ROWS)]
     for tool in tools:
         for note in dict.fromkeys(tool.notes):
             lines += ["", f"{tool.name}: {note}"]
@@ -336,20 +344,15 @@ def measure_first(tools: list[Tool], work: Path, kernels: int, log) -> dict[str,
 
 
 def first_markdown(figures: dict[str, dict[str, list]], kernels: int, tools: list[Tool]) -> str:
-    names = list(figures)
     lines = ["### The first run in a fresh kernel", "",
-             f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
-             f"{platform.python_version()}; {kernels} fresh kernels per tool and row, the tools interleaved; "
+             f"{_measured()}; {kernels} fresh kernels per tool and row, the tools interleaved; "
              "`python -m benchmarks.peers --first-run`. A fresh kernel runs the tool's setup cells (nbddp: `%load_ext "
              "nbddp` and a `#| ddp` cell importing torch and building the model; Accelerate: importing torch and "
              "Accelerate, defining the function; nbdistributed: loading it and `%dist_init -n 2`, which starts its "
              "workers), then the same trivial training cell as above, timed from its execute request to the kernel "
              "idle; medians with min–max.", "",
-             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for row in FIRST_ROWS:
-        lines.append(f"| {row} | " + " | ".join(
-            "**failed** every time (see below)" if figures[name][row] and not any(figures[name][row])
-            else summary(figures[name][row]) for name in names) + " |")
+             *_table(figures, FIRST_ROWS, lambda values: "**failed** every time (see below)"
+                     if values and not any(values) else summary(values))]
     for tool in tools:
         if tool.notes:  # (the first: the others differ by a message id at most)
             more = f" ({len(tool.notes)} times)" if len(tool.notes) > 1 else ""
