@@ -99,9 +99,13 @@ class PoolKeeper:
         self.pool = self._start(key, devices, environ)
         return self.pool, f"starting fresh warm ranks: {why}" if why else ""
 
-    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None,
-               preload: Preload | None = None) -> WarmPool:
-        return WarmPool(key, devices, self.idle, environ=self.environ if environ is None else environ, preload=preload)
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        environ = self.environ if environ is None else environ
+        return WarmPool(key, devices, self.idle, environ=environ, preload=self._take_preload(key, devices, environ))
+
+    def _take_preload(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None) -> Preload | None:
+        """A starter started ahead that new ranks for ``key`` are to be forked from (a batch's slots have none)."""
+        return None
 
     def after_run(self, pool: WarmPool, status: Status) -> None:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
@@ -181,28 +185,26 @@ class KernelPool(PoolKeeper):
         """The warm ranks, when they are running (``None``: none, or gone: idle too long, or stopped)."""
         return self.pool if self.pool is not None and self.pool.alive() else None
 
-    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None,
-               preload: Preload | None = None) -> WarmPool:
-        """The ranks forked from the starter started ahead, where it can serve them (else it goes, said in
-        :attr:`preload_note`, and fresh ones start)."""
-        preload, self.preload = self.preload, None
-        if preload is not None:
-            ranks_env = ranks_environment(RankEnv(nproc=devices.nproc), preload.dir.store,
-                                          os.environ if environ is None else environ)
-            why = preload.why_not(key.python, key.cwd, ranks_env, devices.nproc)
-            if why:
-                preload.stop()
-                preload = None
-                self.preload_note = f"the warm ranks' starter loaded with the extension could not serve this run " \
-                                    f"({why}): started a fresh one"
-        try:
-            pool = super()._start(key, devices, environ, preload=preload)
-        except BaseException:
-            if preload is not None:
-                preload.stop()
-            raise
+    def _start(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None = None) -> WarmPool:
+        pool = super()._start(key, devices, environ)
         self._stop_at_exit()
         return pool
+
+    def _take_preload(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None) -> Preload | None:
+        """The starter started ahead, where it can serve these ranks (else it goes, said in :attr:`preload_note`, and
+        fresh ones start). Taken either way: should the pool fail to start, it stops the starter with it."""
+        preload, self.preload = self.preload, None
+        if preload is None:
+            return None
+        ranks_env = ranks_environment(RankEnv(nproc=devices.nproc), preload.dir.store,
+                                      os.environ if environ is None else environ)
+        why = preload.why_not(key.python, key.cwd, ranks_env, devices.nproc)
+        if not why:
+            return preload
+        preload.stop()
+        self.preload_note = (f"the warm ranks' starter loaded with the extension could not serve this run ({why}): "
+                             f"started a fresh one")
+        return None
 
     def _stop_at_exit(self) -> None:
         if not self._at_exit:  # the kernel exiting normally stops its ranks and removes their folder
