@@ -19,6 +19,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+#: ``--cost N``: the costliest tests by CPU-seconds (tests/cost.py).
+pytest_plugins = ["tests.cost"]
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "notebooks"
 FIXTURES = Path(__file__).resolve().parent / "notebooks"

@@ -13,8 +13,9 @@ differ by design: every rank's lines against one process's).
 ``python -m tests.papermill_parity [--only CASE ...] [--markdown docs/papermill.md]`` runs the
 whole matrix and writes the table; ``tests/test_papermill_parity.py`` runs a part of it in CI, against
 papermill's own engine's results as ``--record`` recorded them (``tests/notebooks/papermill/reference.json``)
-while the packages that decide them (papermill, nbclient, nbformat, jupyter_client, ipykernel, Python)
-are the versions recorded there, and running papermill's engine again otherwise.
+while the packages that decide them (papermill, nbclient, nbformat, jupyter_client, ipykernel, IPython, Python)
+are the versions of one of its records, and running papermill's engine again otherwise. Where the interpreter and its
+packages are installed is left out of what is compared, so a record made in one install serves another.
 """
 
 from __future__ import annotations
@@ -199,9 +200,17 @@ def _notebook(case: Case, folder: Path, stdout: str) -> dict:
             "nb_exception": nb.metadata.get("papermill", {}).get("exception")}
 
 
+#: Where an installation puts Python's files: a warning printed by a library names its file under one of them.
+_INSTALLED = ((re.compile(r"(?:/[^\s/:'\"]+)+/(?:site|dist)-packages/"), "<site-packages>/"),
+              (re.compile(r"(?:/[^\s/:'\"]+)+/lib/python3\.\d+/"), "<stdlib>/"))
+
+
 def _plain(text: str) -> str:
-    """Text output without what differs between any two runs (times, addresses, temp names)."""
+    """Text output without what differs between any two runs (times, addresses, temp names) or any two installs of
+    the same versions (where the interpreter and its packages are: a venv's, pyenv's, a system's)."""
     text = re.sub(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[,.\d]*", "<time>", text)
+    for path, name in _INSTALLED:
+        text = path.sub(name, text)
     return re.sub(r"0x[0-9a-f]+|/tmp/[\w./-]+", "<x>", text)
 
 
@@ -290,11 +299,13 @@ def _versions() -> str:
     return ", ".join(f"{name} {version(name)}" for name in ("papermill", "nbclient", "nbddp"))
 
 
-#: What papermill's own engine did, recorded (``--record``) with the versions of what decides it: read back
-#: in place of running papermill's engine again while those versions are the ones installed.
+#: What papermill's own engine did, recorded (``--record``) with the versions of what decides it, one record per set
+#: of versions: read back in place of running papermill's engine again while those versions are the ones installed.
+#: What depends on where they are installed is left out of the results (:func:`_plain`), so a record travels.
 REFERENCE = NOTEBOOKS / "reference.json"
-#: The packages whose versions decide what papermill's own engine does (nbddp is not among them).
-REFERENCE_PACKAGES = ("papermill", "nbclient", "nbformat", "jupyter_client", "ipykernel")
+#: The packages whose versions decide what papermill's own engine does (nbddp is not among them). IPython's names a
+#: line of its own in the warning ``sys.exit`` prints.
+REFERENCE_PACKAGES = ("papermill", "nbclient", "nbformat", "jupyter_client", "ipykernel", "ipython")
 
 
 def reference_versions() -> dict[str, str]:
@@ -303,33 +314,37 @@ def reference_versions() -> dict[str, str]:
     return {"python": "%d.%d" % sys.version_info[:2], **{name: version(name) for name in REFERENCE_PACKAGES}}
 
 
+def _records() -> list[dict]:
+    try:
+        return json.loads(REFERENCE.read_text())["records"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
 def recorded(case: Case, variant: str) -> dict | None:
     """papermill's own engine's result for ``case``, as recorded with the installed versions (``None``: not
-    recorded, or recorded with other versions: run it)."""
-    try:
-        data = json.loads(REFERENCE.read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("versions") != reference_versions():
-        return None
-    return data["results"].get(f"{case.id}/{variant}")
+    recorded, or recorded with other versions only: run it)."""
+    versions = reference_versions()
+    for kept in _records():
+        if kept.get("versions") == versions:
+            return kept["results"].get(f"{case.id}/{variant}")
+    return None
 
 
 def record(cases: tuple[Case, ...], variants: tuple[str, ...], work: Path) -> None:
-    """Run papermill's own engine on every case and write :data:`REFERENCE` (keeping the other cases it holds,
-    when they were recorded with the same versions)."""
-    try:
-        kept = json.loads(REFERENCE.read_text())
-        results = kept["results"] if kept.get("versions") == reference_versions() else {}
-    except (OSError, ValueError, KeyError):
-        results = {}
+    """Run papermill's own engine on every case and write its results into :data:`REFERENCE`, as the record of the
+    installed versions (keeping the other cases that record holds, and the records of other versions)."""
+    versions = reference_versions()
+    others = [kept for kept in _records() if kept.get("versions") != versions]
+    results = next((kept["results"] for kept in _records() if kept.get("versions") == versions), {})
     for case in cases:
         for variant in variants:
             result = run_case(case, variant, "papermill", work / case.id)
             results[f"{case.id}/{variant}"] = {k: v for k, v in result.items() if k not in ("seconds", "stderr_tail")}
             print(f"{case.id} [{variant}]: exit {result['exit']}, {result['exception'] or 'no exception'}",
                   file=sys.stderr, flush=True)
-    REFERENCE.write_text(json.dumps({"versions": reference_versions(), "results": results}, indent=1) + "\n")
+    records = sorted([*others, {"versions": versions, "results": results}], key=lambda kept: json.dumps(kept["versions"]))
+    REFERENCE.write_text(json.dumps({"records": records}, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
