@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--installed", type=int, required=True)
     parser.add_argument("--ended", type=int, required=True)
     parser.add_argument("--top", type=int, default=15)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         with open(args.costs, encoding="utf-8") as f:
             costs = [Cost(**json.loads(line)) for line in f if line.strip()]

@@ -26,7 +26,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-pytestmark = pytest.mark.slow  # (a fresh interpreter imports every library the tests use: ~20 s)
+# (a fresh interpreter imports every library the tests use, ~15 CPU-seconds; no timing asserted: .ci/run's beside lane)
+pytestmark = [pytest.mark.slow, pytest.mark.beside]
 
 REPO = Path(__file__).resolve().parent.parent
 #: What .ci/run installs beside ``nbddp[test]`` (the vendored Catalyst wheel, with its requirements; AIToolbox

@@ -90,6 +90,7 @@ def test_a_run_on_one_machine_listens_on_loopback_only_and_no_store_answers(tmp_
     assert not {port for _, port, _ in ours} & {port for _, port, _ in listeners(set(psutil.pids()))}
 
 
+@pytest.mark.beside  # (waits for a pool to idle, asserts no timing: .ci/run's beside lane)
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
 def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_path):
     from tests.test_magic import ProtocolKernel

@@ -1,9 +1,10 @@
 """No committed file holds the paths of the machine it was made on.
 
 A recorded output, a traceback pasted into a document or a comment that names where this machine keeps its
-interpreter (``…/versions/3.11.7/lib/python3.11/site-packages/…``) is right on one machine only: a test comparing
-against it fails in any other install, and a reader learns nothing from it. Paths into an installation are written
-with ``…`` (``…/site-packages/torch/…``) or normalised where they are compared (tests/papermill_parity.py).
+interpreter and its packages (pyenv's versions folder, a venv's site-packages, in full) is right on one machine
+only: a test comparing against it fails in any other install, and a reader learns nothing from it. Paths into an
+installation are written with ``…`` (``…/site-packages/torch/…``) or normalised where they are compared
+(tests/papermill_parity.py).
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def test_no_committed_file_holds_an_installation_path_or_this_machines():
 
 
 def test_the_pattern_finds_what_it_is_for():
-    assert INSTALLED.search('File "/opt/venv/lib/python3.12/site-packages/torch/x.py", line 3')
-    assert INSTALLED.search("/usr/lib/python3.11/json/__init__.py")
-    assert INSTALLED.search("~/.pyenv/versions/3.13.0/bin/python")
+    lib = "/lib/" + "python3.12/"  # (written in two: this file is committed too)
+    assert INSTALLED.search(f'File "/opt/venv{lib}site-packages/torch/x.py", line 3')
+    assert INSTALLED.search(f"/usr{lib}json/__init__.py")
+    assert INSTALLED.search("~/.pyenv/" + "versions/3.13.0/bin/python")
     assert not INSTALLED.search("…/site-packages/torch/distributed/distributed_c10d.py")
     assert not INSTALLED.search("pip install -e '.[test]'")
