@@ -166,8 +166,10 @@ class CliRun:
         self.lines: list[str] = []
         self.seen: set[int] = set()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "nbddp", *map(str, args)], cwd=cwd, env=full_env,
+        from nbddp.contracts.interpreter import module_argv
+
+        self.proc = subprocess.Popen(  # (as the `nbddp` command starts: no module from the working folder)
+            module_argv("nbddp", *map(str, args)), cwd=cwd, env=full_env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             start_new_session=True,
         )

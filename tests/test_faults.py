@@ -226,9 +226,13 @@ def test_max_restarts_resumes_from_the_last_checkpoint(tmp_path, cli_run):
         "    nbddp.save_checkpoint(model=model, optimizer=opt, epoch=epoch)\n"
         "    nbddp.log(epoch=epoch)"
     )
+    from tests.test_safe_path import plant, planted_imports
+
+    mark = plant(tmp_path, "typing.py")  # (torchrun's launcher and the ranks it starts import nothing from the folder)
     write_notebook(tmp_path / "f.ipynb", training(body)[:2])
     run = cli_run(["run", "f.ipynb", "--cpu", "--max-restarts", "1"], tmp_path)
     assert run.wait(timeout=120) == 0, run.output
+    assert planted_imports(mark) == ""
     assert "[rank 0] attempt 0 starts at epoch 0" in run.output
     assert "[rank 0] attempt 1 starts at epoch 2" in run.output and "resumed from resume.pt" in run.output
     said = ("[launcher] restart 1 of 1 (--max-restarts): rank 1 raised RuntimeError: transient failure; every rank "

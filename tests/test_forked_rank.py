@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from nbddp.contracts.interpreter import code_argv, program_argv
 from nbddp.launchers import forked_rank
 
 pytestmark = pytest.mark.skipif(not forked_rank.FORKS, reason="ranks are forked on Linux only")
@@ -78,8 +79,10 @@ DRIVER = textwrap.dedent('''
 
 
 def _env(tmp_path, **extra):
+    """The probe's folder first on the module path (``-m probe``: nbddp's interpreters never put their working folder
+    there, tests/test_safe_path.py), then this interpreter's."""
     env = {key: value for key, value in os.environ.items() if key != "ONLY_HERE"}
-    return {**env, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", **extra}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "OMP_NUM_THREADS": "1", **extra}
 
 
 @pytest.mark.slow
@@ -92,15 +95,16 @@ def test_a_forked_rank_sees_what_a_fresh_interpreter_sees_and_ends_as_one_does(t
              for program, kind in observe for rank in (0, 1)]
     endings = [("exit", {"CODE": "3"}), ("message", {}), ("raise", {}), ("ctrl-c", {}), ("threads", {})]
     cases += [(["probe.py"], _env(tmp_path, MODE=mode, **extra)) for mode, extra in endings]
-    driver = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=120, stdin=subprocess.DEVNULL)
+    # (the starter as nbddp starts it, and each fresh rank as nbddp would: nbddp.contracts.interpreter)
+    driver = subprocess.run(code_argv(DRIVER, json.dumps(cases)), cwd=tmp_path, capture_output=True, env=_env(tmp_path),
+                            text=True, timeout=120, stdin=subprocess.DEVNULL)  # (its module path: the ranks' too)
     assert driver.returncode == 0, driver.stderr
     codes = json.loads(driver.stdout.rpartition("CODES ")[2])
 
     fresh = {}
     for program, kind in observe:
         out = tmp_path / f"fresh-{kind}.json"
-        subprocess.run([sys.executable, "-u", *program], cwd=tmp_path, env=_env(tmp_path, OUT=str(out), RANK="0"),
+        subprocess.run(program_argv(program, flags=("-u",)), cwd=tmp_path, env=_env(tmp_path, OUT=str(out), RANK="0"),
                        stdin=subprocess.DEVNULL, start_new_session=True, timeout=120, check=True)
         fresh[kind] = json.loads(out.read_text())
     for program, kind in observe:
@@ -115,7 +119,7 @@ def test_a_forked_rank_sees_what_a_fresh_interpreter_sees_and_ends_as_one_does(t
     assert fresh["script"]["path0"] == str(tmp_path) and fresh["module"]["argv"][0] == script  # (what was compared)
     assert fresh["script"]["only_here"] is None and fresh["script"]["threads"] == 1
 
-    fresh_codes = [subprocess.run([sys.executable, "-u", *program], cwd=tmp_path, env=env, capture_output=True,
+    fresh_codes = [subprocess.run(program_argv(program, flags=("-u",)), cwd=tmp_path, env=env, capture_output=True,
                                   text=True, timeout=120).returncode for program, env in cases[4:]]
     assert codes[4:] == fresh_codes == [3, 1, 1, -signal.SIGINT, 0]
     assert codes[:4] == [0, 0, 0, 0]

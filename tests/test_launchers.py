@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from nbddp.contracts.interpreter import module_argv
+
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.errors import UsageError
 
@@ -59,9 +61,10 @@ def test_one_machine_starts_its_ranks_directly_unless_it_restarts_them(tmp_path)
     assert direct.name == "direct" and not direct.supports_restarts
     assert launcher_for("torch", max_restarts=1).name == "torchrun"
     assert launcher_for("torch", Nodes(2, 0, "h:1")).name == "torchrun"
-    argv = direct.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py")
-    assert argv == ["py", "-m", "nbddp.launchers.direct_main", "--nproc", "3", "--report", "/r/logs/launch.json",
-                    "--", "/r/train.py"]
+    argv = direct.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python=sys.executable)
+    # (with the notebook's folder off the module path: tests/test_safe_path.py)
+    assert argv == module_argv("nbddp.launchers.direct_main", "--nproc", "3", "--report", "/r/logs/launch.json",
+                               "--", "/r/train.py")
     run_dir = RunDir(tmp_path)
     env = direct.environment(run_dir)
     assert env["NBDDP_STORE"] == str(run_dir.store) and env["GLOO_SOCKET_IFNAME"] and run_dir.store.is_dir()
@@ -74,8 +77,10 @@ def test_one_machine_starts_its_ranks_directly_unless_it_restarts_them(tmp_path)
 
 def test_torchrun_command_keeps_its_folder_in_the_run_dir():
     torchrun = launcher_for("torch", max_restarts=2)
-    argv = torchrun.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python="py", max_restarts=2)
-    assert argv[:3] == ["py", "-m", "nbddp.launchers.torchrun_main"] and argv[-1] == "/r/train.py"  # torchrun's main
+    argv = torchrun.command(Path("/r/train.py"), Devices("cpu", 3), RunDir(Path("/r")), python=sys.executable,
+                            max_restarts=2)
+    assert argv[:len(module_argv("nbddp.launchers.torchrun_main"))] == module_argv("nbddp.launchers.torchrun_main")
+    assert argv[-1] == "/r/train.py"  # torchrun's main
     assert {"--nproc-per-node=3", "--max-restarts=2", "--log-dir=/r/logs/torchrun"} <= set(argv)
     # one machine: c10d's rendezvous in a file of the run dir, not --standalone's TCPStore on every interface
     assert {"--rdzv-backend=c10d", "--rdzv-endpoint=/r/store/rendezvous", "--rdzv-conf=store_type=file",

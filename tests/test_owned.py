@@ -18,12 +18,20 @@ NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 
 
-def test_a_folder_nbddp_creates_is_private_and_one_of_the_users_own_is_taken_as_it_is(tmp_path):
+def test_a_folder_nbddp_creates_is_private_and_one_of_the_users_own_others_can_read_is_made_private_saying_so(tmp_path):
     made = private_folder(tmp_path / "a" / "runs", "the runs folder", parents=True)
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
-    mine = tmp_path / "mine"
-    mine.mkdir(mode=0o755)
-    assert private_folder(mine, "--run-dir") == mine and stat.S_IMODE(mine.stat().st_mode) == 0o755
+    said = []
+    for mode, who in ((0o755, "others"), (0o750, "its group")):
+        mine = tmp_path / f"mine-{mode:o}"
+        mine.mkdir()
+        mine.chmod(mode)
+        assert private_folder(mine, "--run-dir", say=said.append) == mine and stat.S_IMODE(mine.stat().st_mode) == 0o700
+        assert said[-1] == (f"--run-dir {mine} could be read by {who} (mode {stat.filemode(stat.S_IFDIR | mode)}): made "
+                            "it private (0700), as nbddp's folders are; share what you want of it with chmod once the "
+                            "run ends.")
+    private_folder(made, "the runs folder", say=said.append)
+    assert len(said) == 2  # (a private one: nothing to say)
 
 
 def test_a_folder_others_can_write_is_refused_saying_how_to_fix_it(tmp_path):

@@ -78,23 +78,45 @@ def assert_unreachable(pids: set[int]) -> list[tuple[str, int, int]]:
 def test_a_run_on_one_machine_listens_on_loopback_only_and_no_store_answers(tmp_path, cli_run):
     """The stores torchrun's ``--standalone`` opened on every interface (its rendezvous state unpickled on each
     heartbeat) are files in the run's 0700 folder; the ranks' pairs listen on loopback, and poking them as a
-    store reads nothing and doesn't disturb the training."""
-    write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=40))])
-    run = cli_run(["run", "f.ipynb", "--cpu"], tmp_path)
+    store reads nothing and doesn't disturb the training.
+
+    The notebook is the worst a shared project folder can hold: the folder is world-writable with a ``typing.py``
+    and an ``nbddp.py`` planted in it (nbddp's processes import neither: tests/test_safe_path.py); its ``runs/``
+    others can read (made private, saying so); its name ends a comment line and holds code (it stays data:
+    tests/test_names_are_data.py); a rank prints escape sequences that would set the window's title and write the
+    clipboard (shown escaped: tests/test_terminal.py)."""
+    from tests.test_names_are_data import PAYLOAD
+    from tests.test_safe_path import plant, planted_imports
+    from tests.test_terminal import HOSTILE_LINE, SHOWN
+
+    mark = plant(tmp_path, "typing.py", "nbddp.py")  # (so the notebook imports neither itself)
+    (tmp_path / "runs").mkdir(mode=0o755)
+    (tmp_path / "runs").chmod(0o755)
+    name = f"f\n{PAYLOAD}.ipynb"
+    line = HOSTILE_LINE.split("\r")[0]  # (a \r redraws a rank's line: its last part shows)
+    write_notebook(tmp_path / name, [code("import torch\nLINE = " + repr(line), "ddp"),
+                                     code(TRAINING.format(steps=40) + "\nprint(LINE, flush=True)")])
+    run = cli_run(["run", name, "--cpu"], tmp_path)
     run.wait_for("[rank 1] step 2")
     ours = assert_unreachable(run.seen)
-    assert_private(next((tmp_path / "runs").glob("f-*")) / "store")
+    assert_private(next((tmp_path / "runs").glob("f*")) / "store")
     assert run.wait(timeout=120) == 0, run.output
     assert "[rank 0] step 39 2.0" in run.output and "[rank 1] step 39 2.0" in run.output
     assert not run.leftovers(grace=1)
     assert not {port for _, port, _ in ours} & {port for _, port, _ in listeners(set(psutil.pids()))}
+    assert planted_imports(mark) == "" and not list(tmp_path.rglob("PWNED"))
+    assert f"the runs folder {tmp_path / 'runs'} could be read by others (mode drwxr-xr-x): made it private" in run.output
+    assert (tmp_path / "runs").stat().st_mode & 0o077 == 0
+    assert f"[rank 1] {SHOWN.split(chr(13))[0]}" in run.output and "\x1b]" not in run.output, run.output
 
 
 @pytest.mark.beside  # (waits for a pool to idle, asserts no timing: .ci/run's beside lane)
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux's setpriv")
 def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_path):
     from tests.test_magic import ProtocolKernel
+    from tests.test_safe_path import plant, planted_imports
 
+    mark = plant(tmp_path, "typing.py")  # (the starter, its agent and the ranks import nothing from the folder)
     kernel = ProtocolKernel(tmp_path)
     try:
         kernel.execute("%load_ext nbddp")
@@ -113,6 +135,7 @@ def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_pat
         assert "on a warm rank (its run 2)" in again and "[rank 1] step 1 2.0" in again, again
     finally:
         kernel.close()
+    assert planted_imports(mark) == ""
 
 
 @pytest.mark.parametrize("launcher, flags", [("nbddp.launchers.direct_main", []),

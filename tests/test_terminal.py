@@ -119,3 +119,27 @@ def test_on_a_real_terminal_the_bar_ends_once_and_the_ending_has_a_line_of_its_o
     assert shown[-2].startswith("nbddp: succeeded in") and shown[-1].startswith("nbddp: final metrics: loss=2.441")
     assert "[rank 0] trained" in shown and "[rank 1] trained" in shown, shown  # lines went above the bar
     assert not any("%|" in line for line in shown[:-3]), shown  # the bar was never left among them
+
+
+# ---------------------------------------------------------------- terminal-safe output (what a rank's text can do)
+
+#: A rank's line that would set the window's title, write the clipboard (OSC 52), clear the screen and move the
+#: cursor, between a coloured word and a progress bar's carriage return.
+HOSTILE_LINE = ("\x1b[31mred\x1b[0m \x1b]0;pwned\x07 \x1b]52;c;ZWNobyBwd25lZA==\x07 \x1b[2J\x1b[H \x9b1A "
+                "\u202eevil 50%\r60%")
+SHOWN = ("\x1b[31mred\x1b[0m \\x1b]0;pwned\\x07 \\x1b]52;c;ZWNobyBwd25lZA==\\x07 \\x1b[2J\\x1b[H \\x9b1A "
+         "\\u202eevil 50%\r60%")
+
+
+def test_a_ranks_control_sequences_are_shown_escaped_colours_and_carriage_returns_pass():
+    """(Through the real door: tests/test_shared_machine.py's run on one machine, whose rank prints such a line.)"""
+    lines, said = [], []
+    sink = TerminalSink(lines.append, tty=False)
+    sink(LogLine(0, HOSTILE_LINE))
+    sink.above(said.append)(f"error: rank 0 raised ValueError: {HOSTILE_LINE}")
+    assert lines == [f"[rank 0] {SHOWN}\n"] and said == [f"error: rank 0 raised ValueError: {SHOWN}"]
+    raw_lines, raw_said = [], []
+    raw = TerminalSink(raw_lines.append, tty=False, raw=True)  # nbddp run --raw-output
+    raw(LogLine(0, HOSTILE_LINE))
+    raw.above(raw_said.append)(HOSTILE_LINE)
+    assert raw_lines == [f"[rank 0] {HOSTILE_LINE}\n"] and raw_said == [HOSTILE_LINE]

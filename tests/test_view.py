@@ -171,3 +171,18 @@ def test_a_front_end_expected_to_render_widgets_is_told_what_its_view_needs_if_i
     view_module.WidgetView([0, 1], mirror=False)
     assert shown.shown[0]["text/plain"] == ("[nbddp] training on 2 processes (the live view is a widget, which this "
                                             "front end did not render: it needs ipywidgets where Jupyter runs too)")
+
+
+def test_a_ranks_markup_and_control_characters_are_text_in_the_pane():
+    """The notebook's view shows a rank's line as text: its markup is escaped (no script, no tag), and no control
+    character can reach a terminal from a browser's page (the terminal door escapes them: tests/test_terminal.py)."""
+    import ipywidgets as w
+
+    pane = LogPane(w)
+    line = "<script>alert(1)</script><img src=x onerror=alert(2)> \x1b]52;c;eA==\x07 & done"
+    pane.add(line)
+    pane.flush()
+    [chunk] = pane.inner.children
+    assert "<script>" not in chunk.value and "<img" not in chunk.value
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&lt;img src=x onerror=alert(2)&gt;" in chunk.value
+    assert _text(chunk) == line

@@ -8,7 +8,8 @@ or swap what nbddp reads for something that runs their code as the victim. So, a
 connection files and ssh its keys:
 
 * the folders nbddp creates are private (0700); one that exists already is used only when it is the user's
-  and neither its group nor others can write it, else one line says whose it is (:func:`private_folder`);
+  and neither its group nor others can write it, else one line says whose it is, and made private when others
+  can read it, saying so (:func:`private_folder`);
 * what is read back to be trusted is opened without following a symbolic link and checked the same way
   (:func:`read_owned`); marks are created without following one (:func:`touch`).
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any, Callable
 
 from nbddp.contracts.errors import UsageError
 
@@ -32,11 +34,13 @@ class NotYours(UsageError):
 CHOOSE_ANOTHER = "Choose a folder of your own."
 
 
-def private_folder(path: Path, what: str, parents: bool = False) -> Path:
-    """``path``, created private (0700), or as it is when it is already the user's alone.
+def private_folder(path: Path, what: str, parents: bool = False, say: Callable[[str], Any] | None = None) -> Path:
+    """``path``, created private (0700), or made private when it is the user's already.
 
-    ``what`` names it in the refusal (``--run-dir``, ``the runs folder``); ``parents``: create missing
-    parents too (as the user's umask makes them: only ``path`` itself must be private).
+    ``what`` names it in what is said (``--run-dir``, ``the runs folder``); ``parents``: create missing
+    parents too (as the user's umask makes them: only ``path`` itself must be private). A folder of the user's that
+    others can read (``runs/`` made by hand, 0755) is made private, and ``say`` is told so in one line: a run's
+    weights, logs and script are the user's work, and what others can read of them is for the user to share.
 
     Raises:
         NotYours: it exists and belongs to another user, or its group or others can write to it.
@@ -47,8 +51,17 @@ def private_folder(path: Path, what: str, parents: bool = False) -> Path:
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
-        check_owned(path, what, follow=True)
+        info = check_owned(path, what, follow=True)
+        if info.st_mode & 0o077:
+            os.chmod(path, 0o700)
+            if say is not None:
+                say(f"{what} {path} could be read by {_who(info.st_mode)} (mode {stat.filemode(info.st_mode)}): made it "
+                    "private (0700), as nbddp's folders are; share what you want of it with chmod once the run ends.")
     return path
+
+
+def _who(mode: int) -> str:
+    return "others" if mode & 0o007 else "its group"
 
 
 def check_owned(path: Path, what: str, follow: bool = False, then: str = CHOOSE_ANOTHER) -> os.stat_result:

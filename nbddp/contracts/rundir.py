@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from nbddp.contracts.atomic import read_json
 from nbddp.contracts.errors import NbddpError, UsageError
@@ -308,9 +308,10 @@ class RunDir:
         return [cls(path.parent) for path in sorted(Path(folder).glob(f"*/{_RESULT}"))]
 
 
-def create_run_dir(notebook: Path, run_dir: Path | None = None) -> RunDir:
+def create_run_dir(notebook: Path, run_dir: Path | None = None, say: Callable[[str], Any] | None = None) -> RunDir:
     """``runs/<stem>-<timestamp>`` beside the notebook, unique even within one second, private; or
-    ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten).
+    ``run_dir`` (``--run-dir``), which must not hold a run already (runs are never overwritten). ``say``: told in one
+    line when an existing folder others could read was made private (:func:`~nbddp.contracts.owned.private_folder`).
 
     Raises:
         NotYours: ``--run-dir``, or the ``runs`` folder, belongs to another user or others can write to it
@@ -320,8 +321,8 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None) -> RunDir:
         run_dir = Path(run_dir)
         if RunDir(run_dir).holds_a_run():
             raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
-        return RunDir(private_folder(run_dir, "--run-dir", parents=True).resolve())
-    parent = private_folder(notebook.resolve().parent / "runs", "the runs folder")
+        return RunDir(private_folder(run_dir, "--run-dir", parents=True, say=say).resolve())
+    parent = private_folder(notebook.resolve().parent / "runs", "the runs folder", say=say)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 10_000):
         candidate = parent / (f"{notebook.stem}-{stamp}" + (f"-{n}" if n > 1 else ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from contextlib import contextmanager
@@ -20,6 +21,24 @@ def stdout_write(text: str) -> None:
     sys.stdout.flush()
 
 
+#: What a terminal shows as it is: colours and styles (SGR, ``ESC [ … m``), or any character but the controls below.
+_SGR = r"\x1b\[[0-9;:]*m"
+#: What a terminal would obey rather than show: C0 controls but the tab, line feed and carriage return (a progress
+#: bar redrawn in place), DEL, C1 controls (``\x9b`` is a CSI too) and the bidirectional controls, which reorder
+#: what follows them.
+_CONTROL = "[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]"
+_SHOWN_OR_NOT = re.compile(f"({_SGR})|{_CONTROL}")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` as the terminal should show it, whatever a rank or a dataset put in it: printable text, tabs, line
+    feeds, carriage returns and colours pass; every other control character is shown escaped (``\\x1b]52;…``), so no
+    escape sequence in a rank's output or an error's message sets the window's title, writes the clipboard (OSC 52),
+    moves the cursor or clears the screen. (``nbddp run --raw-output`` passes everything as it is.)"""
+    return _SHOWN_OR_NOT.sub(lambda found: found.group(1) or found.group().encode("unicode_escape").decode("ascii"),
+                             text)
+
+
 def _count(value: object) -> bool:
     """An epoch count: a whole number, or a fraction (the Hugging Face Trainer logs ``epoch=1.5``)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -35,9 +54,11 @@ class TerminalSink:
     closes it (:meth:`close`) before the ending, which then starts on a line of its own with no bar after it.
     """
 
-    def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None) -> None:
+    def __init__(self, write: Callable[[str], Any] = stdout_write, tty: bool | None = None, raw: bool = False) -> None:
         self.write = write
         self.tty = sys.stdout.isatty() if tty is None else tty
+        self.shown: Callable[[str], str] = (lambda text: text) if raw else terminal_safe
+        """What reaches the terminal of a line: :func:`terminal_safe`'s, or as it is (``--raw-output``)."""
         self.bar = None
         self.last_progress: dict[int | None, float] = {}
 
@@ -57,14 +78,14 @@ class TerminalSink:
     def line(self, text: str) -> None:
         """Write ``text`` above the epoch bar (the bar stays under the newest line)."""
         with self._above_bar():
-            self.write(text)
+            self.write(self.shown(text))
 
     def above(self, say: Callable[[str], Any]) -> Callable[[str], None]:
         """``say`` (nbddp's own lines, on stderr) writing above the epoch bar, as :meth:`line` does."""
 
         def said(text: str) -> None:
             with self._above_bar():
-                say(text)
+                say(self.shown(text))
 
         return said
 

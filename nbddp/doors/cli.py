@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--debug-on-failure", action="store_true",
                      help="a rank that raises opens a debugger (pdb) in its failing frame, here in this terminal, "
                           "before it ends; the other ranks wait meanwhile")
+    _add_raw_output(run)
     run.set_defaults(handler=_run)
 
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
     attach.add_argument("run", metavar="RUN", help="its run dir (or its name, from nbddp ps)")
+    _add_raw_output(attach)
     attach.set_defaults(handler=_attach)
 
     ps = commands.add_parser("ps", help="list the runs alive now")
@@ -80,6 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
     kill.add_argument("runs", nargs="+", metavar="RUN", help="run dir name or path (from nbddp ps), or its process group")
     kill.set_defaults(handler=_kill)
     return parser
+
+
+def _add_raw_output(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--raw-output", action="store_true",
+                         help="pass the ranks' output to this terminal as it is, escape sequences too (by default "
+                              "colours and \\r pass, other control characters are shown escaped)")
+
+
+def _shown(text: str, args: argparse.Namespace | None = None) -> str:
+    """What this terminal shows of ``text`` (a rank's, an error's message): :func:`terminal_safe`'s, unless the command
+    was given ``--raw-output``."""
+    from nbddp.display.terminal import terminal_safe
+
+    return text if getattr(args, "raw_output", False) else terminal_safe(text)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -131,7 +147,8 @@ def _run(args: argparse.Namespace) -> int:
     # A breakpoint() opens where someone can type: a terminal, or the input --debug-on-failure was given.
     console = Console() if sys.stdin is not None and (sys.stdin.isatty() or args.debug_on_failure) else None
     options = RunOptions(args.notebook, launch_options(args), args.output, command=_command(),
-                         console=None if args.detach else console, debug_on_failure=args.debug_on_failure)
+                         console=None if args.detach else console, debug_on_failure=args.debug_on_failure,
+                         raw_output=args.raw_output)
     if args.detach:
         return _run_detached(options)
     with signals_interrupt():
@@ -147,30 +164,32 @@ def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
     from nbddp.contracts.rundir import create_run_dir
 
     check_notebook(options)
-    run_dir = create_run_dir(options.notebook, options.launch.run_dir)
+    run_dir = create_run_dir(options.notebook, options.launch.run_dir,
+                             lambda text: print(_shown(f"nbddp: {text}"), file=sys.stderr))
     options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir.path), owner="detached")
     pid = detached.start(options, run_dir, Path.cwd())
     print(f"nbddp: detached (supervisor pid {pid}): closing this terminal leaves the run going; "
           f"`nbddp attach {run_dir}` follows it again, `nbddp kill {run_dir}` stops it", file=sys.stderr, flush=True)
-    return _follow(run_dir)
+    return _follow(run_dir, options.raw_output)
 
 
 def _attach(args: argparse.Namespace) -> int:
     from nbddp.doors import detached
 
-    return _follow(detached.find_run(args.run, Path.cwd()))
+    return _follow(detached.find_run(args.run, Path.cwd()), args.raw_output)
 
 
-def _follow(run_dir: RunDir) -> int:
-    """What the run's terminal shows (the supervisor's transcript), from its first line until it ends; its exit code.
+def _follow(run_dir: RunDir, raw: bool = False) -> int:
+    """What the run's terminal shows (the supervisor's transcript, as the ranks wrote it), from its first line until it
+    ends; its exit code. ``raw``: control sequences pass as they are (:func:`_shown`).
 
     Ctrl-C (or SIGTERM, SIGHUP: a closed terminal) stops the following only, never the run."""
-    from nbddp.display.terminal import stdout_write
+    from nbddp.display.terminal import stdout_write, terminal_safe
     from nbddp.doors import detached
 
     try:
         with signals_interrupt():
-            record = detached.replay(run_dir, stdout_write)
+            record = detached.replay(run_dir, stdout_write if raw else lambda text: stdout_write(terminal_safe(text)))
     except (KeyboardInterrupt, SignalReceived):
         print(f"\nnbddp: stopped following; {detached.how_to_return(run_dir, in_kernel=False)}", file=sys.stderr)
         return 0
@@ -194,7 +213,7 @@ def _batch(args: argparse.Namespace) -> int:
     failed = sum(r["status"] != Status.SUCCEEDED for r in rows)
     for row in rows:
         if row["status"] != Status.SUCCEEDED:
-            print(f"nbddp: {row['run']} {row['status']}: {row['error']}", file=sys.stderr)
+            print(_shown(f"nbddp: {row['run']} {row['status']}: {row['error']}"), file=sys.stderr)
     print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
           if rows else "nbddp: no runs", file=sys.stderr)
     return code
@@ -238,7 +257,8 @@ def _ps(args: argparse.Namespace) -> int:
     print(f"{'RUN':<40} {'AGE':>7} {'ENGINE':<9} {'WORLD':>5} {'OWNER':<14} RUN DIR")
     for run in runs:
         age = time.time() - run.started
-        print(f"{run.name:<40} {age:>6.0f}s {run.engine:<9} {run.world_size:>5} {run.owner + ' ' + str(run.owner_pid):<14} {run.run_dir}")
+        print(_shown(f"{run.name:<40} {age:>6.0f}s {run.engine:<9} {run.world_size:>5} "
+                     f"{run.owner + ' ' + str(run.owner_pid):<14} {run.run_dir}"))
     return 0
 
 
@@ -295,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except NbddpError as exc:
-        print(f"nbddp: error: {exc}", file=sys.stderr)
+        print(_shown(f"nbddp: error: {exc}", args), file=sys.stderr)
         return exc.exit_code
 
 

@@ -18,6 +18,7 @@ Nothing here imports torch, IPython or the orchestrator at module level: the sup
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ from nbddp.contracts.errors import NbddpError, RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import NotYours, check_owned, private_folder, touch
 from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
+from nbddp.contracts.interpreter import module_argv
 
 #: How often an attached door reads the run dir (a detached run is long; a tenth of a second is live).
 POLL_SECONDS = 0.1
@@ -60,7 +62,7 @@ def start(what: Any, paths: RunDir, cwd: Path) -> int:
     private_folder(paths.detached, "the detached run's folder")
     write_request(paths, what)
     try:  # returns once the supervisor has written its pid and let go of the pipes (or failed)
-        proc = subprocess.run([sys.executable, "-m", "nbddp.doors.detached", str(paths.path)], cwd=cwd,
+        proc = subprocess.run(module_argv("nbddp.doors.detached", str(paths.path)), cwd=cwd,
                               stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=START_SECONDS)
     except (KeyboardInterrupt, subprocess.TimeoutExpired) as exc:
         if supervisor_alive(paths):
@@ -122,10 +124,10 @@ def _supervise(paths: RunDir) -> int:
     def say(text: str) -> None:  # (stdout and stderr are the transcript: supervisor.log)
         print(text, flush=True)
 
-    if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays
-        result = run_notebook(what, say=say, on_start=started)
+    if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays (and makes terminal-safe)
+        result = run_notebook(dataclasses.replace(what, raw_output=True), say=say, on_start=started)
     else:
-        result = orchestrator.run(what, _NoKernelHere(), [TerminalSink()], lambda t: say(f"nbddp: {t}"),
+        result = orchestrator.run(what, _NoKernelHere(), [TerminalSink(raw=True)], lambda t: say(f"nbddp: {t}"),
                                   on_start=started)
         say(f"nbddp: {ending_of(result).line()}")
     error = result.error()

@@ -48,7 +48,8 @@ def export_launch(launch: LaunchOptions, notebook: Notebook, script_name: str) -
         # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
         sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name, python=sys.executable,
                                rdzv_timeout=launch.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
-        return ExportPlan(engine, f"sbatch {script_name.rsplit('.', 1)[0]}.sbatch  (Slurm; see that file)", sbatch)
+        sbatch_name = shlex.quote(script_name.rsplit('.', 1)[0] + ".sbatch")
+        return ExportPlan(engine, f"sbatch {sbatch_name}  (Slurm; see that file)", sbatch)
     if nodes is None:
         return ExportPlan(engine, None if devices is None else local_hint(engine, devices, script_name))
     return ExportPlan(engine, node_hint(engine, nodes, devices or Devices("cpu", CPU_PROCESSES), script_name,

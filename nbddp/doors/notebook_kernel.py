@@ -281,9 +281,9 @@ class NotebookKernel:
 
         path, cell = self.job.paths.kernel_records, client.nb.cells[index]
         try:
-            client.run_in_kernel(new_code_cell(
-                f"__import__('nbddp.job.trackers', fromlist=['_']).share_open_records({str(path)!r})"), index,
-                store_history=False)
+            client.run_in_kernel(new_code_cell(from_nbddp(
+                "from nbddp.job.trackers import share_open_records as _nbddp_share",
+                f"_nbddp_share({str(path)!r})", "del _nbddp_share")), index, store_history=False)
         except Exception:  # noqa: BLE001 - a kernel that can't say: rank 0's records are its own
             pass
         finally:
@@ -329,13 +329,27 @@ def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's no
         return new_code_cell(f"print({('[nbddp] ' + job.script.returns_note)!r})")
     if outcome.status == Status.SUCCEEDED:
         checkpoint = job.checkpoint
-        return new_code_cell(
-            "from nbddp.contracts.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into\n"
+        return new_code_cell(from_nbddp(
+            "from nbddp.contracts.checkpoint import load_returns as _nbddp_load, load_into as _nbddp_into",
             f"_nbddp_states, _nbddp_note = _nbddp_load({str(checkpoint)!r})\n"
             "print('[nbddp] loaded the trained', ', '.join(_nbddp_into(globals(), _nbddp_states)),"
-            f" 'on the CPU from {checkpoint.name}' + (f' ({{_nbddp_note}})' if _nbddp_note else ''))\n"
-            "del _nbddp_load, _nbddp_into, _nbddp_states, _nbddp_note")
+            f" {'on the CPU from ' + checkpoint.name!r} + (f' ({{_nbddp_note}})' if _nbddp_note else ''))",
+            "del _nbddp_load, _nbddp_into, _nbddp_states, _nbddp_note"))
     return new_code_cell(raise_code(run_error(outcome, job.paths)))
+
+
+def from_nbddp(imports: str, code: str, cleanup: str) -> str:
+    """Kernel code that runs ``code`` with ``imports`` (of nbddp's modules) made from where nbddp is installed.
+
+    The kernel's module path starts with the notebook's folder (IPython puts it there for the user's own modules),
+    where another user may have written an ``nbddp.py``: nbddp's own imports in the kernel look past it, the user's
+    own imports find the folder as before (the path is put back at once). ``cleanup`` runs last (its names)."""
+    return ("import sys as _nbddp_sys, os as _nbddp_os\n"
+            "_nbddp_path = _nbddp_sys.path[:]\n"
+            "_nbddp_sys.path[:] = [p for p in _nbddp_path if p not in ('', '.', _nbddp_os.getcwd())]\n"
+            f"try:\n    {imports}\nfinally:\n    _nbddp_sys.path[:] = _nbddp_path\n"
+            "del _nbddp_sys, _nbddp_os, _nbddp_path\n"
+            f"{code}\n{cleanup}")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -354,8 +368,7 @@ def raise_code(error: RunError) -> str:
     """Code that raises ``error`` again in a kernel (its class, message and fields: all plain values)."""
     fields = ", ".join(f"{name}={getattr(error, name)!r}" for name in error.FIELDS)
     name = type(error).__name__
-    return (f"from nbddp.contracts.errors import {name}\n"
-            f"raise {name}({str(error)!r}, {fields})")
+    return from_nbddp(f"from nbddp.contracts.errors import {name}", f"raise {name}({str(error)!r}, {fields})", "")
 
 
 class _Pump(threading.Thread):

@@ -47,6 +47,9 @@ class RunOptions:
     """Where a rank's debugger is relayed (:attr:`nbddp.job.orchestrator.RunRequest.console`): the terminal."""
     debug_on_failure: bool = False
     """``--debug-on-failure``: a rank that raises opens a post-mortem in :attr:`console`."""
+    raw_output: bool = False
+    """``--raw-output``: the ranks' lines reach the terminal as they are, control sequences too
+    (:func:`nbddp.display.terminal.terminal_safe` otherwise)."""
 
 
 class BatchSlotPool:
@@ -82,7 +85,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
         effective_parameters(declared_parameters(notebook), launch.parameters), dict(launch.parameters),
         options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None,
         console=options.console, debug_on_failure=options.debug_on_failure)
-    terminal = TerminalSink() if sinks is None else None
+    terminal = TerminalSink(raw=options.raw_output) if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
     if terminal is not None:
         say = terminal.above(say)  # nbddp's lines above the epoch bar, never through it

@@ -10,6 +10,8 @@ which re-imports the script: hence the ``__main__`` guard.
 
 from __future__ import annotations
 
+import shlex
+
 import ast
 
 from nbddp.contracts.devices import CPU_PROCESSES
@@ -36,7 +38,7 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         train_epilogue=(
             f"_nbddp.finish(globals(), returns={list(returns)!r})",
         ),
-        launch_hint=f"python {script_name}  (Catalyst spawns one process per GPU, or {CPU_PROCESSES} CPU processes "
+        launch_hint=f"python {shlex.quote(script_name)}  (Catalyst spawns one process per GPU, or {CPU_PROCESSES} CPU processes "
                     f"without one; {RankEnv.shell(nproc='N')} chooses)",
         notes=("Catalyst's own logs and checkpoints go to the runner's logdir, relative to the folder it is "
                "launched from.",),

@@ -264,7 +264,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     # A rank's debugger is relayed from this machine's run dir: ranks on other machines (Slurm, Ray, --nnodes) skip
     # their breakpoints, as a run nobody can type into does.
     console = None if launch.slurm or launch.ray or launch.nodes is not None else request.console
-    spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir), request.cwd,
+    spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir, say), request.cwd,
                    launch=launch, owner=request.owner, pool=pool,
                    environment={**trackers.rank_variables(records), **RankEnv(
                        debugger=console is not None,

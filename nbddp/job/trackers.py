@@ -48,6 +48,7 @@ from nbddp.contracts.errors import exception_line
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.uris import with_credentials, without_credentials
+from nbddp.contracts.interpreter import code_argv
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
@@ -391,7 +392,7 @@ def _wandb_process(code: str, given: dict[str, Any], tracking: dict[str, Any], f
     """Run ``code`` (W&B's client, given ``given`` on its stdin) in a process of its own: W&B's service and its
     run state stay out of this one (a kernel's own run, its settings)."""
     environ = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}  # (never the kernel's service)
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(given, default=str), text=True,
+    done = subprocess.run(code_argv(code), input=json.dumps(given, default=str), text=True,
                           capture_output=True, timeout=WANDB_SECONDS, env=environ, cwd=tracking.get("cwd") or None)
     if done.returncode == 0:
         return []

@@ -19,6 +19,7 @@ from nbddp.launchers.torchrun import rendezvous_failure
 from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.interpreter import program_argv
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
@@ -39,7 +40,7 @@ class CatalystSpawn(Launcher):
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
         self.first_rank = self.nodes.rank * devices.nproc if self.nodes else 0
-        return [python, str(script)]
+        return program_argv([str(script)], python=python)  # (its spawned ranks start as it did: -P)
 
     def environment(self, run_dir: RunDir) -> dict[str, str]:
         if self.nodes is None:  # Catalyst's spawned ranks meet in a file (file://) of the run's store folder

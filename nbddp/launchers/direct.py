@@ -16,9 +16,10 @@ from nbddp.contracts.devices import Devices
 from nbddp.contracts.rundir import RunDir
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import TAIL_LINES, Launcher, LaunchReport
+from nbddp.contracts.interpreter import module_argv
 
 #: What runs the ranks: nbddp's own starter, which imports torch once and forks them.
-LAUNCHER_MODULE = ("-m", "nbddp.launchers.direct_main")
+LAUNCHER_MODULE = "nbddp.launchers.direct_main"
 
 
 def starter_options(nproc: int, report: Path) -> list[str]:
@@ -31,7 +32,8 @@ class Direct(Launcher):
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
                 max_restarts: int = 0) -> list[str]:
-        return [python, *LAUNCHER_MODULE, *starter_options(devices.nproc, run_dir.launch_report), str(script)]
+        return module_argv(LAUNCHER_MODULE, *starter_options(devices.nproc, run_dir.launch_report), str(script),
+                           python=python)
 
     def environment(self, run_dir: RunDir) -> dict[str, str]:
         return private_rendezvous.environment(private_rendezvous.prepare(run_dir.store))

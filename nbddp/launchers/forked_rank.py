@@ -9,9 +9,10 @@ machine's wall time), the ranks start in milliseconds once it is done, and their
 A forked rank is made to be what a fresh ``python -u PROGRAM`` with the same environment is, where the
 program can tell: a session of its own (as ``Popen(start_new_session=True)``), standard input from
 ``/dev/null``, no other inherited file descriptor (``close_fds``), its own environment, default signal
-dispositions, unbuffered standard streams, ``sys.argv``/``sys.path[0]``/``__main__`` as the interpreter sets
-them, fresh random seeds (Python's :mod:`random` reseeds itself after a fork; NumPy's global generator is
-reseeded here), and an exit that waits for non-daemon threads, runs ``atexit`` handlers and reports an
+dispositions, unbuffered standard streams, ``sys.argv``/``sys.path``/``__main__`` as the interpreter nbddp
+starts sets them (:func:`nbddp.contracts.interpreter.program_argv`: no folder of the notebook's first on the path),
+fresh random seeds (Python's :mod:`random` reseeds itself after a fork; NumPy's global generator is reseeded
+here), and an exit that waits for non-daemon threads, runs ``atexit`` handlers and reports an
 exception, ``SystemExit`` or Ctrl-C as the interpreter does. What stays the starter's: the hash seed (set
 iteration order) and ``sys.orig_argv``.
 
@@ -39,6 +40,7 @@ import types
 from typing import Mapping, Sequence
 
 from nbddp.rank_side.parent_death import die_with_parent
+from nbddp.contracts.interpreter import has_safe_path, program_argv
 
 #: Where ranks are forked rather than started afresh.
 FORKS = sys.platform.startswith("linux")
@@ -99,7 +101,7 @@ def start(program: Sequence[str], env: Mapping[str, str]) -> "ForkedRank | subpr
     from this process where :data:`FORKS`, else a fresh interpreter."""
     # (A Python thread may hold a lock a fork would keep held; CUDA can't be forked, should an import have started it.)
     if not FORKS or threading.active_count() > 1 or _cuda_initialised():
-        return subprocess.Popen([sys.executable, "-u", *program], start_new_session=True,
+        return subprocess.Popen(program_argv(program, flags=("-u",)), start_new_session=True,
                                 stdin=subprocess.DEVNULL, env=dict(env))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -172,15 +174,15 @@ def _run_main(program: list[str]) -> None:
     if program[0] == "-m":
         import runpy
 
-        sys.argv = ["-m", *program[2:]]
-        _first_path(os.getcwd())
+        sys.argv = ["-m", *program[2:]]  # (no folder first on the path: nbddp starts a module as module_argv does)
         runpy._run_module_as_main(program[1], alter_argv=True)  # type: ignore[attr-defined] - what ``-m`` calls
         return
     from importlib.machinery import SourceFileLoader
 
     script = program[0]
     sys.argv = list(program)
-    _first_path(os.path.dirname(os.path.realpath(script)))
+    if not has_safe_path():  # (a script's own folder first, as program_argv's interpreter has it: a private run dir)
+        sys.path.insert(0, os.path.dirname(os.path.realpath(script)))
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=os.path.abspath(script), __cached__=None, __builtins__=builtins,
                          __loader__=SourceFileLoader("__main__", script))
@@ -188,13 +190,6 @@ def _run_main(program: list[str]) -> None:
     with io.open_code(script) as source:
         code = compile(source.read(), script, "exec", dont_inherit=True)  # (not this module's __future__ flags)
     exec(code, main.__dict__)
-
-
-def _first_path(folder: str) -> None:
-    """``sys.path[0]`` as the interpreter sets it for the program (the starter's own was set for the starter);
-    under ``PYTHONSAFEPATH`` neither got one, and ``sys.path[0]`` is a real entry."""
-    if not getattr(sys.flags, "safe_path", False):
-        sys.path[0] = folder
 
 
 def _from_the_program(frames: types.TracebackType | None) -> types.TracebackType | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nbddp.launchers.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
+from nbddp.contracts.interpreter import module_argv
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class LocalProcess:
     def __init__(self, spec: LaunchSpec) -> None:
         self.spec = spec
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        guarded = list(spec.argv) if spec.arms_itself else [
-            sys.executable, "-m", "nbddp.rank_side.parent_death", str(os.getpid()), "--", *spec.argv]
+        guarded = list(spec.argv) if spec.arms_itself else module_argv(
+            "nbddp.rank_side.parent_death", str(os.getpid()), "--", *spec.argv)
         with open(spec.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 guarded, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,

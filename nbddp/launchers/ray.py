@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 from nbddp.contracts.atomic import read_json
@@ -27,6 +28,7 @@ from nbddp.contracts.errors import UsageError
 from nbddp.launchers.base import Launcher
 from nbddp.contracts.rundir import RunDir
 from nbddp.plan.options import RayRequest, ray_refusal
+from nbddp.contracts.interpreter import module_argv
 
 _EXIT = re.compile(r"^ray: rank (\d+) exitcode (-?\d+)$", re.MULTILINE)
 #: Seconds a rank has to end after SIGTERM before its actor SIGKILLs it.
@@ -80,10 +82,13 @@ class Ray(Launcher):
 
 def driver_command(request: RayRequest, devices: Devices, run_dir: str, script: str, *, python: str,
                    start_timeout: float) -> list[str]:
-    """The Ray driver's argv (:mod:`nbddp.launchers.ray_main`): the one place it is written."""
-    return [python, "-m", "nbddp.launchers.ray_main", "--address", request.address, "--nodes", str(request.nodes),
-            "--nproc", str(devices.nproc), *(["--gpus"] if devices.kind == "cuda" else []),
-            "--start-timeout", f"{start_timeout:g}", run_dir, script]
+    """The Ray driver's argv (:mod:`nbddp.launchers.ray_main`): the one place it is written. With this interpreter,
+    nbddp's own command (:func:`~nbddp.contracts.interpreter.module_argv`); with another, what a person types."""
+    args = ["--address", request.address, "--nodes", str(request.nodes), "--nproc", str(devices.nproc),
+            *(["--gpus"] if devices.kind == "cuda" else []), "--start-timeout", f"{start_timeout:g}", run_dir, script]
+    if python == sys.executable:
+        return module_argv("nbddp.launchers.ray_main", *args)
+    return [python, "-m", "nbddp.launchers.ray_main", *args]
 
 
 def ray_devices(request: RayRequest, cpu: bool, nproc: int | None, *, require: bool = True) -> Devices:

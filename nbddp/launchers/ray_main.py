@@ -41,6 +41,7 @@ from nbddp.launchers.process_groups import stop_groups
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.plan.options import RAY_AUTO, RayRequest
 from nbddp.contracts.rank_env import threads_per_rank
+from nbddp.contracts.interpreter import module_argv, program_argv
 
 #: Seconds between checks of the ranks (a failure stops the others this soon).
 POLL_SECONDS = 0.2
@@ -85,8 +86,7 @@ class RankActor:
                 if self.stopped:
                     return -signal.SIGTERM
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "nbddp.rank_side.parent_death", str(os.getpid()), "--", sys.executable,
-                     *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
+                    module_argv("nbddp.rank_side.parent_death", str(os.getpid()), "--", *program_argv(argv)), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
         finally:
             os.close(fd)
         return self.proc.wait()

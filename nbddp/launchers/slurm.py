@@ -31,6 +31,7 @@ from nbddp.engines.torch import MODULE, torchrun_options
 from nbddp.plan.options import SlurmRequest
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.interpreter import has_safe_path, module_argv
 
 #: Final states in which Slurm, not the training, ended the job; what each means for the user.
 SCHEDULER_ENDS = {
@@ -93,8 +94,8 @@ class Slurm(Launcher):
             logs=str(run_dir.logs), job_name=f"nbddp-{script.parent.name}", requeue=run_dir if self.requeue else None),
             encoding="utf-8")
         # No --chdir: sbatch starts the job where the watcher runs, the notebook's folder (local imports).
-        return [python, "-m", "nbddp.launchers.slurm_watch", str(run_dir.path),
-                "--max-requeues", str(self.request.max_requeues), *(["--requeue"] if self.requeue else [])]
+        return module_argv("nbddp.launchers.slurm_watch", str(run_dir.path), "--max-requeues",
+                           str(self.request.max_requeues), *(["--requeue"] if self.requeue else []), python=python)
 
     def report(self, run_dir: RunDir) -> str:
         """Each node's launcher output of the job's last attempt, headed by its node number (a Catalyst
@@ -216,6 +217,7 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
     ``scontrol requeue`` on its own job, unless the job was requeued ``--max-requeues`` times already.
     """
     q = shlex.quote
+    safe = " -P" if has_safe_path(python) else ""  # (the job starts in the notebook's folder: not on the path)
     for value in (script, python, logs or ""):
         if any(c in value for c in "\n\r\0"):
             raise UsageError(f"{value!r}: a path with a line break can't go into a batch script; rename it.")
@@ -245,7 +247,8 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
         "set -euo pipefail",
         f"PYTHON={q(python)}",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        'port=$("$PYTHON" -m nbddp.contracts.ports "")  # below the ephemeral range: no connection is handed it meanwhile',
+        f'port=$("$PYTHON"{safe} -m nbddp.contracts.ports "")  # below the ephemeral range: no connection is handed it '
+        'meanwhile',
         'echo "nbddp: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous at $head:$port"',
     ]
     if requeue is not None:
@@ -259,14 +262,14 @@ def sbatch_script(engine: str, request: SlurmRequest, devices: Devices, script: 
                                                rdzv_timeout=math.ceil(rdzv_timeout), nproc=devices.nproc,
                                                device=devices.kind))
         inner = f'export {RankEnv.shell(node_rank=NODE_RANK)}; exec "$@"'
-        step += ["bash", "-c", q(inner), "node", '"$PYTHON"', q(script)]
+        step += ["bash", "-c", q(inner), "node", '"$PYTHON"', *safe.split(), q(script)]
     else:
         # The node rank differs between the job's tasks: the task's own shell expands it (in -c's text).
         options = torchrun_options(devices.nproc, nnodes='"$SLURM_NNODES"', node_rank=NODE_RANK,
                                    endpoint='"$head:$port"', rdzv_timeout=rdzv_timeout, max_restarts=0, monitor=True,
                                    log_dir=logs and f"{logs}/torchrun")
         node_rank = [o for o in options if o.startswith("--node-rank=")]
-        inner = " ".join(['exec "$0"', *MODULE, *node_rank, '"$@"'])
+        inner = " ".join(['exec "$0"', *safe.split(), *MODULE, *node_rank, '"$@"'])
         step += ["bash", "-c", q(inner), '"$PYTHON"',
                  *(o if '"$' in o else q(o) for o in options if o not in node_rank), q(script)]
     if requeue is None:

@@ -17,10 +17,11 @@ from nbddp.launchers import private_rendezvous
 from nbddp.launchers.base import Launcher
 from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.contracts.rundir import RunDir
+from nbddp.contracts.interpreter import module_argv
 
 #: What nbddp's launcher runs: torchrun's own ``main``, minus the collection at its exit
 #: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.
-LAUNCHER_MODULE = ("-m", "nbddp.launchers.torchrun_main")
+LAUNCHER_MODULE = "nbddp.launchers.torchrun_main"
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 _ATTEMPT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 _NODES_MISSING = re.compile(r"waiting for clients\. (\d+)/(\d+) clients joined")
@@ -43,8 +44,8 @@ class Torchrun(Launcher):
                 max_restarts: int = 0) -> list[str]:
         """torchrun in its own process, never ``elastic_launch`` inside the kernel (it replaces the
         kernel's SIGINT handler)."""
-        return [python, *LAUNCHER_MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs),
-                                                        str(run_dir.store)), str(script)]
+        return module_argv(LAUNCHER_MODULE, *self.options(devices.nproc, max_restarts, str(run_dir.torchrun_logs),
+                                                          str(run_dir.store)), str(script), python=python)
 
     def environment(self, run_dir: RunDir) -> dict[str, str]:
         if self.nodes is not None:

@@ -10,6 +10,8 @@ for one, so the source map is a list of contiguous segments.
 from __future__ import annotations
 
 import io
+import re
+import shlex
 import tokenize
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -209,12 +211,27 @@ def returned(cells: Sequence[ExportedCell], returns: tuple[str, ...], engine: st
 
 
 def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:
-    """The notebook's path as seen from the script's folder (absolute when that folder is unknown)."""
+    """The notebook's path as seen from the script's folder (absolute when that folder is unknown), as a shell word:
+    the header's ``nbddp run PATH`` can be pasted into a shell whatever the path holds."""
     import os
 
     if script_dir is None:
-        return str(notebook.resolve())
-    return os.path.relpath(notebook.resolve(), Path(script_dir).resolve())
+        return shlex.quote(str(notebook.resolve()))
+    return shlex.quote(os.path.relpath(notebook.resolve(), Path(script_dir).resolve()))
+
+
+#: What must not reach a comment as itself: C0 and C1 controls but the tab (a line feed or carriage return ends a
+#: comment, and the rest of the line would be code), the line and paragraph separators (editors and
+#: ``str.splitlines`` show a new line there) and the bidirectional controls (they reorder what an editor shows:
+#: "Trojan Source").
+_NOT_COMMENT_TEXT = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def as_comment(text: str) -> str:
+    """``text`` as the body of one comment line: each character of :data:`_NOT_COMMENT_TEXT` written as its escape
+    (``\\n``, ``\\r``, ``\\u2028``), so that a notebook's name, a path or a markdown line is read as it is and never
+    ends the comment to become code."""
+    return _NOT_COMMENT_TEXT.sub(lambda found: found.group().encode("unicode_escape").decode("ascii"), text)
 
 
 def write_script(script: Script, path: str | Path) -> tuple[Path, Path]:
@@ -263,15 +280,19 @@ class _Writer:
     def blank(self) -> None:
         self.lines.append("")
 
+    def comment(self, text: str, indent: str = "") -> None:
+        """One comment line; whatever ``text`` holds stays inside it (:func:`as_comment`)."""
+        self.line(f"{indent}# {as_comment(text)}".rstrip())
+
     def comment_block(self, texts: Sequence[str], indent: str = "") -> None:
         for text in texts:
-            self.line(f"{indent}# {text}".rstrip())
+            self.comment(text, indent)
 
     def cell(self, cell: ExportedCell, markdown: Sequence[str] = (), indent: str = "") -> None:
         self.blank()
         if markdown:
             self.comment_block(markdown, indent)
-        self.line(f"{indent}# %% {cell.cell.name} [{cell.role}]")
+        self.comment(f"%% {cell.cell.name} [{cell.role}]", indent)
         code = cell.code.rstrip()
         body = indent_code(code, indent) if indent else code.split("\n")
         if indent and not code.strip():
@@ -282,7 +303,7 @@ class _Writer:
 
     def parameters(self, parameters: dict[str, Any], source: str) -> None:
         self.blank()
-        self.line(f"# %% parameters from {source}")
+        self.comment(f"%% parameters from {source}")
         self.lines.extend(assignments(parameters))
 
     def text(self) -> str:

@@ -75,10 +75,8 @@ def save(run_dir: RunDir | None, objects: dict[str, Any], note: str) -> Path:
     run_dir.resume_shards.mkdir(parents=True, exist_ok=True)
     states, extras = _states(objects)
     # rank 0 names it, for every node (one shared place) and every run of the script (never a name in use)
-    target = [str(run_dir.resume_shards / f"save-{time.time_ns():x}-{os.getpid()}-{note.replace(' ', '')}")]
-    if dist.is_initialized():
-        dist.broadcast_object_list(target, src=0)
-    path = Path(target[0])
+    target = str(run_dir.resume_shards / f"save-{time.time_ns():x}-{os.getpid()}-{note.replace(' ', '')}")
+    path = Path(_from_rank_0(target) if dist.is_initialized() else target)
     try:
         dcp.save(states, checkpoint_id=path)  # returns once every shard and the metadata are written
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -92,6 +90,19 @@ def save(run_dir: RunDir | None, objects: dict[str, Any], note: str) -> Path:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _from_rank_0(text: str) -> str:
+    """Rank 0's ``text``, on every rank: its UTF-8 bytes in a tensor. (``broadcast_object_list`` pickles, and each
+    rank would unpickle what reaches its process group's sockets: nbddp's own messages between ranks never do.)"""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).decode()
 
 
 def _checkpoint_exception() -> type[BaseException]:

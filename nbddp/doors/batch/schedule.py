@@ -39,6 +39,7 @@ from nbddp.contracts.rundir import RunDir
 from nbddp.notebook.script import engine_of
 from nbddp.launchers.warm.keepers import POOL_ENV, PoolKeeper
 from nbddp.launchers.warm.rules import why_not_warm
+from nbddp.contracts.interpreter import module_argv
 
 POLL_SECONDS = 0.2
 #: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
@@ -247,8 +248,8 @@ class Batch:
             devices = {"cpu": False, "nproc": None, "gpus": str(len(slot))}
             env["CUDA_VISIBLE_DEVICES"] = ",".join(slot)
         launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
-        argv = [sys.executable, "-m", "nbddp", "run", str(self.options.notebook),
-                "-o", str(state.paths.output), *launch.to_argv()]
+        argv = module_argv("nbddp", "run", str(self.options.notebook), "-o", str(state.paths.output),
+                           *launch.to_argv())
         log = open(state.paths.batch_log, "ab")
         try:
             env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
@@ -368,7 +369,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
     out = Path(options.out) if options.out else default_out(options.notebook)
     if options.resume and not out.exists():
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
-    private_folder(out, "--out", parents=True)
+    private_folder(out, "--out", parents=True, say=lambda text: say(f"nbddp: {text}"))
     say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
     engine = engine_of(notebook, options.launch.engine)
     batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)

@@ -271,7 +271,7 @@ class DdpMagics(Magics):
         from nbddp.launchers import devices_for
 
         devices_for(request.launch, asked=request.script.processes)  # refused here, not by the supervisor
-        run_dir = create_run_dir(request.notebook, request.launch.run_dir)
+        run_dir = create_run_dir(request.notebook, request.launch.run_dir, lambda text: print(f"[nbddp] {text}"))
         records, names = trackers.open_records()  # (the supervisor is not this kernel: it can't read them)
         if names:
             print(f"[nbddp] {trackers.start_line(names)}")

@@ -35,6 +35,7 @@ from nbddp.launchers import direct_main, forked_rank
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.process_groups import process_alive
 from nbddp.rank_side.parent_death import arm
+from nbddp.contracts.interpreter import module_argv
 
 PRELOAD = "--preload"
 #: What a warm rank imports before its first job, besides torch: a DDP rank's imports, the warm loop's, and DDP's.
@@ -94,7 +95,7 @@ def _preloaded(pool: PoolDir, idle: float, nproc: int) -> list[str] | None:
     starter, env, cwd = list(go["argv"]), dict(go["env"]), go["cwd"]
     if cwd != os.getcwd() or as_imported(env, int(go["nproc"])) != imported:
         os.chdir(cwd)
-        os.execve(sys.executable, [sys.executable, "-m", "nbddp.launchers.warm.agent", str(pool.path), *starter], env)
+        os.execve(sys.executable, module_argv("nbddp.launchers.warm.agent", str(pool.path), *starter), env)
     added = {name: value for name, value in os.environ.items() if before.get(name) != value}  # by the imports
     os.environ.clear()
     os.environ.update({**added, **env})

@@ -32,6 +32,7 @@ from nbddp.launchers.warm.rules import PoolKey
 from nbddp.launchers.warm.run import WarmRun
 from nbddp.plan.options import DEFAULT_WARM_IDLE
 from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.interpreter import module_argv
 
 #: Seconds a rank that took a stopped job is given to end it (it does so at once, once scheduled) before the
 #: pool is judged busy: the next run right after an interrupt finds the ranks it left.
@@ -65,7 +66,7 @@ class WarmPool:
                                             pool_owner=os.getpid()),
                                     private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
             if preload is None:
-                argv = (key.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), *starter)
+                argv = tuple(module_argv("nbddp.launchers.warm.agent", str(self.dir), *starter, python=key.python))
                 self.launch = LocalProcess(LaunchSpec(argv, env, Path(key.cwd), self.dir.launcher_log))
             write_json(self.dir.description, {"key": asdict(key), "idle": idle, "pid": self.launch.pid,
                                               "pgid": self.launch.pgid})

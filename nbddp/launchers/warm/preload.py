@@ -34,6 +34,7 @@ from nbddp.launchers import private_rendezvous
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
 from nbddp.launchers.process_groups import memory_held, owned_temp_dir
 from nbddp.launchers.warm import agent
+from nbddp.contracts.interpreter import module_argv
 
 
 def ranks_environment(rank_env: RankEnv, store: Path, environ: Mapping[str, str]) -> dict[str, str]:
@@ -61,8 +62,8 @@ class Preload:
                                     private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
             self.imported = agent.as_imported(env, self.nproc)
             """What of the ranks' environment its imports read (as :func:`~nbddp.launchers.warm.agent.as_imported`)."""
-            argv = (self.python, "-m", "nbddp.launchers.warm.agent", str(self.dir), agent.PRELOAD, f"{idle:g}",
-                    str(self.nproc))
+            argv = tuple(module_argv("nbddp.launchers.warm.agent", str(self.dir), agent.PRELOAD, f"{idle:g}",
+                                     str(self.nproc), python=self.python))
             # Its own parent-death signal, armed first thing: the wrapper's interpreter would delay the first run.
             self.launch = LocalProcess(LaunchSpec(argv, env, self.cwd, self.dir.launcher_log, arms_itself=True))
         except BaseException:
