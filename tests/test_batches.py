@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 import os
 import re
 import signal
@@ -50,6 +51,11 @@ def test_grid_forms(tmp_path):
     for bad in ({"lr": 0.1}, [], "x", {"lr": []}, {"x=1\nimport os#": [1]}):
         with pytest.raises(ParameterError):
             load_grid(bad)
+    # (--grid's value is a Path from the command line: what names no file is the grid itself, in JSON or YAML)
+    assert load_grid(Path('{"lr": [1, 2]}')) == load_grid("lr: [1, 2]") == [{"lr": 1}, {"lr": 2}]
+    with pytest.raises(ParameterError, match=r"--grid nope\.yaml: cannot read it \(No such file or directory\); give a "
+                                             r"YAML or JSON file, or the grid itself: --grid '\{\"lr\": \[0\.1, 0\.2\]\}'\."):
+        load_grid(Path("nope.yaml"))
 
 
 def test_unknown_names_are_rejected_and_runs_are_named(sweep):
@@ -164,7 +170,7 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     assert len(stopped) == 2, rows  # the two that were training; the third never started
     name = signal.Signals(sig).name  # each run says what stopped the batch: the user's Ctrl-C is SIGINT
     for row in stopped:
-        assert row["error"] == f"interrupted ({name}); every rank was stopped.", rows
+        assert row["error"] == f"interrupted ({name}); every rank's job was stopped.", rows  # (a slot's warm ranks)
         result = json.loads((tmp_path / "out" / row["run"] / "result.json").read_text())
         assert result["status"] == "interrupted" and result["exit_code"] == expected, result
 
@@ -229,6 +235,7 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
     from nbddp.doors.batch import schedule as batches
     from nbddp.doors.batch.schedule import BatchOptions, device_slots
     from nbddp.contracts.errors import DeviceError
+    from nbddp.plan.options import LaunchOptions
 
     monkeypatch.setattr(batches, "visible_gpu_count", lambda: 4)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6")
@@ -237,8 +244,13 @@ def test_gpu_slots_pin_disjoint_devices(monkeypatch):
     assert device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=3), print) == ([("3", "4", "5")], 3, "cuda")
     assert device_slots(BatchOptions("nb.ipynb", {}), print)[0] == [("3",), ("4",), ("5",), ("6",)]
     assert device_slots(BatchOptions("nb.ipynb", {}, parallel=2), print)[0] == [("3",), ("4",)]
-    with pytest.raises(DeviceError, match="more GPUs than the 4 visible"):
+    with pytest.raises(DeviceError, match=r"^--gpus-per-run 5 asks for more GPUs per run than the 4 visible\.$"):
         device_slots(BatchOptions("nb.ipynb", {}, gpus_per_run=5), print)
+    with pytest.raises(DeviceError, match=r"^--gpus 5 asks for more GPUs"):  # (the option the user typed)
+        device_slots(BatchOptions("nb.ipynb", {}, LaunchOptions(gpus="5")), print)
+    monkeypatch.setattr(batches, "visible_gpu_count", lambda: 0)
+    with pytest.raises(DeviceError, match=r"^--gpus 4: no GPU is visible\. Use --cpu --nproc N\.$"):
+        device_slots(BatchOptions("nb.ipynb", {}, LaunchOptions(gpus="4")), print)
 
 
 @pytest.mark.parametrize("cluster", ["slurm", "ray"])

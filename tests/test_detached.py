@@ -103,8 +103,11 @@ def test_only_detached_runs_can_be_attached_and_a_missing_one_is_named(tmp_path)
     (plain / "logs").mkdir(parents=True)
     with pytest.raises(UsageError, match="not a detached run.*--detach"):
         detached.find_run(str(plain), tmp_path)
-    with pytest.raises(UsageError, match="no live run 'nb-2'"):
+    with pytest.raises(UsageError) as missing:  # (attach replays ended runs too: not only `nbddp ps`'s live ones)
         detached.find_run("nb-2", tmp_path)
+    assert str(missing.value) == (f"no run 'nb-2': give a detached run's folder (as its start line printed it: "
+                                  f"runs/NAME beside its notebook), or its name under {tmp_path / 'runs'}; `nbddp ps` "
+                                  "lists the runs alive now.")
     with pytest.raises(UsageError, match="no detached run of nb.ipynb"):
         detached.latest(tmp_path / "nb.ipynb")
     result = _nbddp("attach", plain, cwd=tmp_path)

@@ -368,7 +368,8 @@ def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):
                  "    nbddp.save_checkpoint(model=model, epoch=epoch)\n"
                  "print('trained with', lr, flush=True)")
     nb = notebook(SETUP, "lr = 0.1", fail_once, "%%ddp_train --cpu -p nope 1\nprint(lr)",
-                  "%%ddp_train --cpu --nproc 0\nprint(lr)", "%%ddp_train --cpu --idle-timeout 3\ntime.sleep(600)")
+                  "%%ddp_train --cpu --nproc 0\nprint(lr)", "%%ddp_train --cpu --idle-timeout 3\ntime.sleep(600)",
+                  "%%ddp_train --cpu -p lr abc\nprint(lr)")
     NotebookClient(nb, timeout=300, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert "[rank 1] trained with 0.25" in text_of(nb.cells[3]), text_of(nb.cells[3])
     assert "[rank 1] attempt 1 starts at epoch 1" in text_of(nb.cells[3])  # resumed from epoch 0's save
@@ -379,6 +380,8 @@ def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):
     assert "--nproc 0: need at least 1 process" in text_of(nb.cells[5])
     stalled = text_of(nb.cells[6])
     assert "RunTimeout" in stalled and "(--idle-timeout)" in stalled
+    assert ("-p lr abc: the kernel's lr is 0.1, a number, and 'abc' reads as no Python literal (a typo?). Give a "
+            "number, or quote the text to pass it as it is: -p lr \"'abc'\".") in text_of(nb.cells[7])  # (as nbddp run)
     assert len(run_dirs(tmp_path)) == 2  # the refused cells launched nothing
 
 

@@ -175,3 +175,13 @@ def test_the_runs_ending_comes_from_what_ended_it_first(job, kernel, trained, in
     assert (raised is None) if error is None else type(raised) is error, raised
     if error is RunFailed and job is Status.FAILED:
         assert raised.rank == 1  # the judged outcome travels with it
+
+
+def test_a_fact_of_the_machine_is_said_once_per_kernel_and_every_time_elsewhere():
+    """``no GPU visible: running on the CPU…`` came with every ``%%ddp_train`` cell; a kernel's door remembers it."""
+    from nbddp.job.orchestrator import _news
+
+    fact = "no GPU visible: running on the CPU with 2 processes (gloo)."
+    kernel: set[str] = set()
+    assert _news([fact], kernel) == [fact] and _news([fact], kernel) == [] and _news([], kernel) == []
+    assert _news([fact], None) == _news([fact], None) == [fact]  # (nbddp run: one run, one line)

@@ -117,3 +117,24 @@ def test_the_exception_of_a_failed_run_carries_its_outcome_and_pickles():
     stopped = run_error(judge(evidence(interrupted_by=signal.SIGTERM, stopped_by=signal.SIGTERM)), RUN)
     assert isinstance(stopped, RunInterrupted) and stopped.exit_code == 143 and stopped.status == "interrupted"
     assert isinstance(run_error(judge(evidence(timed_out=True)), RUN), RunTimeout)
+
+
+@pytest.mark.parametrize("fields, fresh", [
+    ({"timed_out": True, "stopped_by": signal.SIGTERM, "launcher_exit": -15},
+     "the run exceeded --timeout; every rank was stopped."),
+    ({"interrupted_by": signal.SIGINT, "launcher_exit": -15}, "interrupted by SIGINT; every rank was stopped."),
+    ({"stop_requested": True, "launcher_exit": -15}, "stopped by `nbddp kill`; every rank was stopped."),
+])
+def test_a_stop_says_what_it_did_to_the_ranks_warm_ones_only_leave_their_job(fields, fresh):
+    assert judge(evidence(**fields)).message == fresh
+    assert judge(evidence(**fields, warm=True)).message == fresh.replace("every rank was stopped",
+                                                                         "every rank's job was stopped")
+
+
+def test_the_ending_line_has_no_sentence_end_before_its_next_part():
+    from nbddp.display.ending import Ending
+
+    line = Ending(Status.TIMEOUT, 3.14, None, "no weights came back", "the run exceeded --timeout; every rank's job "
+                  "was stopped.").line()
+    assert line == ("timed out after 3.1s · the run exceeded --timeout; every rank's job was stopped · no weights came "
+                    "back"), line

@@ -4,6 +4,7 @@ import pytest
 
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
+from nbddp.notebook.literals import parse_value, to_literal
 from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters, type_notices
 from tests.conftest import code
 
@@ -56,10 +57,23 @@ def test_an_override_whose_type_differs_from_its_default_is_said_once_each():
                 "seed": None, "sizes": [1, 2]}
     assert type_notices(declared, {"lr": 1, "epochs": 2.5, "name": "y", "flag": False, "steps": "a", "seed": 3,
                                    "sizes": [3]}) == ()  # numbers are numbers; an expression or None has no type
+    # text meant (quoted on a command line, a str in Python) is said; so is any other literal of another type
     assert type_notices(declared, {"lr": "abc", "name": 3, "flag": 1, "sizes": "1,2"}) == (
-        "warning: -p lr 'abc' is text (it doesn't read as a Python literal), but the notebook's default 0.05 is a "
-        "number: the cells get 'abc' as it is.",
-        "warning: -p name 3 is a number, but the notebook's default 'x' is text: the cells get 3 as it is.",
-        "warning: -p flag 1 is a number, but the notebook's default True is a bool: the cells get 1 as it is.",
-        "warning: -p sizes '1,2' is text (it doesn't read as a Python literal), but the notebook's default [1, 2] "
-        "is a list: the cells get '1,2' as it is.")
+        "warning: parameter lr = 'abc' is text, but the notebook's default 0.05 is a number: the cells get 'abc' as it "
+        "is.",
+        "warning: parameter name = 3 is a number, but the notebook's default 'x' is text: the cells get 3 as it is.",
+        "warning: parameter flag = 1 is a number, but the notebook's default True is a bool: the cells get 1 as it is.",
+        "warning: parameter sizes = '1,2' is text, but the notebook's default [1, 2] is a list: the cells get '1,2' as "
+        "it is.")
+
+
+def test_unquoted_text_for_a_default_that_isnt_text_is_refused_saying_how_to_pass_text():
+    declared = {"lr": 0.05, "name": "x"}
+    assert type_notices(declared, {"name": parse_value("plain words")}) == ()  # text for text: as it is
+    with pytest.raises(ParameterError) as refused:
+        type_notices(declared, {"lr": parse_value("abc")})
+    assert str(refused.value) == ("-p lr abc: the notebook's lr is 0.05, a number, and 'abc' reads as no Python literal "
+                                  "(a typo?). Give a number, or quote the text to pass it as it is: -p lr \"'abc'\".")
+    assert refused.value.exit_code == 2
+    assert type_notices(declared, {"lr": parse_value("'abc'")})  # quoted: text meant, said
+    assert to_literal(parse_value("abc")) == "'abc'" and type(parse_value("0.1")) is float

@@ -128,7 +128,7 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
              "opt = torch.optim.SGD(model.parameters(), lr=0.1)\nloader = torch.utils.data.DataLoader(range(4))"),
         code("print(f'kernel tag={tag!r} steps={steps} scale={scale!r} opt lr={opt[\"param_groups\"][0][\"lr\"]}')"),
     ])
-    run = cli_run(["run", "p.ipynb", "--cpu", "-p", "tag", value, "-p", "steps", "3", "-p", "scale", "0.5x",
+    run = cli_run(["run", "p.ipynb", "--cpu", "-p", "tag", value, "-p", "steps", "3", "-p", "scale", "'0.5x'",
                    "--return", "model,opt,loader"], tmp_path)
     assert run.wait() == 0, run.output
     # what only a training cell made comes back as saved; what isn't weights is left out, said, and costs nothing else
@@ -136,9 +136,9 @@ def test_parameters_reach_kernel_and_every_rank_and_cwd_is_the_notebooks(tmp_pat
             "weights.pt (loader (a DataLoader) didn't come back: only modules, optimizers, tensors and plain values") \
         in run.output, run.output
     assert "opt lr=0.1" in run.output
-    assert run.output.count("warning: -p") == 1, run.output  # a mistyped number is text: said before the run
-    assert ("nbddp: warning: -p scale '0.5x' is text (it doesn't read as a Python literal), but the notebook's "
-            "default 0.5 is a number: the cells get '0.5x' as it is.") in run.output
+    assert run.output.count("warning: parameter") == 1, run.output  # text meant for a number: said before the run
+    assert ("nbddp: warning: parameter scale = '0.5x' is text, but the notebook's default 0.5 is a number: the cells "
+            "get '0.5x' as it is.") in run.output
     assert "kernel tag=" in run.output and "scale='0.5x'" in run.output
     assert "[nbddp] no warm ranks" in run.output and "preparing warm ranks" not in run.output, run.output
     (run_dir,) = (tmp_path / "runs").iterdir()  # every file one mode, the umask's; the folder the user's alone

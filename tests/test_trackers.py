@@ -330,7 +330,8 @@ for epoch in range({epochs}):
 writer.close(); wandb.finish()"""
 #: A training cell that leaves its runs open (as a script may: its process's exit ends them).
 LEAVES_OPEN = """%%ddp_train --cpu
-import mlflow, wandb
+import mlflow, random, wandb
+print("drew", random.random(), flush=True)  # (the warm state puts random back: each job draws what a fresh run draws)
 ddp = nbddp.prepare(model)
 wandb.init(project="nbddp", mode="offline")
 for epoch in range({epochs}):
@@ -368,10 +369,13 @@ def test_the_kernels_open_records_hold_the_training_and_the_evaluation_and_a_war
         mlflow_id, wandb_id = re.search(r"KERNEL RUN (\S+) (\S+)", said).groups()
         kernel.execute("board.close(); kernel_run.finish(); mlflow.end_run()")
         # The kernel's records closed: a run that leaves its own open, then one that fails, on the same warm ranks
-        assert "succeeded in" in kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
+        left_open = kernel.execute(LEAVES_OPEN.format(epochs=EPOCHS, extra=""), "train")
+        assert "succeeded in" in left_open, left_open
         failed = kernel.execute(LEAVES_OPEN.format(  # (every point logged on both ranks before either raises)
             epochs=EPOCHS, extra="torch.distributed.barrier()\nraise ValueError('boom')"), "train")
         assert re.search(r"rank \d raised ValueError: boom", failed) and "on a warm rank" in failed, failed
+        drawn = re.findall(r"\[rank 0\] drew (\S+)", left_open + failed)
+        assert len(drawn) == 2 and drawn[0] == drawn[1], drawn
     finally:
         kernel.close()
     runs = {r.info.run_id: r for r in mlflow_runs(folder)}
@@ -394,9 +398,12 @@ def _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder:
 
     runs = sorted(runs, key=lambda r: r.info.start_time)
     assert [r.info.status for r in runs] == ["FINISHED", "FAILED"], [r.info for r in runs]
+    # MLflow names a run from random, which the warm state put back: each run still gets a name of its own
+    assert len({r.info.run_name for r in runs}) == 2 and all(re.fullmatch(r"[a-z]+-[a-z]+-\d+", r.info.run_name)
+                                                            for r in runs), [r.info.run_name for r in runs]
     assert all(len(mlflow_points(folder, r, "loss")) == EPOCHS for r in runs)
     assert [r.data.tags.get("nbddp.status") for r in runs] == ["succeeded", "failed"]  # nbddp's facts, added
-    assert re.match(r"rank \d, cell \S+, line 12: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
+    assert re.match(r"rank \d, cell \S+, line 13: ValueError: boom", runs[1].data.tags["nbddp.error"]), runs[1].data.tags
     assert runs[0].data.tags["nbddp.world_size"] == "2" and "nbddp.error" not in runs[0].data.tags
     # nbddp.log's metrics the code didn't log to MLflow itself, with their step; "loss" is not logged twice
     history = mlflow_history(folder, runs[0], "accuracy")
@@ -410,7 +417,7 @@ def _the_runs_left_open_were_each_their_own_and_the_failed_one_is_marked(folder:
     assert [accuracy[run_id] for run_id in points] == [[0.5 + epoch / 10 for epoch in range(EPOCHS)]] * 2, accuracy
     summaries = [wandb_summaries(folder)[run_id] for run_id in points]  # the failed one has its error line
     assert sorted(summary.get("nbddp.status", "") for summary in summaries) == ["", "failed"], summaries
-    assert any(re.match(r"rank \d, cell \S+, line 12: ValueError: boom", s.get("nbddp.error", "")) for s in summaries)
+    assert any(re.match(r"rank \d, cell \S+, line 13: ValueError: boom", s.get("nbddp.error", "")) for s in summaries)
 
 
 def test_a_tracker_that_breaks_the_guard_costs_one_line_not_the_run(tmp_path, monkeypatch, capsys):
@@ -653,3 +660,25 @@ def test_a_run_that_is_no_experiments_gets_nothing_added(tmp_path):
     write_json(paths.tracking, {"tracked": False, "asked": ["mlflow", "tensorboard", "wandb"]})
     write_json(paths.tracker_runs, {"mlflow": {"run_id": "abc", "tracking_uri": "http://127.0.0.1:9"}})
     assert trackers.record_ending(paths, object()) == []
+
+
+def test_a_trackers_failure_is_said_with_its_whole_line_where_the_fix_is_at_its_end(tmp_path, monkeypatch):
+    """MLflow 3 refuses a plain folder as its store, and says how to opt out in its message's 500th character."""
+    from nbddp.contracts.errors import exception_line
+
+    mlflow = need("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    mlflow.set_tracking_uri(str(tmp_path / "mlruns"))
+    try:
+        mlflow.start_run()
+        mlflow.end_run()
+        pytest.skip(f"MLflow {mlflow.__version__} takes a folder as its store")
+    except Exception as exc:  # noqa: BLE001 - the refusal, as rank 0 would meet it
+        refused = exc
+    finally:
+        mlflow.set_tracking_uri(None)
+    line = exception_line(refused)
+    assert line.startswith("MlflowException: ") and line.endswith("set `MLFLOW_ALLOW_FILE_STORE=true` to opt out of "
+                                                                   "this exception."), line
+    long = exception_line(ValueError("word " * 400))
+    assert len(long) <= 1000 + len("ValueError: ") + 2 and long.endswith("word …")

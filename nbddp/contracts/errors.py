@@ -15,11 +15,15 @@ from typing import Any
 from nbddp.contracts.status import Status
 
 
-def exception_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: the first line of its message`` (``limit`` characters of it at most): how a warning names an exception
-    that it reports and goes past (a tracker's, a store's), without its traceback."""
+def exception_line(exc: BaseException, limit: int = 1000) -> str:
+    """``Type: the first line of its message``: how a warning names an exception that it reports and goes past (a
+    tracker's, a store's), without its traceback. Whole, up to ``limit`` characters (a library's line often ends with
+    what to do: MLflow's refusal of a folder store names ``MLFLOW_ALLOW_FILE_STORE=true`` in its 500th character);
+    beyond, cut at a word with ``…``."""
     text = str(exc).strip()
-    first = text.splitlines()[0][:limit] if text else ""
+    first = text.splitlines()[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit].rsplit(" ", 1)[0] + " …"
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 

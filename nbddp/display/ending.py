@@ -58,7 +58,7 @@ class Ending:
         parts = [f"{_VERBS.get(self.status, self.status)} {self.seconds:.1f}s"
                  + (f" after {self.restarts} restart{'s' * (self.restarts > 1)}" if self.restarts else "")]
         if self.reason:
-            parts.append(self.reason)
+            parts.append(self.reason.rstrip("."))  # (a sentence's end in the middle of the line: not there)
         if self.weights:
             parts.append(self.weights)
         if self.run_dir is not None:

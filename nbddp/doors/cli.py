@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch = commands.add_parser("batch", help="run the notebook once per parameter set of a grid")
     batch.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
     batch.add_argument("--grid", required=True, type=Path,
-                       help="YAML/JSON: name -> list of values (all combinations), or a list of mappings")
+                       help="a YAML/JSON file, or the grid itself ('{\"lr\": [0.1, 0.2]}'): name -> list of values "
+                            "(all combinations), or a list of mappings")
     add_launch_arguments(batch, BATCH)
     sweep = batch.add_argument_group("batch")
     sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",

@@ -213,7 +213,12 @@ def find_run(which: str, cwd: Path) -> RunDir:
             run_dir = candidate.resolve()
             break
     else:
-        run_dir = Path(find(which).run_dir)  # (raises: no live run of that name)
+        try:
+            run_dir = Path(find(which).run_dir)
+        except UsageError:  # (nbddp ps lists live runs only: attach also replays an ended one, by its folder)
+            raise UsageError(f"no run {which!r}: give a detached run's folder (as its start line printed it: "
+                             f"runs/NAME beside its notebook), or its name under {Path(cwd) / 'runs'}; `nbddp ps` "
+                             "lists the runs alive now.") from None
     check_owned(run_dir, "the run", follow=True, then=ONLY_YOURS)
     paths = RunDir(run_dir)
     if not is_detached(paths):

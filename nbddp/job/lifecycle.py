@@ -242,7 +242,7 @@ class Job:
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
             checkpoint_expected=bool(self.script.returns) and (self.spec.launch.nodes is None or self.spec.launch.nodes.rank == 0),
             final_metrics=last_metrics(self.paths), rendezvous_failure=seen.rendezvous_failure,
-            scheduler_end=seen.scheduler_end,
+            scheduler_end=seen.scheduler_end, warm=self.spec.pool is not None,
         )
         if evidence.early_exit is None and evidence.peer_gone and not evidence.stop_requested:  # who vanished?
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)

@@ -36,7 +36,7 @@ from nbddp.contracts.rank_env import RankEnv
 from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
-from nbddp.job.outcome import JobOutcome, run_error
+from nbddp.job.outcome import JobOutcome, run_error, stopped
 from nbddp.job.record import RunRecord, versions
 from nbddp.job import trackers
 from nbddp.contracts.rundir import RunDir, create_run_dir
@@ -97,6 +97,9 @@ class RunRequest:
     tracked: bool = True
     """Whether the run is an experiment's (``False``: ``%%ddp_exec``, a look at the ranks: it writes into no record
     of the kernel's, asks for none, and nbddp adds nothing to what its code may write)."""
+    said: set[str] | None = field(default=None, compare=False)
+    """What this door's user was told of the machine already (a kernel's: each line once per kernel, not in every
+    cell); ``None``: a door that runs once says it every time."""
 
 
 @dataclass
@@ -253,7 +256,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
         say(notice)
     ours = request.warm.held_gpus() if request.warm is not None else ()
     devices = devices_for(launch, asked=request.script.processes, say=say, ours=ours)
-    for note in ([devices.note] if devices.note else []) + topology_notes(launch):
+    for note in _news([devices.note] if devices.note else [], request.said) + topology_notes(launch):
         say(note)
     pool = _warm_pool(request, devices, say)
     asked = asked_trackers(launch) if request.tracked else ()
@@ -300,7 +303,7 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
                 judged.append(job.outcome(timed_out=result.kernel.status == Status.TIMEOUT,
                                           interrupted_by=result.interrupted_by))
             result.outcome = judged[-1]
-            _conclude(result, trained)
+            _conclude(result, trained, warm=pool is not None)
             result.seconds = time.monotonic() - started
             error = result.error()
             result.record = job.record(result.status, result.exit_code, result.message, result.outcome,
@@ -317,13 +320,24 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     return result
 
 
-def _conclude(result: RunResult, trained: bool) -> None:
+def _news(facts: list[str], said: set[str] | None) -> list[str]:
+    """The facts of the machine (``no GPU visible: running on the CPU…``) this door's user wasn't told yet, remembered
+    as told (``said``: a kernel's, for its lifetime; ``None``: each is news)."""
+    if said is None:
+        return facts
+    news = [fact for fact in facts if fact not in said]
+    said.update(news)
+    return news
+
+
+def _conclude(result: RunResult, trained: bool, warm: bool = False) -> None:
     """The run's status, exit code and message, from what ended it first: an interruption; a kernel cell
-    that failed before the training (the job was stopped for it); the job; a kernel cell after it."""
+    that failed before the training (the job was stopped for it); the job; a kernel cell after it. ``warm``: the
+    ranks were a warm pool's (a stop ends their job, not them)."""
     outcome, kernel = result.outcome, result.kernel
     if result.interrupted_by is not None:
         name = signal.Signals(result.interrupted_by).name
-        result.status, result.message = Status.INTERRUPTED, f"interrupted ({name}); every rank was stopped."
+        result.status, result.message = Status.INTERRUPTED, f"interrupted ({name}); {stopped(warm)}."
         result.exit_code, result.ended_by = Status.INTERRUPTED.code(result.interrupted_by), "interrupt"
     elif kernel.status != Status.SUCCEEDED and not trained or outcome.status == Status.SUCCEEDED:
         result.status, result.exit_code, result.message = kernel.status, kernel.exit_code, kernel.message

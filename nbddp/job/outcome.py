@@ -83,6 +83,8 @@ class Evidence:
     """A scheduler ended the job itself (Slurm's time limit, an outside scancel, a node failure…): its reason."""
     node_gone: dict[str, Any] | None = None
     """The node of a multi-node run whose ranks stopped answering (its roster entry)."""
+    warm: bool = False
+    """The ranks are a warm pool's: stopping the run stops their job, not them (:func:`stopped`)."""
 
     @property
     def stopped_by_us(self) -> bool:
@@ -92,6 +94,11 @@ class Evidence:
     def peer_gone(self) -> bool:
         """The first error says a peer vanished: that peer, not the reporter, is the root cause."""
         return bool(self.errors) and bool(PEER_GONE.search(self.errors[0].message))
+
+
+def stopped(warm: bool) -> str:
+    """What a stop did to the ranks: a fresh run's end with it; warm ranks only leave the job (and wait for the next)."""
+    return "every rank's job was stopped" if warm else "every rank was stopped"
 
 
 def judge(e: Evidence) -> JobOutcome:
@@ -106,7 +113,7 @@ def judge(e: Evidence) -> JobOutcome:
                           message, e.final_metrics, rank)
 
     if e.interrupted_by is None and not e.timed_out and e.stop_requested:
-        return outcome(Status.INTERRUPTED, "stopped by `nbddp kill`; every rank was stopped.",
+        return outcome(Status.INTERRUPTED, f"stopped by `nbddp kill`; {stopped(e.warm)}.",
                        signal_exit_code(signal.SIGTERM))
     if e.scheduler_end and e.interrupted_by is None and not e.timed_out:
         return outcome(Status.FAILED, e.scheduler_end)
@@ -136,7 +143,7 @@ def judge(e: Evidence) -> JobOutcome:
         return outcome(Status.TIMEOUT, (
             f"no rank printed or logged anything for {e.idle_for:g}s (--idle-timeout): stopped. A stuck data loader "
             "or a deadlock outside collectives?") if e.idle_for else (
-            f"the run exceeded {e.deadline_name}; every rank was stopped."
+            f"the run exceeded {e.deadline_name}; {stopped(e.warm)}."
             + (f" {e.scheduler_end}" if e.scheduler_end else "")))
     if errors and _COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in _COLLECTIVE_ERRORS:
         limit = f" (--collective-timeout {e.collective_timeout:g}s)" if e.collective_timeout else ""
@@ -146,8 +153,8 @@ def judge(e: Evidence) -> JobOutcome:
     interrupted_by = e.interrupted_by or e.stopped_by  # (a timeout was judged above)
     if interrupted_by is not None:
         said = f" {e.scheduler_end}" if e.scheduler_end else ""  # (a Ray run stopped while waiting to be placed)
-        return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; every rank was "
-                       f"stopped.{said}", signal_exit_code(interrupted_by))
+        return outcome(Status.INTERRUPTED, f"interrupted by {signal.Signals(interrupted_by).name}; {stopped(e.warm)}."
+                       f"{said}", signal_exit_code(interrupted_by))
     if e.launcher_exit == 0 and (e.checkpoint_exists or not e.checkpoint_expected) and not errors:
         codes = {r: 0 for r in range(e.first_rank, e.first_rank + e.nproc)} | codes
         return JobOutcome(Status.SUCCEEDED, 0, e.launcher_exit, codes, [], "", e.final_metrics)

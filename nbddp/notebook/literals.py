@@ -28,13 +28,20 @@ def check_name(name: str) -> str:
     return name
 
 
+class Unquoted(str):
+    """A ``-p`` value typed as text that doesn't read as a Python literal (``-p lr abc``, where ``-p lr 0.1`` reads as a
+    number and ``-p lr "'abc'"`` as text). It is text, kept apart so that a parameter whose default isn't text refuses
+    it before anything runs (:func:`nbddp.notebook.parameters.type_notices`): there, it is a typo far more often than
+    text meant."""
+
+
 def parse_value(text: str) -> Any:
-    """Parse a command-line value as papermill does: a Python literal if it is one, else the string."""
+    """Parse a command-line value as papermill does: a Python literal if it is one, else the string (:class:`Unquoted`)."""
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return text
-    return value if is_plain_data(value) else text
+        return Unquoted(text)
+    return value if is_plain_data(value) else Unquoted(text)
 
 
 def parse_pairs(pairs: list[tuple[str, str]] | None) -> dict[str, Any]:
@@ -63,6 +70,8 @@ def to_literal(value: Any) -> str:
     """
     if isinstance(value, float) and not math.isfinite(value):
         return f"float({str(value)!r})"
+    if isinstance(value, Unquoted):
+        value = str(value)  # (plain text, as the script reads it back)
     if not is_plain_data(value):
         raise ParameterError(
             f"parameter value of type {type(value).__name__} can't be passed to the ranks; "

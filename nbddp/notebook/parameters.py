@@ -15,6 +15,7 @@ from typing import Any
 
 from nbddp.contracts.cell_tree import tree as cell_tree
 from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
+from nbddp.notebook.literals import Unquoted
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import Notebook
 
@@ -105,20 +106,30 @@ def _initials(name: str) -> str:
     return "".join(part[0] for part in parts) if len(parts) > 1 else ""
 
 
-def type_notices(declared: dict[str, Any], overrides: dict[str, Any]) -> tuple[str, ...]:
-    """One line for each override whose type differs from its literal default (``-p lr abc`` for ``lr = 0.05``).
+def type_notices(declared: dict[str, Any], overrides: dict[str, Any], holder: str = "the notebook's") -> tuple[str, ...]:
+    """One line for each override whose type differs from its literal default (``-p name 3`` for ``name = 'x'``), said
+    the same way by every door before anything runs.
 
-    ``-p`` reads a value as a Python literal, else as text, so a mistyped number arrives as a string and
-    fails deep inside the ranks, after the launch. An int for a float default (``-p lr 1``) and ``None`` either
-    way are what people mean; a default that isn't a literal has no type to compare with.
+    A value typed as text that reads as no Python literal (:class:`~nbddp.notebook.literals.Unquoted`: ``-p lr abc`` for
+    ``lr = 0.05``) is refused instead: it would fail deep inside the ranks, after the launch; quoted (``-p lr "'abc'"``),
+    or given as a ``str`` in Python, it is text meant, and said as any other. An int for a float default (``-p lr 1``)
+    and ``None`` either way are what people mean; a default that isn't a literal has no type to compare with.
+    ``holder``: whose the defaults are (``%%ddp_train``'s: the kernel's values).
+
+    Raises:
+        ParameterError: an unquoted text value for a default that isn't text.
     """
     notices = []
     for name, value in overrides.items():
         default = declared.get(name)
         if default is None or value is None or isinstance(default, dict) or _kind(value) == _kind(default):
             continue
-        hint = " (it doesn't read as a Python literal)" if isinstance(value, str) else ""
-        notices.append(f"warning: -p {name} {value!r} is {_kind(value)}{hint}, but the notebook's default "
+        if isinstance(value, Unquoted):
+            raise ParameterError(
+                f"-p {name} {value}: {holder} {name} is {default!r}, {_kind(default)}, and {value!r} reads as "
+                f"no Python literal (a typo?). Give {_kind(default)}, or quote the text to pass it as it is: "
+                f"-p {name} \"'{value}'\".")
+        notices.append(f"warning: parameter {name} = {value!r} is {_kind(value)}, but {holder} default "
                        f"{default!r} is {_kind(default)}: the cells get {value!r} as it is.")
     return tuple(notices)
 

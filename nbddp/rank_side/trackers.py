@@ -352,6 +352,8 @@ def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         if name == "start_run" and _how is not None and _how[0] != 0:  # every rank keeps its own: named by rank
             kwargs["run_name"] = f"{kwargs.get('run_name') or 'nbddp'} (rank {_how[0]})"
             kwargs["tags"] = {**(kwargs.get("tags") or {}), "nbddp.rank": str(_how[0])}
+        elif name == "start_run" and _starts_a_new_run(args, kwargs):
+            kwargs["run_name"] = _new_run_name()
         answer = _attempt("MLflow", lambda: original(*args, **kwargs), nothing)
         if gives_a_run and not isinstance(answer, _NoRun):
             _ends_them_when_stopped()
@@ -363,6 +365,30 @@ def _mlflow_call(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     call.__wrapped__ = original  # type: ignore[attr-defined]
     call.__name__ = name
     return call
+
+
+def _starts_a_new_run(args: tuple, kwargs: dict[str, Any]) -> bool:
+    """``mlflow.start_run(...)`` that starts an unnamed run (not one it resumes: a run id given, or MLflow's own
+    variable, which names the kernel's run where rank 0 adds to it)."""
+    return not args and not kwargs.get("run_id") and not kwargs.get("run_name") and not os.environ.get("MLFLOW_RUN_ID")
+
+
+def _new_run_name() -> str:
+    """MLflow's own kind of name (``kindly-hare-713``), drawn with :mod:`random` seeded afresh from the system, its
+    state put back after: MLflow draws it from :mod:`random`, whose state a warm rank puts back before each job (the
+    code draws what a fresh run draws), so every warm run would have had the same name."""
+    import random
+
+    state = random.getstate()
+    random.seed()
+    try:
+        from mlflow.utils.name_utils import _generate_random_name
+
+        return _generate_random_name()
+    except (ImportError, AttributeError, TypeError):  # (MLflow's private helper: another version's may differ)
+        return f"nbddp-{random.getrandbits(32):08x}"
+    finally:
+        random.setstate(state)
 
 
 # ---------------------------------------------------------------- W&B

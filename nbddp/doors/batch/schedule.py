@@ -94,16 +94,27 @@ class BatchOptions:
             return self.gpus_per_run
         return None if self.launch.gpus is None else requested_gpus(self.launch.gpus)
 
+    @property
+    def per_run_flag(self) -> str:
+        """How the user asked for each run's GPUs, as they typed it (``--gpus 4`` or ``--gpus-per-run 4``)."""
+        return f"--gpus-per-run {self.gpus_per_run}" if self.gpus_per_run is not None else f"--gpus {self.launch.gpus}"
+
 
 def load_grid(grid: Any) -> list[dict[str, Any]]:
-    """The parameter sets of a grid: a file path, a mapping of name → values, or a list of mappings."""
+    """The parameter sets of a grid: a YAML or JSON file's path, the same text given inline (``--grid '{"lr": [0.1,
+    0.2]}'``, ``--grid 'lr: [0.1, 0.2]'``: what isn't a file), a mapping of name → values, or a list of mappings."""
     if isinstance(grid, (str, Path)):
         path = Path(grid)
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise ParameterError(f"--grid {path}: cannot read it ({exc.strerror or exc}).") from None
-        grid = _parse_grid_text(text, path)
+            inline = _inline_grid(str(grid))
+            if inline is None:
+                raise ParameterError(f"--grid {path}: cannot read it ({exc.strerror or exc}); give a YAML or JSON file, or "
+                                     "the grid itself: --grid '{\"lr\": [0.1, 0.2]}'.") from None
+            grid = inline
+        else:
+            grid = _parse_grid_text(text, path)
     if isinstance(grid, dict):
         for name, values in grid.items():
             if not isinstance(values, list) or not values:
@@ -120,6 +131,17 @@ def load_grid(grid: Any) -> list[dict[str, Any]]:
             if not is_plain_data(value):
                 raise ParameterError(f"grid: the value of {name!r} must be plain data, not {type(value).__name__}.")
     return sets
+
+
+def _inline_grid(text: str) -> Any:
+    """``text`` as a grid given inline (a mapping or a list, in YAML, which JSON is a part of), or ``None``."""
+    import yaml
+
+    try:
+        found = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return found if isinstance(found, (dict, list)) else None
 
 
 def _parse_grid_text(text: str, path: Path) -> Any:
@@ -332,14 +354,14 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
         say(f"nbddp: --gpus free: {chosen.note}")
     if gpus == 0:
         if options.per_run_gpus:
-            raise DeviceError(f"--gpus-per-run {options.per_run_gpus}: no GPU is visible. Use --cpu --nproc N.")
+            raise DeviceError(f"{options.per_run_flag}: no GPU is visible. Use --cpu --nproc N.")
         devices = resolve(cpu=True, nproc=options.launch.nproc)
         if not options.launch.cpu:
             say(f"nbddp: no GPU visible: each run uses {devices.nproc} CPU processes (gloo).")
         return [() for _ in range(options.parallel or 1)], devices.nproc, "cpu"
     per_run = options.per_run_gpus or 1
     if per_run > gpus:
-        raise DeviceError(f"--gpus-per-run {per_run} asks for more GPUs than the {gpus} visible.")
+        raise DeviceError(f"{options.per_run_flag} asks for more GPUs per run than the {gpus} visible.")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = list(chosen.gpu_ids) if chosen else [i.strip() for i in visible.split(",")][:gpus] if visible else [
         str(i) for i in range(gpus)]

@@ -18,6 +18,7 @@ from nbddp.contracts.errors import CellError, ParameterError
 from nbddp.notebook.cells import SETUP, TRAIN, TRAIN_MAGIC, ExportedCell, cell_role, export_cell
 from nbddp.contracts.freevars import free_names
 from nbddp.notebook.literals import is_plain_data
+from nbddp.notebook.parameters import type_notices
 from nbddp.notebook.reader import Cell
 from nbddp.notebook.script import Script, indent_code, render
 from nbddp.plan.options import LaunchOptions
@@ -84,12 +85,15 @@ def build_script(history: CellHistory, body: str, namespace: dict[str, Any], opt
         raise ParameterError(
             f"-p {', '.join(unknown)}: the training code takes no such value from the kernel"
             + (f"; it takes {', '.join(free)}." if free else " (it defines everything it uses in '#| ddp' cells)."))
+    # -p's values against the kernel's, as a notebook's parameters cell's defaults are (every door says the same)
+    notices = type_notices({name: namespace.get(name) for name in options.parameters}, options.parameters,
+                           "the kernel's")
     values = {name: options.parameters[name] if name in options.parameters else _kernel_value(name, namespace)
               for name in free}
     if not values:
-        return first, values
+        return replace(first, notices=notices), values
     script = render(exported, origin, replace(export, parameters=values))
-    return script, values
+    return replace(script, notices=notices), values
 
 
 def _for_ranks(cell: ExportedCell, ranks: tuple[int, ...] | None) -> ExportedCell:

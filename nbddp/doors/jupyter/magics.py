@@ -114,6 +114,8 @@ class DdpMagics(Magics):
     def __init__(self, shell) -> None:  # noqa: ANN001
         super().__init__(shell)
         self.history = CellHistory()
+        self.said: set[str] = set()
+        """What this kernel's cells were told of the machine (said once per kernel)."""
         shell.events.register("post_run_cell", self._record)
 
     def _record(self, result) -> None:  # noqa: ANN001 - IPython's ExecutionResult
@@ -184,7 +186,7 @@ class DdpMagics(Magics):
             script, options, session_notebook(cwd, self.shell.user_ns), cwd, parameters,
             {k: v for k, v in parameters.items() if k in options.parameters}, f"%%ddp_train {line}".strip(),
             source="the kernel", owner="kernel", warm=None if args.fresh else kernel_pool,
-            console=kernel_console(self.shell))
+            console=kernel_console(self.shell), said=self.said)
         if args.fresh or args.detach or why_not_warm(script.engine, options):
             freed = kernel_pool.make_room()  # ranks of its own on the same devices: the warm ones' GPU memory is theirs
             if freed:
@@ -220,7 +222,8 @@ class DdpMagics(Magics):
         request = orchestrator.RunRequest(
             script, launch, session_notebook(cwd, self.shell.user_ns), cwd, parameters, {},
             f"%%ddp_exec {line}".strip(), source="the kernel", owner="kernel", warm=kernel_pool,
-            console=kernel_console(self.shell), tracked=False)  # (a look at the ranks: no experiment record's, nor the kernel's open ones)
+            console=kernel_console(self.shell), tracked=False,  # (a look at the ranks: no experiment record's…)
+            said=self.said)
         self._train(request)
         if args.keep:  # (a setup cell of this kernel's, as a '#| ddp' cell run now would be)
             self.history.record(f"#| ddp\n{cell}", None, (), self.shell.execution_count)
@@ -276,6 +279,7 @@ class DdpMagics(Magics):
         if names:
             print(f"[nbddp] {trackers.start_line(names)}")
         request = replace(request, launch=replace(request.launch, run_dir=run_dir.path), owner="detached", warm=None,
+                          said=None,  # (the supervisor's lines go to the run's transcript, every one)
                           console=None,  # (nobody types into a detached run's ranks: its breakpoints are skipped)
                           kernel_records=trackers.public(records))  # (written into the run dir: no credentials)
         pid = detached.start(request, run_dir, request.cwd)
