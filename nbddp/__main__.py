@@ -4,4 +4,5 @@ import sys
 
 from nbddp.doors.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (a documentation tool that imports every module runs nothing)
+    sys.exit(main())

@@ -24,7 +24,8 @@ def test_export_refuses_unquoted_text_for_a_number_and_says_quoted_text(notebook
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.strip() == (
         "nbddp: error: -p lr abc: the notebook's lr is 0.1, a number, and 'abc' reads as no Python literal (a typo?). "
-        "Give a number, or quote the text to pass it as it is: -p lr \"'abc'\".")
+        "Give a number, or quote the text to pass it as it is: -p lr \"'abc'\". "
+        "(see: docs/troubleshooting.md#a-p-value-that-reads-as-no-python-literal)")
     assert main(["export", str(path), "-o", "-", "-p", "lr", "'abc'"]) == 0
     captured = capsys.readouterr()
     assert "lr = 'abc'" in captured.out

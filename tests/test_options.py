@@ -188,7 +188,7 @@ def _example(declaration):
 
 def test_every_option_appears_in_every_rendering():
     """One declaration per option: each door's parser, ``nbddp.run()``'s and ``nbddp.batch()``'s keywords,
-    ``to_argv`` and the README's table all have it (exactly where its declaration says), so a new option is
+    ``to_argv`` and the documentation's table (docs/reference/options.md, written by docs/hooks.py) all have it (exactly where its declaration says), so a new option is
     one new field of ``LaunchOptions``."""
     import inspect
 
@@ -220,18 +220,6 @@ def test_every_option_appears_in_every_rendering():
         for top in fields_of(LaunchOptions):
             assert (top.name in keywords) == takes(top, door), (top.name, door)
             assert (f"    {top.name}: " in function.__doc__) == takes(top, door)
-
-
-def test_the_readme_table_is_the_declarations():
-    from pathlib import Path
-
-    from nbddp.plan.options import options_table
-
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    start = readme.index("\n", readme.index("<!-- launch options:")) + 1
-    written = readme[start:readme.index("<!-- end of launch options -->")].strip()
-    assert written == options_table(), ("README.md's table of launch options is out of date: paste the output of "
-                                        "python -c 'from nbddp.plan.options import options_table; print(options_table())'")
 
 
 def test_python_values_become_what_the_command_line_gives():

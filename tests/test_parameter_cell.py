@@ -73,7 +73,8 @@ def test_unquoted_text_for_a_default_that_isnt_text_is_refused_saying_how_to_pas
     with pytest.raises(ParameterError) as refused:
         type_notices(declared, {"lr": parse_value("abc")})
     assert str(refused.value) == ("-p lr abc: the notebook's lr is 0.05, a number, and 'abc' reads as no Python literal "
-                                  "(a typo?). Give a number, or quote the text to pass it as it is: -p lr \"'abc'\".")
+                                  "(a typo?). Give a number, or quote the text to pass it as it is: -p lr \"'abc'\". "
+                                  "(see: docs/troubleshooting.md#a-p-value-that-reads-as-no-python-literal)")
     assert refused.value.exit_code == 2
     assert type_notices(declared, {"lr": parse_value("'abc'")})  # quoted: text meant, said
     assert to_literal(parse_value("abc")) == "'abc'" and type(parse_value("0.1")) is float

@@ -27,6 +27,17 @@ def exception_line(exc: BaseException, limit: int = 1000) -> str:
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
+#: Where an error's line is explained: the documentation's troubleshooting page, named relative to the project (no
+#: host), as ``see: docs/troubleshooting.md#no-training-cell``.
+SEE = "see: docs/troubleshooting.md#"
+
+
+def see(anchor: str) -> str:
+    """`` (see: docs/troubleshooting.md#ANCHOR)``, for the end of an error's line (``tests/test_docs.py`` checks that
+    every anchor given is a heading there)."""
+    return f" ({SEE}{anchor})"
+
+
 class NbddpError(Exception):
     """Base class: an error the user can act on. Never a bug in nbddp."""
 

@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable
 
-from nbddp.contracts.errors import UsageError
+from nbddp.contracts.errors import UsageError, see
 
 
 class NotYours(UsageError):
@@ -108,12 +108,13 @@ def _judged(path: Path, info: os.stat_result, what: str, then: str = CHOOSE_ANOT
                        "if someone else put it there, tell them or your administrator.")
     if info.st_uid != os.getuid():
         raise NotYours(f"{what} {path} belongs to uid {info.st_uid} ({_user(info.st_uid)}), not to you: nbddp only "
-                       f"writes into and acts on what it reads from what is yours. {then}")
+                       f"writes into and acts on what it reads from what is yours. {then}"
+                       + see("a-folder-that-belongs-to-another-user-or-that-others-can-write"))
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         writable = "others" if info.st_mode & stat.S_IWOTH else "its group"
         raise NotYours(f"{what} {path} can be written by {writable} (mode {stat.filemode(info.st_mode)}): anyone who "
                        f"can write there could change what nbddp runs. Make it yours alone (chmod go-w {path}), or "
-                       f"{then[0].lower()}{then[1:]}")
+                       f"{then[0].lower()}{then[1:]}" + see("a-folder-that-belongs-to-another-user-or-that-others-can-write"))
     return info
 
 

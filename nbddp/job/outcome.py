@@ -18,6 +18,7 @@ from typing import Any
 from nbddp.job.record import RankError, describe_exit
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status, signal_exit_code
+from nbddp.contracts.errors import see
 
 #: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
@@ -149,7 +150,8 @@ def judge(e: Evidence) -> JobOutcome:
         limit = f" (--collective-timeout {e.collective_timeout:g}s)" if e.collective_timeout else ""
         return outcome(Status.TIMEOUT, (
             f"a collective timed out{limit}: rank {errors[0].rank} waited for peers that never joined — did a rank "
-            f"skip an all_reduce, or stall?\n\n" + failure_message(e, codes)), rank=errors[0].rank)
+            f"skip an all_reduce, or stall?{see('a-collective-timed-out')}\n\n" + failure_message(e, codes)),
+            rank=errors[0].rank)
     interrupted_by = e.interrupted_by or e.stopped_by  # (a timeout was judged above)
     if interrupted_by is not None:
         said = f" {e.scheduler_end}" if e.scheduler_end else ""  # (a Ray run stopped while waiting to be placed)

@@ -16,7 +16,7 @@ from typing import Any
 from nbddp.contracts.cell_tree import tree as cell_tree
 from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
 from nbddp.notebook.literals import Unquoted
-from nbddp.contracts.errors import ParameterError
+from nbddp.contracts.errors import ParameterError, see
 from nbddp.notebook.reader import Notebook
 
 
@@ -87,7 +87,7 @@ def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, 
     hints = [hint for name in unknown if (hint := closest_parameter(name, declared))]
     raise ParameterError(f"{notebook.path}: unknown parameter{plural} {', '.join(unknown)}; "
                          f"the parameters cell defines {', '.join(declared)}."
-                         + (f" Did you mean {' / '.join(hints)}?" if hints else ""))
+                         + (f" Did you mean {' / '.join(hints)}?" if hints else "") + see("unknown-parameter"))
 
 
 def closest_parameter(name: str, declared: dict[str, Any] | list[str]) -> str | None:
@@ -128,7 +128,7 @@ def type_notices(declared: dict[str, Any], overrides: dict[str, Any], holder: st
             raise ParameterError(
                 f"-p {name} {value}: {holder} {name} is {default!r}, {_kind(default)}, and {value!r} reads as "
                 f"no Python literal (a typo?). Give {_kind(default)}, or quote the text to pass it as it is: "
-                f"-p {name} \"'{value}'\".")
+                f"-p {name} \"'{value}'\"." + see("a-p-value-that-reads-as-no-python-literal"))
         notices.append(f"warning: parameter {name} = {value!r} is {_kind(value)}, but {holder} default "
                        f"{default!r} is {_kind(default)}: the cells get {value!r} as it is.")
     return tuple(notices)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.contracts.errors import CellError, CellSyntaxError
+from nbddp.contracts.errors import CellError, CellSyntaxError, see
 from nbddp.notebook.reader import Cell, Notebook
 from nbddp.contracts.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP, TRAIN,  # noqa: F401
                                        TRAIN_MAGIC)
@@ -103,12 +103,12 @@ def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
             "(or tag it 'ddp-train', or make it a '%%ddp_train' cell), and mark the cells it needs (imports, data, "
             "model) with '#| ddp' (or tag them 'ddp'); cells without a mark run only in the kernel.")
     if not unmarked:
-        return text
+        return text + see("no-training-cell")
     loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
     hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
     return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
             "unmarked: Accelerate's notebook_launcher(...), a Lightning Trainer's .fit(...), a Hugging Face "
-            "Trainer's .train().)")
+            "Trainer's .train().)" + see("no-training-cell"))
 
 
 def export_cell(cell: Cell, role: str, notebook_path: Path | str) -> ExportedCell:

@@ -4,7 +4,7 @@ Each option is one field below, declared with :func:`option` (an :class:`~nbddp.
 its name, type and default are the field's; its flags, help, group, metavar, check and the doors that
 take it are in the declaration. ``nbddp run``, ``nbddp batch``, ``nbddp export``, ``%%ddp_train`` and ``NBDDP_OPTIONS``
 parse what :func:`add_launch_arguments` derives from it; ``nbddp.run()``'s and ``nbddp.batch()``'s
-keywords, :meth:`LaunchOptions.to_argv` (a batch's runs) and the README's table
+keywords, :meth:`LaunchOptions.to_argv` (a batch's runs) and the documentation's table
 (:func:`options_table`) are derived from it too. So every option has the same name, default and
 meaning at every front door, and a bad value is refused the same way everywhere: exit 2 (a
 :class:`UsageError`) naming the option. A new option is one new field here.
@@ -537,7 +537,8 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 
 def options_table() -> str:
-    """The README's table of launch options (``tests/test_options.py`` keeps the README's copy the same)."""
+    """The table of launch options, as docs/reference/options.md shows it (written by docs/hooks.py as the site is
+    built)."""
     return "\n".join(markdown_rows(LaunchOptions, GROUPS, DOORS))
 
 

@@ -34,6 +34,7 @@ from nbddp.contracts.status import Status
 from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, RankEnv
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 from nbddp.rank_side.parent_death import launching_ranks
+from nbddp.contracts.errors import see
 
 _state = {"trained": False, "patched": False}
 
@@ -161,7 +162,7 @@ def check_picklable(fn) -> None:  # noqa: ANN001 - the runner's bound method
         f"{where + ': ' if where else ''}Catalyst's DDP engine sends the runner and everything given to "
         f"runner.train to its processes by pickling, and {path} ({type(culprit).__name__}) can't be pickled "
         f"({reason}). Define it with `def`/`class` at the top level of a '#| ddp' cell instead of a lambda "
-        "or a nested function."
+        "or a nested function." + see("catalysts-ddp-engine-sends-the-runner-cant-be-pickled")
     )
 
 
