@@ -44,7 +44,7 @@ def test_a_flooding_rank_keeps_its_start_and_last_lines_within_the_cap_and_says_
 
 def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_path):
     """The stop button while both ranks print as fast as they can (the default cap, 100 MB): the cell ends with
-    the interrupt within 5 s (measured to the kernel's reply), the ranks kept warm for the next run."""
+    the interrupt within seconds (measured to the kernel's reply), the ranks kept warm for the next run."""
 
     from tests.test_magic import ProtocolKernel
 
@@ -61,7 +61,9 @@ def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_p
         stopped = time.monotonic()
         kernel.km.interrupt_kernel()  # the stop button
         out = kernel.finish_execute()
-        assert time.monotonic() - stopped < 5, time.monotonic() - stopped
+        # 1.4 s here alone, 2 s beside three busy loops; 5.8 s once with .ci/run's three lanes at once on 2 cores.
+        # What it guards: the cell ends in seconds, not once 100 MB of output has been drained (minutes).
+        assert time.monotonic() - stopped < 10, time.monotonic() - stopped
         assert "KeyboardInterrupt" in out and "interrupted" in out
         again = kernel.execute("%%ddp_train --cpu\nprint('again', nbddp.rank())", "train")
         assert "[rank 1] again 1" in again and "on a warm rank (its run 2)" in again, again
