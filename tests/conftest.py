@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Iterable
+from typing import Callable, TypeVar
 
 import nbformat
 import pytest
@@ -37,6 +38,17 @@ def md(source: str):
 
 #: The notebook metadata of every notebook a test writes: the kernel it runs in.
 PYTHON3 = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
+
+
+def docs_image(name: str) -> Path | None:
+    """Where a test writes the documentation's picture ``name`` (``docs/img/NAME``), when asked to:
+    ``NBDDP_SCREENSHOTS=docs/img python -m pytest -m slow tests/test_browser.py tests/test_batches.py`` refreshes
+    them (docs/contributing.md); otherwise ``None`` and nothing is written."""
+    folder = os.environ.get("NBDDP_SCREENSHOTS")
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder) / name
 
 
 def write_notebook(path: Path, cells: Iterable) -> Path:
@@ -114,6 +126,34 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout: float, what: str, every: float = 0.1,
+               detail: Callable[[], object] | None = None) -> T:
+    """Poll ``condition()`` every ``every`` seconds until it returns something truthy, and return that; after
+    ``timeout`` seconds fail with ``AssertionError("WHAT: not within TIMEOUT s")`` (with the last value seen, and
+    ``detail()``: a log, the processes still alive).
+
+    Every poll in the tests goes through here (tests/test_test_helpers.py keeps it so). A hand-written
+    ``while ... and time.monotonic() < deadline`` that just ends at its deadline lets the test go on as if the
+    thing had happened, and the asserts after it then pass, or fail far from the cause, though it never did.
+    A ``condition`` that can tell it never will (the process it waits on has exited) raises at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            message = f"{what}: not within {timeout:g} s"
+            if value is not None and value is not False:
+                message += f" (last seen: {value!r})"
+            if detail is not None:
+                message += f"\n{detail()}"
+            raise AssertionError(message)
+        time.sleep(every)
 
 
 def group_members(pgid: int) -> set[int]:

@@ -13,7 +13,7 @@ import pytest
 from nbddp.doors.batch.schedule import load_grid, plan
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
-from tests.conftest import code, write_notebook
+from tests.conftest import code, docs_image, write_notebook
 
 PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0\nmin_lr = 0.0"
 SETUP = "#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nX = torch.randn(64, 4)\nY = X.sum(1, keepdim=True)"
@@ -106,6 +106,8 @@ def test_two_by_two_grid_two_at_a_time_with_summaries(sweep, tmp_path, cli_run):
     assert "4 runs, 4 succeeded" in markdown and "Main metric: `loss`" in markdown
     assert markdown.count("| succeeded |") == 4
     assert (out / "summary.png").stat().st_size > 10_000
+    if (picture := docs_image("batch_summary.png")) is not None:
+        picture.write_bytes((out / "summary.png").read_bytes())
     assert not run.leftovers()
 
 

@@ -3,7 +3,7 @@
 What a user sees: Run All, the live view while 2 gloo ranks train, the static copy it leaves, the
 notebook saved and reloaded, the stop button and a kernel restart mid-run. ``.ci/run`` installs
 chromium and sets NBDDP_REQUIRE_BROWSER=1, so these can't be skipped there. With
-NBDDP_SCREENSHOTS=DIR the run writes the README's screenshots into DIR.
+NBDDP_SCREENSHOTS=DIR the run writes the documentation's screenshots into DIR (``tests.conftest.docs_image``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from nbddp.contracts.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
-from tests.conftest import code, write_notebook
+from tests.conftest import code, docs_image, write_notebook
 from tests.lab_browser import JupyterLab, Notebook, browser_missing, open_browser
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ for epoch in range({EPOCHS}):
     nbddp.log(epoch=epoch + 1, epochs={EPOCHS}, loss=loss.item())
     print(f"epoch {{epoch + 1}} loss {{loss.item():.4f}}")
     time.sleep(0.4)"""
-EVALUATE = "print('kernel sees weight sum', round(float(model.weight.sum()), 3))"
+EVALUATE = "print('kernel sees weight sum', round(float(model.weight.detach().sum()), 3))\n%ddp_ranks"
 VIEW = ".nbddp-view"
 ALL_RANKS_PANE = ".nbddp-view .nbddp-pane"
 
@@ -147,11 +147,11 @@ def plot_points(page) -> int:
     return page.evaluate(f"() => document.querySelectorAll('{VIEW} svg.nbddp-plot circle').length")
 
 
-def screenshot(page, name: str) -> None:
-    folder = os.environ.get("NBDDP_SCREENSHOTS")
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(Path(folder) / name))
+def screenshot(page, name: str, element=None) -> None:
+    """The page (or one ``element`` of it) as the documentation shows it, when asked to (``docs_image``)."""
+    path = docs_image(name)
+    if path is not None:
+        (element or page).screenshot(path=str(path))
 
 
 def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(notebook, lab):
@@ -190,8 +190,11 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     assert "final metrics: loss=" in copy and "epoch=" not in copy
     assert "[rank 1] epoch 30" in copy
     assert "kernel sees weight sum" in notebook.output_text(3)
+    ranks = notebook.output_text(3)  # %ddp_ranks, after the run: the ranks kept warm and what each keeps
+    assert "2 warm ranks (" in ranks and "1 run(s)" in ranks and "rank 1: In [2] kept: X 1.02 kB" in ranks, ranks
     assert page.locator(f"{VIEW}").count() == 0
     screenshot(page, "ddp_train_done.png")
+    screenshot(page, "ddp_ranks.png", page.locator(".jp-Notebook .jp-Cell").nth(3))
 
     notebook.save()
     page.reload()

@@ -105,6 +105,62 @@ def test_pages_are_written_to_be_read():
     assert not wrong, "\n".join(wrong)
 
 
+#: A sentence longer than this reads as two: split it ("under ~30 words", counting a `code span` as one).
+WORDS = 32
+#: Words that tell the docs' history instead of what is.
+_HISTORY = re.compile(r"\b(was|were|since|this time|used to|no longer|previously|formerly)\b", re.I)
+
+
+def sentences(document: Path) -> list[tuple[int, str]]:
+    """The prose of ``document`` (code blocks, tables, headings and markers aside), sentence by sentence, each with
+    the line its paragraph starts on."""
+    found, paragraph, start, in_code = [], [], 0, False
+
+    def close() -> None:
+        text = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "X", " ".join(paragraph)))
+        found.extend((start, s) for s in re.split(r"(?<=[.!?:;])\s+(?=[A-Z`*(\[-])", " ".join(text.split())) if s)
+        paragraph.clear()
+
+    for number, line in enumerate(document.read_text(encoding="utf-8").splitlines(), 1):
+        if line.lstrip().startswith("```"):  # (a block inside a list item is indented)
+            in_code = not in_code
+        if in_code or line.lstrip().startswith(("```", "|", "#", "<!--", "![")) or not line.strip():
+            close()
+            continue
+        if not paragraph:
+            start = number
+        paragraph.append(line)
+    close()
+    return found
+
+
+def test_sentences_are_short_and_say_what_is():
+    """One idea per sentence, in the present tense: no sentence over WORDS words, no history."""
+    wrong = []
+    for document in DOCUMENTS:
+        for line, sentence in sentences(document):
+            where = f"{document.relative_to(REPO)}:{line}"
+            if len(sentence.split()) > WORDS:
+                wrong.append(f"{where}: {len(sentence.split())} words: {sentence[:80]}…")
+            if history := _HISTORY.search(sentence):
+                wrong.append(f"{where}: '{history.group(0)}' (say what is): {sentence[:80]}…")
+    assert not wrong, f"{len(wrong)} sentences:\n" + "\n".join(wrong)
+
+
+def test_every_picture_is_shown_and_every_one_shown_is_there():
+    """The pictures under docs/img (written by the tests that take them, tests.conftest.docs_image) and the pages
+    showing them: none missing, none left over."""
+    shown = set()
+    for document in DOCUMENTS:
+        for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", document.read_text(encoding="utf-8")):
+            picture = (document.parent / target).resolve()
+            assert picture.is_file(), f"{document.relative_to(REPO)} shows {target}, which isn't there"
+            shown.add(picture)
+    kept = {p.resolve() for p in (REPO / "docs" / "img").iterdir()}
+    assert kept <= shown, f"pictures no page shows: {sorted(p.name for p in kept - shown)}"
+    assert {"ddp_train_live.png", "ddp_ranks.png", "batch_summary.png"} <= {p.name for p in kept}
+
+
 def test_the_readme_is_a_landing_page():
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 150
