@@ -29,6 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nbddp.job.lifecycle import Job
+    from nbddp.job.outcome import JobOutcome
+    from nbddp.plan.job_spec import JobSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,11 +103,11 @@ def _own_share(work: Path, epochs: int) -> dict[str, float]:
     marks: dict[str, float] = {}
     original_init, original_wait = job_module.Launch.__init__, job_module.Job.wait
 
-    def init(self, spec):
+    def init(self: Any, spec: JobSpec) -> None:
         marks["launch"] = time.perf_counter()
         original_init(self, spec)
 
-    def wait(self, *a, **k):
+    def wait(self: Job, *a: Any, **k: Any) -> JobOutcome:
         outcome = original_wait(self, *a, **k)
         marks["job_done"] = time.perf_counter()
         return outcome

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.document import replace_block
 
@@ -218,7 +219,7 @@ RERUN, AFTER_RAISE, AFTER_RAISE_PAUSED, AFTER_INTERRUPT, FIRST_TEXT, FIRST_WIDGE
 FIX_SECONDS = 1.0
 
 
-def measure(tools: list[Tool], work: Path, rounds: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+def measure(tools: list[Tool], work: Path, rounds: int, log: Callable[[str], None]) -> dict[str, dict[str, list]]:
     """Every row for every tool, round after round. A tool whose next run after a failure (or an interrupt)
     doesn't train is broken by it: its kernel is started again, and that row isn't measured again."""
     figures: dict[str, dict[str, list]] = {tool.name: {row: [] for row in ROWS} for tool in tools}
@@ -297,7 +298,8 @@ def _measured() -> str:
             f"{platform.python_version()}")
 
 
-def _table(figures: dict[str, dict[str, list]], rows: tuple[str, ...], cell=summary) -> list[str]:  # noqa: ANN001
+def _table(figures: dict[str, dict[str, list]], rows: tuple[str, ...],
+           cell: Callable[[list], str] = summary) -> list[str]:
     """A row per figure, a column per tool; ``cell`` writes one tool's values of one row."""
     names = list(figures)
     return (["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -322,7 +324,8 @@ FIRST_ROWS = FIRST_AT_ONCE, FIRST_AFTER_PAUSE = ("first run in a fresh kernel, i
                                                  f"first run in a fresh kernel, {FIX_SECONDS * 3:.0f} s after its setup cells")
 
 
-def measure_first(tools: list[Tool], work: Path, kernels: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+def measure_first(tools: list[Tool], work: Path, kernels: int,
+                  log: Callable[[str], None]) -> dict[str, dict[str, list]]:
     """Each tool's first training run in fresh kernels (``kernels`` of each, the tools interleaved): the setup cells
     run back to back, then the training cell at once, or after a pause (a person reading the cell first)."""
     figures: dict[str, dict[str, list]] = {tool.name: {row: [] for row in FIRST_ROWS} for tool in tools}
@@ -400,7 +403,7 @@ def setup_tools(work: Path) -> dict[str, tuple[list[str], str, str]]:
     }
 
 
-def measure_setup(work: Path, rounds: int, log) -> dict[str, dict[str, list]]:  # noqa: ANN001
+def measure_setup(work: Path, rounds: int, log: Callable[[str], None]) -> dict[str, dict[str, list]]:
     """Per tool: the re-runs' seconds, and whether each re-run's weights are the first run's."""
     import importlib.util
 
@@ -498,7 +501,10 @@ def main(argv: list[str] | None = None) -> int:
         makers = {"nbddp": nbddp_tool, "nbdistributed": nbdistributed_tool, "accelerate": accelerate_tool,
                   "torchrun": lambda: torchrun_tool(work)}
         tools = [make() for name, make in makers.items() if not args.only or name in args.only]
-        log = lambda text: print(text, flush=True)  # noqa: E731
+
+        def log(text: str) -> None:
+            print(text, flush=True)
+
         if args.first_run:
             text = first_markdown(measure_first(tools, work, args.rounds, log), args.rounds, tools)
         else:

@@ -17,17 +17,20 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
 from benchmarks.document import replace_block
+
+if TYPE_CHECKING:
+    from nbddp.job.orchestrator import RunResult
 
 SPEED = """#| ddp-train
 import time, resource
@@ -71,7 +74,7 @@ def notebook(folder: Path, name: str, setup: str, train: str) -> Path:
     return path
 
 
-def run(path: Path, shard: bool, returns: str = "model"):  # noqa: ANN201 - RunResult
+def run(path: Path, shard: bool, returns: str = "model") -> RunResult:
     import nbddp
 
     return nbddp.run(path, cpu=True, nproc=2, shard=shard, returns=returns, quiet=True, collective_timeout=60,

@@ -37,8 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import nbformat
+from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_notebook
 
 from benchmarks.document import replace_block
@@ -272,7 +274,7 @@ def _write(path: Path, cells: list) -> Path:
     return path
 
 
-def _cell_text(cell) -> str:  # noqa: ANN001 - an nbformat cell
+def _cell_text(cell: NotebookNode) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", ()) if o.get("output_type") == "stream")
 
 
@@ -281,7 +283,8 @@ def _hog() -> subprocess.Popen:
 
 
 def soak(folder: Path, runs: int, parallel: int = 2, hogs: int = 1, lines: int = 50,
-         fronts: tuple[str, ...] = FRONTS, progress=None) -> SoakReport:  # noqa: ANN001
+         fronts: tuple[str, ...] = FRONTS,
+         progress: Callable[[list[RunCheck]], None] | None = None) -> SoakReport:
     """Run at least ``runs`` runs, ``parallel`` jobs at once, beside ``hogs`` busy processes."""
     soak_ = Soak(folder, lines)
     jobs, planned = [], 0

@@ -33,8 +33,12 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.document import replace_block
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -317,7 +321,7 @@ def streaming_notebook(work: Path, paced: int, burst: int) -> dict[str, float]:
     skipped = [0]
 
     class Stamping(NotebookClient):
-        def process_message(self, msg, cell, cell_index):
+        def process_message(self, msg: dict[str, Any], cell: NotebookNode, cell_index: int) -> NotebookNode | None:
             now = time.time()
             if msg["msg_type"] in ("comm_open", "comm_msg"):
                 value = msg["content"].get("data", {}).get("state", {}).get("value")

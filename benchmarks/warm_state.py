@@ -28,6 +28,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 from benchmarks.document import replace_block
 from benchmarks.peers import Kernel
@@ -102,7 +103,8 @@ def compile_case(kernel: CellKernel) -> dict[str, list]:
     return {"first": [first], "rerun": [seconds], "same": [kernel.weights(COMPILED_DIGEST) == reference]}
 
 
-def measure(versions: dict[str, str], rounds: int, log) -> dict[str, dict[str, dict[str, list]]]:  # noqa: ANN001
+def measure(versions: dict[str, str], rounds: int,
+            log: Callable[[str], None]) -> dict[str, dict[str, dict[str, list]]]:
     """``{version: {case: {figure: values}}}``, the versions interleaved round after round."""
     found: dict[str, dict[str, dict[str, list]]] = {v: {} for v in versions}
     for round_ in range(rounds):

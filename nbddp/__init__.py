@@ -54,6 +54,9 @@ def load_ipython_extension(ipython: _typing.Any) -> None:
 
     said = kernel_pool.prepare()  # first: the magics' imports take 0.2 s
     from nbddp.doors.jupyter.magics import load_ipython_extension as load
+    from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
+
+    apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process), as the ranks run them
 
     load(ipython)
     if said:

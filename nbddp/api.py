@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbddp.plan.option_fields import takes_options
-from nbddp.plan.options import BATCH, RUN, LaunchOptions
+from nbddp.plan.options import BATCH, RUN, LaunchOptions, SweepOptions
 
 if TYPE_CHECKING:
+    import pandas
+
     from nbddp.job.orchestrator import RunResult
 
 
@@ -53,16 +55,16 @@ class BatchResult:
     def succeeded(self) -> bool:
         return self.exit_code == 0
 
-    def dataframe(self):  # noqa: ANN201 - pandas.DataFrame
+    def dataframe(self) -> pandas.DataFrame:
         """The rows as a pandas DataFrame (pandas must be installed)."""
         import pandas
 
         return pandas.DataFrame(self.rows)
 
 
+@takes_options(SweepOptions, BATCH, into="sweep")
 @takes_options(LaunchOptions, BATCH, into="launch")
-def batch(notebook: str | Path, grid: Any, *, launch: LaunchOptions, gpus_per_run: int | None = None,
-          parallel: int | None = None, out: str | Path | None = None, resume: bool = False, fresh: bool = False,
+def batch(notebook: str | Path, grid: Any, *, launch: LaunchOptions, sweep: SweepOptions,
           quiet: bool = False) -> BatchResult:
     """Run ``notebook`` once per parameter set of ``grid`` (a YAML/JSON path, a mapping of name → values,
     or a list of mappings), as ``nbddp batch`` does; ``parameters`` are fixed for every run.
@@ -72,7 +74,6 @@ def batch(notebook: str | Path, grid: Any, *, launch: LaunchOptions, gpus_per_ru
     """
     from nbddp.doors.batch.schedule import BatchOptions, run_batch
 
-    options = BatchOptions(Path(notebook), grid, launch, gpus_per_run, parallel, Path(out) if out else None,
-                           resume, fresh)
+    options = BatchOptions(Path(notebook), grid, launch, **vars(sweep))
     rows, code = run_batch(options, say=(lambda text: None) if quiet else None)
     return BatchResult(rows, Path(rows[0]["run_dir"]).parent if rows else None, code)

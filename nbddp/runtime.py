@@ -11,6 +11,6 @@ from nbddp.rank_side.parent_death import die_with_parent
 
 die_with_parent()  # a rank nbddp launched dies with its launcher, armed before torch is imported (seconds)
 
-from nbddp.rank_side import torch_engine  # noqa: E402
+from nbddp.rank_side import torch_engine  # noqa: E402 - after the death signal is armed
 
 sys.modules[__name__] = torch_engine

@@ -8,6 +8,7 @@ the tagged ones, ``papermill`` for the magic one).
 from pathlib import Path
 
 import nbformat
+from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).parent
@@ -34,7 +35,7 @@ with torch.no_grad():
 print(f"test accuracy: {accuracy:.3f}")'''
 
 
-def torch_notebook():
+def torch_notebook() -> NotebookNode:
     return new_notebook(cells=[
         new_markdown_cell(
             "# Digits with plain PyTorch DDP\n\n"
@@ -43,7 +44,8 @@ def torch_notebook():
             "Run it: `nbddp run notebooks/digits_torch.ipynb` (all GPUs, or 2 CPU processes)."
         ),
         new_code_cell("epochs = 12\nlr = 0.05\nbatch_size = 32\nseed = 0", metadata={"tags": ["parameters"]}),
-        new_code_cell("#| ddp\nimport nbddp\n" + DATA + "\ntrain_loader = DataLoader(TensorDataset(X_train, y_train), batch_size=batch_size, shuffle=True)"),
+        new_code_cell("#| ddp\nimport nbddp\n" + DATA + "\ntrain_loader = DataLoader(TensorDataset(X_train, y_train), "
+                      "batch_size=batch_size, shuffle=True)"),
         new_code_cell("print(f\"{len(X_train)} training and {len(X_test)} test images\")"),
         new_code_cell(
             "#| ddp-train\n"
@@ -67,7 +69,7 @@ def torch_notebook():
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
 
 
-def catalyst_notebook():
+def catalyst_notebook() -> NotebookNode:
     return new_notebook(cells=[
         new_markdown_cell(
             "# Digits with Catalyst's DistributedDataParallelEngine\n\n"
@@ -84,7 +86,8 @@ def catalyst_notebook():
             "}\n"
             "criterion = nn.CrossEntropyLoss()\n"
             "optimizer = torch.optim.Adam(model.parameters(), lr=lr)\n"
-            "runner = dl.SupervisedRunner(input_key=\"features\", output_key=\"logits\", target_key=\"targets\", loss_key=\"loss\")"
+            "runner = dl.SupervisedRunner(input_key=\"features\", output_key=\"logits\", target_key=\"targets\", "
+            "loss_key=\"loss\")"
         ),
         new_code_cell(
             "#| ddp-train\n"
@@ -106,7 +109,7 @@ def catalyst_notebook():
     ], metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
 
 
-def magic_notebook():
+def magic_notebook() -> NotebookNode:
     return new_notebook(cells=[
         new_markdown_cell(
             "# Digits with the `%%ddp_train` magic\n\n"
@@ -116,7 +119,8 @@ def magic_notebook():
         ),
         new_code_cell("%load_ext nbddp"),
         new_code_cell("epochs = 12\nlr = 0.05\nbatch_size = 32\nseed = 0", metadata={"tags": ["parameters"]}),
-        new_code_cell("#| ddp\nimport nbddp\n" + DATA + "\ntrain_loader = DataLoader(TensorDataset(X_train, y_train), batch_size=batch_size, shuffle=True)"),
+        new_code_cell("#| ddp\nimport nbddp\n" + DATA + "\ntrain_loader = DataLoader(TensorDataset(X_train, y_train), "
+                      "batch_size=batch_size, shuffle=True)"),
         new_code_cell(
             "%%ddp_train\n"
             "ddp_model = nbddp.prepare(model)\n"
@@ -141,7 +145,7 @@ def magic_notebook():
 KERNELSPEC = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}
 
 
-def accelerate_notebook():
+def accelerate_notebook() -> NotebookNode:
     """Written as Accelerate's notebook_launcher tutorial shows; nbddp runs it unchanged."""
     return new_notebook(cells=[
         new_markdown_cell(
@@ -170,12 +174,13 @@ def accelerate_notebook():
             "        accelerator.print(f\"epoch {epoch + 1} loss {loss.item():.4f} \"\n"
             "                          f\"({accelerator.num_processes} processes, {accelerator.distributed_type})\")"
         ),
-        new_code_cell("#| ddp-train\nnotebook_launcher(training_loop, args=(model, epochs, lr, batch_size), num_processes=2)"),
+        new_code_cell("#| ddp-train\n"
+                      "notebook_launcher(training_loop, args=(model, epochs, lr, batch_size), num_processes=2)"),
         new_code_cell(EVALUATE),
     ], metadata=KERNELSPEC)
 
 
-def lightning_notebook():
+def lightning_notebook() -> NotebookNode:
     """A LightningModule and Trainer(strategy="ddp_notebook", devices=2), as Lightning's docs show."""
     return new_notebook(cells=[
         new_markdown_cell(
@@ -215,7 +220,7 @@ def lightning_notebook():
     ], metadata=KERNELSPEC)
 
 
-def transformers_notebook():
+def transformers_notebook() -> NotebookNode:
     """A tiny GPT-2 built from its config, trained with the Hugging Face Trainer."""
     return new_notebook(cells=[
         new_markdown_cell(
@@ -233,7 +238,8 @@ def transformers_notebook():
             "torch.manual_seed(seed)\n"
             "VOCAB, LENGTH = 32, 12\n"
             "starts, steps = torch.meshgrid(torch.arange(VOCAB), torch.arange(1, 5), indexing=\"ij\")\n"
-            "sequences = (starts.reshape(-1, 1) + steps.reshape(-1, 1) * torch.arange(LENGTH)) % VOCAB  # 128 sequences\n"
+            "sequences = (starts.reshape(-1, 1) + steps.reshape(-1, 1) * torch.arange(LENGTH)) % VOCAB"
+            "  # 128 sequences\n"
             "shuffled = sequences[torch.randperm(len(sequences))]\n"
             "train_sequences, test_sequences = shuffled[:96], shuffled[96:]\n\n\n"
             "class Sequences(torch.utils.data.Dataset):\n"
@@ -265,7 +271,7 @@ def transformers_notebook():
     ], metadata=KERNELSPEC)
 
 
-def tutorial_notebook():
+def tutorial_notebook() -> NotebookNode:
     """Written as PyTorch's DDP tutorial teaches: setup/cleanup, a function per process, mp.spawn; nbddp runs it
     unchanged (only the two marks added)."""
     return new_notebook(cells=[

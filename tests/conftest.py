@@ -174,12 +174,11 @@ def group_members(pgid: int) -> set[int]:
 def survivors(pgid: int, grace: float = 3.0) -> set[int]:
     """Members of ``pgid`` still alive after ``grace`` seconds (helpers like
     multiprocessing's resource tracker exit a moment after their parent)."""
-    import time
-
-    deadline = time.monotonic() + grace
-    while (members := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return members
+    try:
+        wait_until(lambda: not group_members(pgid), grace, f"process group {pgid} ended", every=0.05)
+    except AssertionError:  # (what is left is the answer: the caller asserts on it)
+        pass
+    return group_members(pgid)
 
 
 def kill_group(pgid: int) -> None:
@@ -234,13 +233,15 @@ class CliRun:
         return "".join(self.lines)
 
     def wait_for(self, text: str, timeout: float = 120) -> None:
-        import time
+        def seen() -> bool:
+            if text in self.output:
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError(f"never saw {text!r}: the run exited ({self.proc.returncode}); "
+                                     f"output:\n{self.output}")
+            return False
 
-        deadline = time.monotonic() + timeout
-        while text not in self.output:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"never saw {text!r}; output:\n{self.output}")
-            time.sleep(0.05)
+        wait_until(seen, timeout, f"{text!r} in the run's output", every=0.05, detail=lambda: f"output:\n{self.output}")
 
     def wait(self, timeout: float = 300) -> int:
         try:
@@ -252,11 +253,11 @@ class CliRun:
 
     def leftovers(self, grace: float = 3.0) -> set[int]:
         """Descendants seen during the run that are still alive ``grace`` seconds after it ended."""
-        import time
-
-        deadline = time.monotonic() + grace
-        while (left := {p for p in self.seen if alive(p)}) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        try:
+            wait_until(lambda: not any(alive(p) for p in self.seen), grace, "the run's processes ended", every=0.05)
+        except AssertionError:  # (what is left is the answer: the caller asserts on it)
+            pass
+        left = {p for p in self.seen if alive(p)}
         for pid in left:  # don't let one failed test poison the next
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -341,10 +342,8 @@ def no_temp_folders_left(tmp_path_factory):
 
     try:
         yield
-        deadline = time.monotonic() + 10  # a run's last cleanup may be a moment behind its exit
-        while leftovers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not leftovers(), f"the tests left temp folders: {sorted(leftovers())}"
+        wait_until(lambda: not leftovers(), 10, "the tests' temp folders removed", every=0.2,  # a run's last
+                   detail=lambda: f"left: {sorted(leftovers())}")  # cleanup may be a moment behind its exit
     finally:
         tempfile.tempdir = before[0]
         if before[1] is None:

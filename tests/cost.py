@@ -51,7 +51,7 @@ class CostPlugin:
         self.started = time.monotonic()
 
     @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ARG002
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
         wall, cpu = time.monotonic(), _cpu()
         yield
         cost = Cost(item.nodeid, time.monotonic() - wall, _cpu() - cpu, self.lane)
@@ -60,7 +60,7 @@ class CostPlugin:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(cost.__dict__) + "\n")
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:  # noqa: ANN001 - pytest's TerminalReporter
+    def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.shown or not self.costs:
             return
         write = terminalreporter.write_line

@@ -15,10 +15,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
+from tests.conftest import wait_until
 from tests.slurm_cluster import free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -56,15 +56,18 @@ class JupyterLab:
              f"--port={self.port}", f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
              "--ServerApp.port_retries=0"],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
+
+        def answering() -> bool:
             try:
                 urllib.request.urlopen(f"{self.base}/api/status?token={self.token}", timeout=2).read()
-                break
+                return True
             except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"jupyter lab did not start:\n{self.log.read_text()[-3000:]}")
-                time.sleep(0.3)
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"jupyter lab exited:\n{self.log.read_text()[-3000:]}") from None
+                return False
+
+        wait_until(answering, 60, "jupyter lab started (its /api/status answered)", every=0.3,
+                   detail=lambda: self.log.read_text()[-3000:])
 
     @property
     def base(self) -> str:
@@ -112,21 +115,20 @@ class Notebook:
         no kernel to start, and ask "Select Kernel" (seen once in CI, on a dialog that then stopped
         every click): a user picks the preferred kernel it offers, and so does this. Any other dialog
         is JupyterLab saying something went wrong: the test fails with its text."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def settled() -> bool:
             dialog = self.page.locator(".jp-Dialog")
             if dialog.count() and dialog.first.is_visible():
                 text = dialog.first.inner_text()
                 if not text.startswith("Select Kernel"):
                     raise AssertionError(f"JupyterLab showed a dialog over the notebook:\n{text}")
                 dialog.first.locator(".jp-Dialog-button.jp-mod-accept").click()
-            elif self.page.locator(IDLE).count() and \
-                    "Python 3" in self.page.locator(".jp-NotebookPanel-toolbar").inner_text():
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the notebook's kernel was not idle within {timeout:.0f} s: "
-                                     f"{self.page.locator('.jp-NotebookPanel-toolbar').inner_text()!r}")
-            time.sleep(0.2)
+                return False
+            return bool(self.page.locator(IDLE).count()) and \
+                "Python 3" in self.page.locator(".jp-NotebookPanel-toolbar").inner_text()
+
+        wait_until(settled, timeout, "the notebook's Python 3 kernel idle, no dialog over it", every=0.2,
+                   detail=lambda: f"its toolbar: {self.page.locator('.jp-NotebookPanel-toolbar').inner_text()!r}")
 
     def wait_idle(self, timeout: float) -> None:
         self.page.wait_for_selector(IDLE, timeout=timeout * 1000)
@@ -151,7 +153,7 @@ class Notebook:
             try:
                 self.page.wait_for_function(started, timeout=15_000)
                 return
-            except Exception:  # noqa: BLE001 - playwright's TimeoutError: try the menu again
+            except Exception:
                 if attempt == attempts - 1:
                     raise
 

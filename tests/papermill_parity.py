@@ -36,6 +36,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell
 
+from tests.conftest import wait_until
+
 NOTEBOOKS = Path(__file__).resolve().parent / "notebooks" / "papermill"
 ENGINES = ("papermill", "nbddp")
 DDP_SETUP = "#| ddp\nimport torch, nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)"
@@ -151,15 +153,19 @@ def run_case(case: Case, variant: str, engine: str, folder: Path, timeout: float
 
 
 def _wait_for_a_sleeping_cell(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
+    """Until papermill's output notebook shows a cell that sleeps running (the case's interrupt is timed from there)."""
+
+    def running() -> bool:
         try:
             cells = nbformat.read(path, as_version=4).cells
         except (OSError, ValueError, nbformat.reader.NotJSONError):
             cells = []
         if any("sleep" in c.source and c.metadata.get("papermill", {}).get("status") == "running" for c in cells):
-            return
-        time.sleep(0.1)
+            return True
+        assert proc.poll() is None, f"papermill exited ({proc.returncode}) before a cell that sleeps ran"
+        return False
+
+    wait_until(running, timeout, f"a cell that sleeps running in {path.name}")
 
 
 def _exception(stderr: str) -> str:

@@ -17,11 +17,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 
+from tests.conftest import wait_until
 from tests.slurm_cluster import free_port
 
 #: What a Ray actor's worker process calls itself (``setproctitle``): ``ray::RankActor`` and its tasks.
@@ -54,7 +54,7 @@ class RayCluster:
                 self.address = f"127.0.0.1:{self.port}"
             try:
                 return self._start_once(timeout)
-            except RuntimeError as failure:
+            except (RuntimeError, AssertionError) as failure:  # (exited, or not up in time)
                 failures.append(f"{failure}\n{self.ray_logs()}")
                 self.stop()
         raise RuntimeError(f"ray start failed {attempts} times:\n\n" + "\n\n".join(failures))
@@ -72,14 +72,14 @@ class RayCluster:
              "--min-worker-port", "0", "--max-worker-port", "0"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         favour(self.process)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def started() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"ray start exited {self.process.returncode}:\n{self.output()}")
-            if "Ray runtime started" in self.output():
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(f"ray start didn't come up in {timeout:g} s:\n{self.output()}")
+            return "Ray runtime started" in self.output()
+
+        wait_until(started, timeout, "ray start came up (\"Ray runtime started\")", every=0.5, detail=self.output)
+        return self
 
     def add_node(self, cpus: int) -> subprocess.Popen:
         """A second Ray node of this cluster, on this machine (a raylet of its own): stop it with SIGTERM."""

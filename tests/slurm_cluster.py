@@ -13,8 +13,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
+
+from tests.conftest import wait_until
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
 
@@ -79,13 +80,13 @@ class SlurmCluster:
         ]) + "\n")
         self._run(["slurmctld", "-f", str(self.conf)])
         self._run(["slurmd", "-f", str(self.conf)])
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            state = self.command(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
-            if state in ("idle", "mixed", "allocated"):
-                return self
-            time.sleep(0.5)
-        raise RuntimeError(f"the test Slurm cluster never became idle (sinfo: {state!r}); see {root / 'log'}")
+
+        def state() -> str:
+            return self.command(["sinfo", "-h", "-o", "%T"], check=False).stdout.strip()
+
+        wait_until(lambda: state() in ("idle", "mixed", "allocated"), 60, "the test Slurm cluster idle", every=0.5,
+                   detail=lambda: f"sinfo: {state()!r}; see {root / 'log'}")
+        return self
 
     def command(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, check=check,
@@ -95,26 +96,26 @@ class SlurmCluster:
         """Job ids Slurm still lists (any state but gone)."""
         return self.command(["squeue", "-h", "-o", "%i"]).stdout.split()
 
-    def wait_until_empty(self, timeout: float = 60) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while (jobs := self.queue()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return jobs
+    def wait_until_empty(self, timeout: float = 60, what: str = "the Slurm queue empty") -> list[str]:
+        """``[]`` once Slurm lists no job; after ``timeout`` s the test fails with ``what`` and the jobs left."""
+        wait_until(lambda: not self.queue(), timeout, what, every=0.5, detail=lambda: f"jobs: {self.queue()}")
+        return []
 
     def stop(self) -> None:
         self.command(["scancel", "--full", "--user=root"], check=False)
-        self.wait_until_empty(timeout=30)
-        for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "munge" / "pid"):
-            try:
-                pid = int(pid_file.read_text().strip())
-                os.kill(pid, signal.SIGTERM)
-            except (OSError, ValueError):
-                continue
-            deadline = time.monotonic() + 15
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        try:
+            self.wait_until_empty(timeout=30, what="every job cancelled as the test Slurm cluster stops")
+        finally:
+            for pid_file in (self.root / "slurmd.pid", self.root / "slurmctld.pid", self.root / "munge" / "pid"):
+                try:
+                    pid = int(pid_file.read_text().strip())
+                    os.kill(pid, signal.SIGTERM)
+                except (OSError, ValueError):
+                    continue
+                try:
+                    wait_until(lambda: not _alive(pid), 15, f"{pid_file.name}'s daemon ended on SIGTERM")
+                except AssertionError:  # (its grace is over: it is stopped all the same)
+                    os.kill(pid, signal.SIGKILL)
 
     def _run(self, argv: list[str]) -> None:
         argv = [shutil.which(argv[0], path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") or argv[0], *argv[1:]]

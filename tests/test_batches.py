@@ -13,7 +13,7 @@ import pytest
 from nbddp.doors.batch.schedule import load_grid, plan
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
-from tests.conftest import code, docs_image, write_notebook
+from tests.conftest import code, docs_image, wait_until, write_notebook
 
 PARAMS = "lr = 0.1\nbatch_size = 8\nfail_at = -1.0\nepochs = 2\nnap = 0.0\nmin_lr = 0.0"
 SETUP = "#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nmodel = torch.nn.Linear(4, 1)\nX = torch.randn(64, 4)\nY = X.sum(1, keepdim=True)"
@@ -154,10 +154,11 @@ def test_ctrl_c_stops_every_run_and_leaves_a_resumable_folder(sweep, tmp_path, c
     (tmp_path / "grid.yaml").write_text("lr: [0.1, 0.2, 0.3]\n")
     args = ["batch", "sweep.ipynb", "--grid", "grid.yaml", "--cpu", "--parallel", "2", "--out", "out"]
     run = cli_run([*args, "-p", "nap", "0.5", "-p", "epochs", "20"], tmp_path)
-    deadline = time.monotonic() + 120
-    while len(list((tmp_path / "out").glob("*/metrics.jsonl"))) < 2:  # two runs are mid-training
-        assert time.monotonic() < deadline and run.proc.poll() is None, run.output
-        time.sleep(0.05)
+    def two_mid_training() -> bool:
+        assert run.proc.poll() is None, run.output  # (the batch ended: it never will)
+        return len(list((tmp_path / "out").glob("*/metrics.jsonl"))) >= 2
+
+    wait_until(two_mid_training, 120, "two runs mid-training", every=0.05, detail=lambda: run.output)
     if sig == signal.SIGINT:
         os.killpg(run.proc.pid, sig)  # Ctrl-C: the terminal signals the batch's whole process group
     else:

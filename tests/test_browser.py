@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from nbddp.contracts.pool_dir import FOLDER_PREFIX, JobEnd, PoolDir
-from tests.conftest import code, docs_image, write_notebook
+from tests.conftest import code, docs_image, wait_until, write_notebook
 from tests.lab_browser import JupyterLab, Notebook, browser_missing, open_browser
 
 pytestmark = pytest.mark.slow
@@ -113,10 +113,7 @@ def no_processes_left(pids: set[int], within: float = 15.0) -> None:
     def running() -> set[int]:
         return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
 
-    deadline = time.monotonic() + within
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.3)
-    assert not running(), running()
+    wait_until(lambda: not running(), within, "the run's processes ended", every=0.3, detail=lambda: running())
 
 
 def start_training(notebook, lab, after: Path | None = None) -> tuple[Path, set[int]]:
@@ -165,10 +162,8 @@ def test_live_view_updates_in_place_then_leaves_a_copy_that_survives_reload(note
     page.evaluate("(node) => window.getSelection().selectAllChildren(node)", first_chunk)  # a reader selects a line
     selected = page.evaluate("() => window.getSelection().toString()")
     before = (progress(page), plot_points(page))
-    deadline = time.monotonic() + 30
-    while (after := (progress(page), plot_points(page))) and not (after[0] > before[0] and after[1] > before[1]):
-        assert time.monotonic() < deadline, (before, after)  # progress and plot advance
-        page.wait_for_timeout(100)
+    wait_until(lambda: progress(page) > before[0] and plot_points(page) > before[1], 30, "progress and plot advance",
+               detail=lambda: (before, (progress(page), plot_points(page))))
     screenshot(page, "ddp_train_live.png")
     assert page.evaluate(f"(n) => n === document.querySelector('{ALL_RANKS_PANE}')", pane)  # the same DOM node
     assert first_chunk.evaluate("(n) => n.isConnected")  # old lines are never redrawn...
@@ -232,10 +227,8 @@ def test_stop_button_interrupts_within_seconds_then_a_kernel_restart_mid_run_lea
     # it writes one only once back in its loop) and is alive.
     pool = pool_of(pids)
     job = pool.jobs_handed_out() - 1
-    deadline = time.monotonic() + 30
-    while not all(pool.job_exit(job, rank).exists() for rank in (0, 1)):
-        assert time.monotonic() < deadline, f"the ranks never left job {job} of {pool}"
-        time.sleep(0.1)
+    wait_until(lambda: all(pool.job_exit(job, rank).exists() for rank in (0, 1)), 30,
+               f"the ranks left job {job} of {pool}")
     assert {json.loads(pool.job_exit(job, rank).read_text())["status"] for rank in (0, 1)} == {JobEnd.INTERRUPTED.value}
     assert all(psutil.pid_exists(p) for p in pids)
     screenshot(page, "ddp_train_interrupted.png")

@@ -9,6 +9,7 @@ import torch
 
 from nbddp.contracts.checkpoint import load_into, load_returns, save_returns
 from nbddp.contracts.errors import CheckpointError
+from tests.conftest import wait_until
 
 
 def test_round_trip_strips_ddp_prefix_and_loads_into_kernel_objects(tmp_path):
@@ -139,10 +140,14 @@ def test_dying_mid_save_keeps_the_previous_checkpoint(tmp_path):
     for delay in (0.0, 0.05, 0.3):
         proc = subprocess.Popen([sys.executable, "-c", writer])
         first = path.stat().st_mtime_ns if path.exists() else None
-        deadline = time.monotonic() + 120
-        while (path.stat().st_mtime_ns if path.exists() else None) == first:  # wait until this writer has saved
-            assert proc.poll() is None and time.monotonic() < deadline, "the writer never saved"
-            time.sleep(0.01)
+
+        def saved():
+            if (path.stat().st_mtime_ns if path.exists() else None) != first:
+                return True
+            assert proc.poll() is None, "the writer exited before it saved"
+            return False
+
+        wait_until(saved, 120, "the writer saved", every=0.01)
         time.sleep(delay)  # not synchronisation: varies where in the next saves the kill lands
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -22,7 +22,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from nbddp.contracts.debug_channel import DebugChannel, channels_under
 from nbddp.job.debugger import Console, Relayed, relay, relay_open
 from nbddp.rank_side import debugger
-from tests.conftest import alive
+from tests.conftest import alive, wait_until
 from tests.test_magic import ProtocolKernel
 
 
@@ -45,9 +45,7 @@ def _session_in_a_thread(folder: Path) -> tuple[threading.Thread, DebugChannel]:
     thread = threading.Thread(target=debugger.post_mortem, args=(tb, folder, 1, "post-mortem", where, headline),
                               daemon=True)
     thread.start()
-    while not channels_under(folder):
-        time.sleep(0.01)
-    return thread, channels_under(folder)[0]
+    return thread, wait_until(lambda: channels_under(folder), 60, "the post-mortem opened its channel", every=0.01)[0]
 
 
 def _answering(answers: list[str], prompts: list[str]):
@@ -143,8 +141,9 @@ class StdinKernel(ProtocolKernel):
         msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id} if cell_id else {})
         self.kc.shell_channel.send(msg)
         answers, text = list(answers), []
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+
+        def idle() -> bool:
+            """One round: a prompt answered, a message of the cell's read; ``True`` once the kernel is idle."""
             try:
                 asked = self.kc.get_stdin_msg(timeout=0.01)
                 answer = answers.pop(0) if answers else "q"
@@ -155,9 +154,9 @@ class StdinKernel(ProtocolKernel):
             try:
                 reply = self.kc.get_iopub_msg(timeout=0.05)
             except queue.Empty:
-                continue
+                return False
             if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
-                continue
+                return False
             kind, found = reply["msg_type"], reply["content"]
             if kind == "stream":
                 text.append(found["text"])
@@ -165,9 +164,11 @@ class StdinKernel(ProtocolKernel):
                 text.append("\n".join(found["traceback"]))
             elif kind in ("display_data", "update_display_data"):
                 text.append(found["data"].get("text/plain", ""))
-            elif kind == "status" and found["execution_state"] == "idle":
-                return "".join(text)
-        raise TimeoutError("".join(text))
+            return kind == "status" and found["execution_state"] == "idle"
+
+        wait_until(idle, self.timeout, "the cell ran to its end (the kernel idle)", every=0,
+                   detail=lambda: "".join(text))
+        return "".join(text)
 
 
 SETUP = """#| ddp
@@ -271,10 +272,15 @@ def test_after_c_a_later_stop_opens_a_new_session_that_the_relay_finds(tmp_path,
     shown, prompts = [], []
     answers = ["p step", "c"] * 3
     sessions = Relayed(folder)
-    deadline = time.monotonic() + 60
-    while thread.is_alive() and time.monotonic() < deadline:
+
+    def relayed_to_its_end() -> bool:
+        if not thread.is_alive():
+            return True
         relay_open(sessions, Console(_answering(answers, prompts), shown.append), thread.is_alive)
-        time.sleep(0.01)
+        return False
+
+    wait_until(relayed_to_its_end, 60, "the rank's three breakpoints relayed, to its end", every=0.01,
+               detail=lambda: "".join(shown))
     text = "".join(shown)
     assert not answers and seen == [0, 1, 2], text
     assert len(channels_under(folder)) == 3, text

@@ -156,7 +156,7 @@ def test_every_module_the_tests_import_comes_from_a_declared_distribution():
                if module not in with_them]
     assert not missing, (
         "imports that work here only because this Python has packages the project doesn't install "
-        f"(add them to the test extra in pyproject.toml, or to .ci/run):\n  " + "\n  ".join(missing)
+        "(add them to the test extra in pyproject.toml, or to .ci/run):\n  " + "\n  ".join(missing)
         + f"\n(undeclared here: {', '.join(sorted({d for ds in absent.values() for d in ds}))})")
 
 

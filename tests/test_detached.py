@@ -19,7 +19,7 @@ from nbddp.contracts.atomic import write_json
 from nbddp.doors import detached
 from nbddp.contracts.errors import RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir
-from tests.conftest import alive, code, write_notebook
+from tests.conftest import alive, code, wait_until, write_notebook
 from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EPOCHS, EVALUATE, SETUP, reference, train_cell
 
@@ -52,19 +52,15 @@ def _supervised(run_dir: Path) -> set[int]:
         return set()
 
 
-def _gone_within(pids, seconds) -> set[int]:
-    deadline = time.monotonic() + seconds
-    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
+def _gone_within(pids, seconds, what: str) -> None:
+    """Every one of ``pids`` ends within ``seconds`` (``what`` names it), or the test fails naming those left."""
+    wait_until(lambda: not any(alive(p) for p in pids), seconds, what,
+               detail=lambda: f"still alive: {sorted(p for p in pids if alive(p))}")
 
 
 def _wait_for_line(run_dir: Path, text: str, seconds: float = 120) -> None:
     log = RunDir(run_dir).rank_log(1)
-    deadline = time.monotonic() + seconds
-    while not (log.exists() and text in log.read_text(errors="replace")):
-        assert time.monotonic() < deadline, f"never saw {text!r} in {log}"
-        time.sleep(0.1)
+    wait_until(lambda: log.exists() and text in log.read_text(errors="replace"), seconds, f"{text!r} in {log}")
 
 
 def _start_long_detached_run(tmp_path, cli_run):
@@ -88,10 +84,8 @@ def _nbddp(*args, cwd) -> subprocess.CompletedProcess:
 
 
 def _one_run_dir(folder: Path) -> Path:
-    deadline = time.monotonic() + 60
-    while not ((folder / "runs").is_dir() and any((folder / "runs").iterdir())):
-        assert time.monotonic() < deadline, "no run dir"
-        time.sleep(0.1)
+    wait_until(lambda: (folder / "runs").is_dir() and any((folder / "runs").iterdir()), 60,
+               f"a run dir under {folder / 'runs'}")
     (run_dir,) = (folder / "runs").iterdir()
     return run_dir
 
@@ -256,7 +250,7 @@ def test_a_detached_run_outlives_its_killed_nbddp_run_and_attach_shows_all_of_it
     weights = torch.load(RunDir(run_dir).weights, weights_only=True)["returns"]["model"]
     for key, value in reference(2 * BATCH).items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
-    assert not _gone_within(supervised, 10)
+    _gone_within(supervised, 10, "the detached run's processes ended with it")
     assert_one_record(tmp_path / "tb")  # a tracker called on every rank: rank 0's record alone
 
     again = _nbddp("attach", run_dir.name, cwd=tmp_path)  # after the end: the whole run, at once
@@ -275,7 +269,7 @@ def test_nbddp_kill_stops_a_detached_run_its_attacher_says_so_and_nothing_is_lef
     assert all(alive(p) for p in supervised), "Ctrl-C while following stopped the run"
     killed = _nbddp("kill", run_dir, cwd=tmp_path)
     assert killed.returncode == 0, killed.stderr
-    assert not _gone_within(supervised, 15), "nbddp kill left processes of the detached run"
+    _gone_within(supervised, 15, "nbddp kill ended every process of the detached run")
     record = json.loads(RunDir(run_dir).result.read_text())
     assert record["status"] == "interrupted" and record["exit_code"] == 128 + signal.SIGTERM
     assert front.wait(60) == record["exit_code"], front.output  # the attached terminal says how the run ended
@@ -323,7 +317,7 @@ def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_fo
         torch.testing.assert_close(_kernel_weight(second), expected, rtol=1e-5, atol=1e-6)
     finally:
         second.close()
-    assert not _gone_within(supervised, 10)
+    _gone_within(supervised, 10, "the detached run's processes ended with it")
 
 
 @pytest.mark.slow
@@ -331,12 +325,12 @@ def test_a_detached_cell_outlives_its_killed_kernel_and_a_new_kernel_attaches_fo
 def test_a_killed_supervisor_takes_its_ranks_and_the_attacher_says_so(tmp_path, cli_run):
     front, run_dir, supervised = _start_long_detached_run(tmp_path, cli_run)
     os.kill(json.loads(RunDir(run_dir).supervisor.read_text())["pid"], signal.SIGKILL)
-    assert not _gone_within(supervised, 15), "the ranks outlived their supervisor"
+    _gone_within(supervised, 15, "the ranks ended with their killed supervisor")
     assert front.wait(30) == 1, front.output
     assert "supervisor (pid" in front.output and "is gone and left no result" in front.output, front.output
     # Killed, the supervisor could not remove its notebook kernel's socket folder: the next run does.
     from nbddp.doors.notebook_kernel import SOCKETS_PREFIX
-    from nbddp.launchers.process_groups import owned_temp_dir
+    from nbddp.contracts.process_groups import owned_temp_dir
 
     os.rmdir(owned_temp_dir(SOCKETS_PREFIX))
 

@@ -60,3 +60,4 @@ def test_an_engine_registered_by_one_line_is_detected_writes_its_code_and_is_des
     assert "toy for toy.go()" in engines.engine_help()
     with pytest.raises(KeyError):
         engines.engine("no-such-engine")
+

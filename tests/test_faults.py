@@ -113,7 +113,7 @@ def test_launcher_killed_ranks_exit_on_their_own(tmp_path, cli_run):
     assert ranks
     # It had no chance to remove its kernel's socket folder; the next run removes it.
     from nbddp.doors.notebook_kernel import SOCKETS_PREFIX
-    from nbddp.launchers.process_groups import owned_temp_dir
+    from nbddp.contracts.process_groups import owned_temp_dir
 
     [left] = temp.glob(f"{SOCKETS_PREFIX}{run.proc.pid}-*")
     with mock.patch.object(tempfile, "tempdir", str(temp)):

@@ -69,11 +69,10 @@ DRIVER = textwrap.dedent('''
     forked_rank.preload("1")
     os.environ["ONLY_HERE"] = "the starter's"  # set after the preload: a rank sees only its own environment
     ranks = []
-    for program, env in cases:
+    for program, env in cases:  # one case's output at a time: each case's rank ends before the next starts
         ranks.append(forked_rank.start(program, env))
-        time.sleep(0.05)  # one case's output at a time
-    while any(rank.poll() is None for rank in ranks):
-        time.sleep(0.02)
+        while ranks[-1].poll() is None:  # (the driver's own wait: subprocess.run's timeout bounds it)
+            time.sleep(0.02)
     print("CODES", json.dumps([rank.returncode for rank in ranks]))
 ''')
 

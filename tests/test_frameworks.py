@@ -30,7 +30,7 @@ from nbddp.notebook.cells import select_cells
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.script import ExportOptions, generate
 from nbddp.plan.options import LaunchOptions
-from tests.conftest import code, write_notebook
+from tests.conftest import code, wait_until, write_notebook
 from tests.extras import need
 from tests.framework_notebooks import NOTEBOOKS, weights_sum
 
@@ -303,16 +303,42 @@ def test_ctrl_c_stops_lightnings_ranks_although_they_catch_sigterm(tmp_path, cli
     SIGTERM and would wait for their next step (10 s away here): they must go with torchrun all the same.
     (Ctrl-C in a notebook, the stop button, is tested for every library in the kernel test below.)"""
     engine = "lightning"
-    write_notebook(tmp_path / "nb.ipynb", NOTEBOOKS[engine].cells(slow="10"))  # each step 10 s: still training
+    setup, *rest = NOTEBOOKS[engine].cells(slow="10")  # each step 10 s: still training
+    setup.source = announcing_steps(setup.source)
+    write_notebook(tmp_path / "nb.ipynb", [setup, *rest])
     run = cli_run(["run", "nb.ipynb", "--cpu"], tmp_path)
     run.wait_for(ADAPTED[engine], timeout=120)  # the library's training starts
-    time.sleep(2)
+    wait_until(lambda: in_a_step((tmp_path / "runs").iterdir()), 120,  # (Lightning's SIGTERM handler in place then)
+               "both ranks in their first 10 s step (their logs)", every=0.2)
     run.proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     assert run.wait(timeout=60) == 130, run.output
     assert time.monotonic() - sent < 15 and not run.leftovers()
     [run_dir] = (tmp_path / "runs").iterdir()
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
+
+
+#: What a slow step says first (:func:`announcing_steps`).
+IN_A_STEP = "in a slow step"
+
+
+def announcing_steps(setup: str) -> str:
+    """A library's setup cell whose slow steps (``slow`` > 0) print :data:`IN_A_STEP` before they sleep, on the
+    sleep's own line (the cell's line numbers stay): a test that stops the training waits for that, not a time."""
+    for sleep in ("time.sleep(slow)", "time.sleep(self.slow)"):
+        if setup.count(sleep) == 1:
+            slow = sleep.removeprefix("time.sleep(").removesuffix(")")
+            return setup.replace(sleep, f"{slow} and print({IN_A_STEP!r}, flush=True); {sleep}")
+    raise AssertionError(f"no one slow step in:\n{setup}")
+
+
+def in_a_step(run_dirs) -> bool:
+    """Whether both ranks of one of ``run_dirs`` have said :data:`IN_A_STEP` (their logs: the terminal shows a line
+    both ranks print as one, ``[all ranks]``)."""
+    def said(log) -> bool:
+        return log.exists() and IN_A_STEP in log.read_text(errors="replace")
+
+    return any(all(said(run / "logs" / f"rank-{rank}.log") for rank in (0, 1)) for run in run_dirs)
 
 
 def _rank_pids(run_dir) -> set[int]:
@@ -337,8 +363,8 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
         notebook = NOTEBOOKS[engine]
         train = notebook.train.format(batch=notebook.batch, fail="False", slow="0")
         where[engine] = {"setup": len(cells), "train": len(cells) + 1}
-        cells += [new_code_cell("#| ddp\n" + notebook.setup), new_code_cell("%%ddp_train --cpu\n" + train),
-                  new_code_cell(notebook.evaluate)]
+        cells += [new_code_cell("#| ddp\n" + announcing_steps(notebook.setup)),
+                  new_code_cell("%%ddp_train --cpu\n" + train), new_code_cell(notebook.evaluate)]
         if engine == "lightning":  # the peer's own way, from the same kernel
             where[engine]["peer"] = len(cells)
             cells.append(new_code_cell(train.replace("trainer.fit", "try:\n    trainer.fit") +
@@ -355,13 +381,24 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
                                                             "language": "python"}})
     client = NotebookClient(nb, timeout=400, allow_errors=True, resources={"metadata": {"path": str(tmp_path)}})
     interrupted = {where[engine]["interrupt"] for engine in ENGINES}
+    missed: list[AssertionError] = []
 
-    def press_stop_soon(cell, cell_index, **_):  # noqa: ANN001 - nbclient's hook
-        if cell_index in interrupted:  # the stop button (SIGINT to the kernel), 6 s into the training
-            threading.Timer(6, run_sync(client.km.interrupt_kernel)).start()
+    def press_stop_in_a_step(runs_before: set) -> None:  # the stop button (SIGINT to the kernel) mid-training
+        try:
+            wait_until(lambda: in_a_step(set((tmp_path / "runs").iterdir()) - runs_before), 120,
+                       "both ranks of the run to stop in a 10 s step (their logs)", every=0.2)
+        except AssertionError as exc:  # (the test fails with it below; the stop button is pressed all the same)
+            missed.append(exc)
+        run_sync(client.km.interrupt_kernel)()
+
+    def press_stop_soon(cell, cell_index, **_):
+        if cell_index in interrupted:
+            before = set((tmp_path / "runs").iterdir()) if (tmp_path / "runs").is_dir() else set()
+            threading.Thread(target=press_stop_in_a_step, args=(before,), daemon=True).start()
 
     client.on_cell_execute = press_stop_soon
     client.execute()
+    assert not missed, missed
 
     def text(index: int) -> str:
         parts = []
@@ -392,7 +429,16 @@ def test_ddp_train_runs_each_library_in_a_kernel_whose_cuda_state_would_stop_the
         statuses = [json.loads((d / "result.json").read_text())["status"] for d in (ok, failed, timed_out, stopped)]
         assert statuses == ["succeeded", "failed", "timeout", "interrupted"], (engine, statuses)
     pids = set().union(*(_rank_pids(d) for d in runs))
-    deadline = time.monotonic() + 10  # the kernel is gone: so are its warm ranks
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, f"ranks outlived the kernel: {pids}"
-        time.sleep(0.2)
+
+    def running() -> set[int]:
+        left = set()
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    left.add(pid)
+            except psutil.NoSuchProcess:
+                pass
+        return left
+
+    wait_until(lambda: not running(), 10, "the kernel is gone: so are its warm ranks", every=0.2,
+               detail=lambda: f"ranks alive: {sorted(running())}")

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import code, write_notebook
+from tests.conftest import code, wait_until, write_notebook
 from tests.test_magic import ProtocolKernel, run_dirs
 from tests.test_warm import pids
 
@@ -45,8 +45,9 @@ KERNEL_WEIGHTS = ("print('KERNEL WEIGHTS', repr(torch.cat([p.detach().flatten() 
 #: A job that trains until it is interrupted (Python between GPU steps: an interrupt reaches it at once).
 UNTIL_INTERRUPTED = ("for step in range(100000):\n    ddp(x).sum().backward()\n"
                      "    if step == 0:\n        print('looping', flush=True)\n    time.sleep(0.01)\n")
-#: A job stuck in C code: ~40 s of one GPU kernel, waited for by cudaDeviceSynchronize, which no interrupt ends.
-STUCK_IN_CUDA = "print('spinning', flush=True)\ntorch.cuda._sleep(1 << 36)\ntorch.cuda.synchronize()\n"
+#: A job stuck in C code: ~40 s of one GPU kernel, waited for by cudaDeviceSynchronize, which no interrupt ends
+#: (``spinning`` once the kernel is launched: the next thing the rank does is wait for it).
+STUCK_IN_CUDA = "torch.cuda._sleep(1 << 36)\nprint('spinning', flush=True)\ntorch.cuda.synchronize()\n"
 
 
 @pytest.fixture
@@ -81,14 +82,13 @@ def wall_times(folder) -> list[float]:
 
 def wait_for_rank_line(folder, text: str, timeout: float = 120) -> None:
     """Until rank 0 of the latest run has printed ``text``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def printed() -> bool:
         dirs = run_dirs(folder)
         log = dirs[-1] / "logs" / "rank-0.log" if dirs else None
-        if log is not None and log.exists() and text in log.read_text(errors="replace"):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"rank 0 never printed {text!r}")
+        return log is not None and log.exists() and text in log.read_text(errors="replace")
+
+    wait_until(printed, timeout, f"rank 0 printed {text!r}")
 
 
 # ---------------------------------------------------------------- a shared GPU server: --gpus free, --wait
@@ -176,9 +176,8 @@ def test_the_starter_loaded_with_the_extension_holds_no_gpu_and_the_first_gpu_ru
     try:
         kernel.execute("%load_ext nbddp")
         starter = int(re.search(r"starter \(pid (\d+)\)", kernel.execute("%ddp_ranks")).group(1))
-        deadline = time.monotonic() + 60
-        while "has imported torch" not in kernel.execute("%ddp_ranks") and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(lambda: "has imported torch" in kernel.execute("%ddp_ranks"), 60,
+                   "the warm ranks' starter has imported torch (%ddp_ranks)", every=0.5)
         apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                               capture_output=True, text=True, check=True).stdout.split()
         assert str(starter) not in apps, apps
@@ -223,8 +222,7 @@ def test_an_nccl_rank_that_cant_leave_within_3s_is_replaced_as_the_run_ends(kern
     started = pids(train(kernel))
     reference = kernel_weights(kernel)
     kernel.start_execute(TRAIN.format(flags="", extra=STUCK_IN_CUDA), "train")
-    wait_for_rank_line(tmp_path, "spinning")
-    time.sleep(0.5)  # in cudaDeviceSynchronize now
+    wait_for_rank_line(tmp_path, "spinning")  # in cudaDeviceSynchronize now
     interrupted_at = time.monotonic()
     kernel.km.interrupt_kernel()
     out = kernel.finish_execute()

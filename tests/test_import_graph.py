@@ -216,3 +216,18 @@ def test_the_leaves_import_only_leaves():
     leaves = [m for m in MODULES if layer(m) == 0]
     assert {"nbddp.contracts.errors", "nbddp.contracts.atomic", "nbddp.contracts.status", "nbddp.contracts.rundir"} <= set(leaves)
     assert [f"{f.importer} imports {f.imported}" for f in IMPORTS if f.importer in leaves and layer(f.imported)] == []
+
+
+#: What a door (``nbddp.doors.*``) may import: the orchestrator and what it returns (``job``), the plan, the display,
+#: the launchers' one face (``nbddp.launchers`` itself: warm pools, a batch's slots, an export's launch by hand), the
+#: notebook it reads, the shared leaves, and the other doors. Never a launcher's, an engine's or a rank's internals.
+DOOR_REACH = ("nbddp.job", "nbddp.job.*", "nbddp.plan", "nbddp.plan.*", "nbddp.display", "nbddp.display.*",
+              "nbddp.launchers", "nbddp.notebook", "nbddp.notebook.*", "nbddp.contracts", "nbddp.contracts.*",
+              "nbddp.doors", "nbddp.doors.*", "nbddp._version")
+
+
+def test_doors_reach_only_the_orchestrator_the_plan_and_the_launchers_face():
+    doors = [m for m in MODULES if m == "nbddp.doors" or m.startswith("nbddp.doors.")]
+    beyond = [f for f in IMPORTS if f.importer in doors and f.kind != "package"
+              and not any(fnmatch.fnmatchcase(f.imported, pattern) for pattern in DOOR_REACH)]
+    assert _shown(beyond) == []

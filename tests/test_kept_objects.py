@@ -41,7 +41,7 @@ add = counter()
 
 def test_containers_attributes_closures_and_classes_are_put_back_in_place(tmp_path):
     namespace = {"__name__": "__main__"}
-    exec(SETUP, namespace)  # noqa: S102 - a setup cell, as a rank runs it: its functions and classes are the notebook's
+    exec(SETUP, namespace)
     objects = kept(namespace, tmp_path)
     history, table, tags, cfg, Config, add = (namespace[n] for n in ("history", "table", "tags", "cfg", "Config", "add"))
 
@@ -134,7 +134,7 @@ def test_each_object_knows_the_cell_that_made_it_and_the_last_that_changed_it(tm
 
 
 def test_what_cant_be_kept_is_named_and_nothing_is_kept_that_wont_fit(tmp_path):
-    handle = open(tmp_path / "log.txt", "w")  # noqa: SIM115
+    handle = open(tmp_path / "log.txt", "w")
     try:
         namespace = {"log": handle, "lines": (x for x in range(3)), "model": torch.nn.Linear(100, 100)}
         objects = kept(namespace, tmp_path)

@@ -283,7 +283,7 @@ def test_the_torchrun_command_is_one_whichever_place_renders_it():
     function: torchrun's own parser reads the same nodes, rendezvous, timeout and processes from each."""
     from torch.distributed.run import get_args_parser
 
-    from nbddp.doors.export import local_hint, node_hint
+    from nbddp.launchers.by_hand import local_hint, node_hint
 
     parser = get_args_parser()
     fields = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_conf", "nproc_per_node", "standalone")

@@ -16,7 +16,7 @@ from nbclient.exceptions import CellExecutionError
 from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.conftest import alive, descendants
+from tests.conftest import alive, descendants, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_happy_path_weights_come_back_and_evaluate_on_the_cpu_and_every_ranks_li
     ended: dict[int, float] = {}
 
     class Recording(NotebookClient):
-        def process_message(self, msg, cell, cell_index):  # noqa: ANN001, ANN201 - nbclient's hook
+        def process_message(self, msg, cell, cell_index):
             data = msg["content"].get("data", {})
             if cell_index == 5 and msg["msg_type"] in ("stream", "display_data"):
                 seen.append((time.monotonic(), msg["content"].get("text") or data.get("text/plain", "")))
@@ -181,22 +181,22 @@ def _start_long_training(tmp_path, flags: str = ""):
     thread = threading.Thread(target=execute, daemon=True)
     thread.start()
     assert ready.wait(120)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def training() -> bool:
         dirs = run_dirs(tmp_path)
-        if dirs and len(_rank_pids(dirs[0])) == 2 and "step 3" in (dirs[0] / "logs" / "rank-1.log").read_text():
-            break
-        time.sleep(0.1)
+        log = dirs[0] / "logs" / "rank-1.log" if dirs else None
+        return bool(dirs) and len(_rank_pids(dirs[0])) == 2 and log.exists() and "step 3" in log.read_text()
+
+    wait_until(training, 120, "both ranks started and rank 1 at its step 3")
     (run_dir,) = run_dirs(tmp_path)
     kernel_pid = client.km.provisioner.process.pid
     return client, thread, errors, run_dir, descendants(kernel_pid) | _rank_pids(run_dir)
 
 
-def _gone_within(pids, seconds):
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(p) for p in pids)
+def _gone_within(pids, seconds, what: str) -> None:
+    """Every one of ``pids`` ends within ``seconds`` (``what`` names it), or the test fails naming those left."""
+    wait_until(lambda: not any(alive(p) for p in pids), seconds, what,
+               detail=lambda: f"still alive: {sorted(p for p in pids if alive(p))}")
 
 
 def test_kernel_interrupt_stops_every_fresh_rank(tmp_path):
@@ -204,7 +204,7 @@ def test_kernel_interrupt_stops_every_fresh_rank(tmp_path):
     client, thread, errors, run_dir, pids = _start_long_training(tmp_path, "--fresh")
     assert len(pids) >= 3  # the launcher and both ranks
     run_sync(client.km.interrupt_kernel)()  # the stop button: SIGINT to the kernel's process group
-    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+    _gone_within(pids, 10, "the stop button ended the kernel's fresh ranks and their launcher")
     thread.join(60)
     assert errors and errors[0].ename == "KeyboardInterrupt"
     assert json.loads((run_dir / "result.json").read_text())["status"] == "interrupted"
@@ -219,16 +219,13 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
     client, thread, errors, run_dir, pids = _start_long_training(tmp_path)
     kernel_pid = client.km.provisioner.process.pid
     os.kill(kernel_pid, signal.SIGKILL)
-    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+    _gone_within(pids, 10, "the ranks ended with their SIGKILLed kernel")
     thread.join(60)  # nbclient's liveness poll ends the waiting cell (DeadKernelError)
     assert not thread.is_alive() and errors and type(errors[0]).__name__ == "DeadKernelError", errors
     from nbddp.contracts.pool_dir import FOLDER_PREFIX
 
-    deadline = time.monotonic() + 10
-    while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, "the killed kernel's warm-pool folder outlived its ranks"
+    wait_until(lambda: not list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*")), 10,
+               "the killed kernel's warm-pool folder removed once its ranks ended")
 
 
 class ProtocolKernel:
@@ -329,7 +326,7 @@ def test_nbddp_kill_stops_a_kernels_run_but_not_the_kernel(tmp_path):
     live = registry.find(run_dir.name)
     assert live.owner == "kernel"
     assert registry.kill(live)
-    assert _gone_within(_rank_pids(run_dir), 10)
+    _gone_within(_rank_pids(run_dir), 10, "nbddp kill ended the kernel's ranks")
     thread.join(60)
     # The kernel answered the cell with RunInterrupted: it was not killed with its run.
     assert errors and errors[0].ename == "RunInterrupted" and "nbddp kill" in errors[0].evalue
@@ -352,7 +349,7 @@ def test_papermill_execution_timeout_leaves_no_rank(tmp_path):
     (run_dir,) = run_dirs(tmp_path)
     pids = _rank_pids(run_dir)
     assert len(pids) == 2
-    assert _gone_within(pids, 10), {p for p in pids if alive(p)}
+    _gone_within(pids, 10, "papermill's execution timeout ended both ranks")
 
 
 def test_launch_options_of_nbddp_run_work_in_the_magic(tmp_path):

@@ -34,7 +34,7 @@ def _tokens() -> dict[str, list[tokenize.TokenInfo]]:
 TOKENS = _tokens()
 
 
-def _where(test) -> set[str]:  # noqa: ANN001
+def _where(test) -> set[str]:
     """The modules with a token for which ``test(token)`` holds."""
     return {module for module, tokens in TOKENS.items() if any(test(token) for token in tokens)}
 
@@ -104,14 +104,14 @@ def test_stop_graces_have_one_owner():
         for name, equals, value in zip(tokens, tokens[1:], tokens[2:]):
             if "grace" in name.string.lower() and equals.string == "=" and value.type == tokenize.NUMBER:
                 literal.add((module, name.string))
-    assert literal == {("launchers/process_groups.py", "STOP_GRACE"),
+    assert literal == {("contracts/process_groups.py", "STOP_GRACE"),
                        ("launchers/ray.py", "RANK_GRACE"),  # a part of the Ray launcher's stop_grace, STOP_SECONDS
                        ("job/lifecycle.py", "RENDEZVOUS_GRACE_SECONDS")}  # not a stop: the nodes' time to meet
 
 
 def test_a_whole_runs_stop_grace_is_its_launchers_and_the_time_to_record():
     from nbddp.launchers import run_stop_grace
-    from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
+    from nbddp.contracts.process_groups import RECORD_SECONDS, STOP_GRACE
     from nbddp.launchers.ray import STOP_SECONDS
     from nbddp.launchers.slurm import CANCEL_SECONDS
     from nbddp.plan.options import LaunchOptions, RayRequest, SlurmRequest

@@ -258,3 +258,30 @@ def test_the_log_cap_reads_sizes_as_the_ending_line_says_them():
     assert [parse(["--log-cap", size]).log_cap for size in ("2GB", "1.5 MB", "500kB", "12345", "0")] == \
         [2_000_000_000, 1_500_000, 500_000, 12345, None]
     assert parse(LaunchOptions(log_cap="2GB").to_argv()) == LaunchOptions(log_cap=2_000_000_000)
+
+
+def test_a_batchs_own_options_are_declared_once_for_its_command_and_its_function():
+    """``--gpus-per-run``, ``--parallel``, ``--out``, ``--resume``, ``--fresh``: declared in ``SweepOptions``
+    (plan/options.py), from which ``nbddp batch``'s parser and ``nbddp.batch()``'s keywords are both made, so their
+    help and defaults can't differ; a bad value is the same one line from either."""
+    import inspect
+
+    import nbddp
+    from nbddp.doors.cli import _commands, build_parser
+    from nbddp.plan.option_fields import fields_of, values_from
+    from nbddp.plan.options import SLURM_PARALLEL, SweepOptions
+
+    parser = _commands(build_parser())["batch"]
+    shown = " ".join(parser.format_help().split())
+    keywords = inspect.signature(nbddp.batch).parameters
+    for top in fields_of(SweepOptions):
+        assert f"{top.option.flags[0]} " in shown and " ".join(top.option.help.split()) in shown, top.name
+        assert keywords[top.name].default == top.default == getattr(SweepOptions(), top.name), top.name
+        assert f"    {top.name}: {top.option.flags[0]}" in nbddp.batch.__doc__
+    assert f"--slurm default {SLURM_PARALLEL}" in shown  # (the help says the default the schedule uses)
+    given = values_from(SweepOptions, parser.parse_args(["nb.ipynb", "--grid", "g.yaml", "--parallel", "3", "--fresh"]))
+    assert SweepOptions(**given) == SweepOptions(parallel=3, fresh=True)
+    with pytest.raises(UsageError, match=r"^--parallel 0: need at least 1\.$"):
+        SweepOptions(**values_from(SweepOptions, parser.parse_args(["nb.ipynb", "--grid", "g.yaml", "--parallel", "0"])))
+    with pytest.raises(UsageError, match=r"^--gpus-per-run 0: need at least 1\.$"):
+        nbddp.batch("nb.ipynb", {"lr": [1]}, gpus_per_run=0)

@@ -11,13 +11,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import nbformat
 import papermill
 import pytest
 
-from tests.conftest import code, descendants, alive, write_notebook
+from tests.conftest import code, descendants, alive, wait_until, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 from tests.test_trackers import DIVERGES, EPOCHS as TRACKED_EPOCHS, SETUP as TRACKED_SETUP, mlflow_history, \
     assert_one_record, mlflow_runs, tensorboard_points, trackers_here, wandb_records, wandb_run_facts, \
@@ -27,27 +26,51 @@ pytestmark = pytest.mark.slow
 OPTIONS = {"NBDDP_OPTIONS": "--cpu --nproc 2"}
 
 
-def papermill_cli(args, cwd, env=None, interrupt_after=None, timeout=240):
-    """``python -m papermill ARGS`` in a session of its own: ``(exit code, stdout, stderr, pids it had)``."""
+def papermill_cli(args, cwd, env=None, interrupt_when=None, timeout=240):
+    """``python -m papermill ARGS`` in a session of its own: ``(exit code, stdout, stderr, pids it had)``; Ctrl-C
+    once ``interrupt_when()`` is true."""
     proc = subprocess.Popen([sys.executable, "-m", "papermill", *map(str, args)], cwd=cwd,
                             env={**os.environ, **OPTIONS, **(env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    seen, started = set(), time.monotonic()
-    while proc.poll() is None and time.monotonic() - started < timeout:
-        seen |= descendants(proc.pid)
-        if interrupt_after is not None and time.monotonic() - started > interrupt_after:
+    seen = set()
+
+    def exited() -> bool:
+        nonlocal interrupt_when
+        seen.update(descendants(proc.pid))
+        if interrupt_when is not None and interrupt_when():
             os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
-            interrupt_after = None
-        time.sleep(0.1)
+            interrupt_when = None
+        return proc.poll() is not None
+
+    try:
+        wait_until(exited, timeout, f"papermill {' '.join(map(str, args))} exited")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
     return proc.returncode, out, err, seen
 
 
 def gone(pids, seconds=10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(p) for p in pids)
+    """Every one of ``pids`` ends within ``seconds``, or the test fails naming those left."""
+    wait_until(lambda: not any(alive(p) for p in pids), seconds, "every process papermill had ended",
+               detail=lambda: f"still alive: {sorted(p for p in pids if alive(p))}")
+    return True
+
+
+def training_in_a_new_run(folder, step: int = 2):
+    """A condition: a run started after this call (a new folder under ``folder``/runs) has rank 1 at ``step``."""
+    runs = folder / "runs"
+    before = set(runs.iterdir()) if runs.is_dir() else set()
+
+    def training() -> bool:
+        for run in (set(runs.iterdir()) if runs.is_dir() else set()) - before:
+            log = run / "logs" / "rank-1.log"
+            if log.exists() and f"step {step}" in log.read_text(errors="replace"):
+                return True
+        return False
+
+    return training
 
 
 def statuses(path):
@@ -160,7 +183,8 @@ def test_time_limits_and_ctrl_c_end_the_run_non_zero_with_no_rank_left(tmp_path)
     assert code_ == 1 and "RunTimeout: the run exceeded papermill's --execution-timeout (8s)" in err, err
     assert statuses(tmp_path / "a.ipynb")[2] == "failed" and gone(pids)
 
-    code_, out, err, pids = papermill_cli(["--engine", "nbddp", "long.ipynb", "b.ipynb"], tmp_path, interrupt_after=9)
+    code_, out, err, pids = papermill_cli(["--engine", "nbddp", "long.ipynb", "b.ipynb"], tmp_path,
+                                          interrupt_when=training_in_a_new_run(tmp_path))  # Ctrl-C mid-training
     assert code_ != 0 and "Aborted!" in err and "EVALUATION RAN" not in out + err, err
     assert gone(pids)
 
@@ -245,11 +269,19 @@ def test_papermills_options_mean_what_they_mean_for_a_ddp_notebook(tmp_path):
          "--report-mode", "--autosave-cell-every", "1"],
         env={**os.environ, **OPTIONS, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     saved_mid_run = ""
-    while proc.poll() is None:
-        time.sleep(0.5)
+
+    def exited() -> bool:
+        nonlocal saved_mid_run
         text = (tmp_path / "out.ipynb").read_text() if (tmp_path / "out.ipynb").exists() else ""
         if not saved_mid_run and "[rank 1] step 20" in text:
             saved_mid_run = text
+        return proc.poll() is not None
+
+    try:
+        wait_until(exited, 240, "papermill exited", every=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     _, err = proc.communicate()
     assert proc.returncode == 0, err
     assert saved_mid_run and "[rank 1] step 39" not in saved_mid_run  # autosaved while training

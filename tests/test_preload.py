@@ -21,7 +21,7 @@ import pytest
 
 from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm import agent
-from tests.conftest import alive
+from tests.conftest import alive, wait_until
 from tests.test_magic import ProtocolKernel, run_dirs
 from tests.test_warm import SETUP, pids, train, weight
 
@@ -42,11 +42,9 @@ def _folder(pid: int) -> PoolDir:
     return PoolDir(Path(argv[argv.index("nbddp.launchers.warm.agent") + 1]))
 
 
-def _wait(condition, seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
+def _wait(condition, what: str, seconds: float = 30.0, detail=None) -> None:
+    """:func:`wait_until`, looking every 0.05 s (a starter's folder, its process)."""
+    wait_until(condition, seconds, what, every=0.05, detail=detail)
 
 
 @pytest.fixture
@@ -68,7 +66,7 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
     assert "[nbddp] preparing warm ranks: their starter imports torch now" in loaded, loaded
     starter = _starter(kernel)
     folder = _folder(starter)
-    assert _wait(folder.preloaded.exists), "the starter never finished its imports"
+    _wait(folder.preloaded.exists, "the starter finished its imports")
     shown = kernel.execute("%ddp_ranks")
     assert "has imported torch and what DDP needs" in shown and re.search(r"holds \d+(\.\d+)? [kMG]B of memory", shown)
     # Nothing of it for another user: its folder is private, and it listens on nothing.
@@ -92,7 +90,8 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
     assert walls[0] < walls[1] / 3, walls  # the first run, its starter ready, against ranks started for the run
 
     kernel.execute("%ddp_ranks stop")
-    assert _wait(lambda: not alive(starter) and not folder.path.exists(), 10)
+    _wait(lambda: not alive(starter) and not folder.path.exists(), "%ddp_ranks stop ended the starter, its folder removed",
+          10)
 
 
 @pytest.mark.slow
@@ -103,16 +102,18 @@ def test_an_unused_starter_is_released_after_the_idle_limit_and_when_stopped(ker
     kernel.execute("%ddp_ranks --idle 2")  # a starter waiting for its first run starts again with the new limit
     starter = _starter(kernel)
     folder = _folder(starter)
-    assert starter != first and _wait(lambda: not alive(first), 10)
-    assert _wait(lambda: not alive(starter), 60), "the idle starter stayed"
-    assert _wait(lambda: not folder.path.exists(), 5), "the idle starter's folder stayed"
+    assert starter != first
+    _wait(lambda: not alive(first), "the starter with the old idle limit ended", 10)
+    _wait(lambda: not alive(starter), "the idle starter ended after its idle limit", 60)
+    _wait(lambda: not folder.path.exists(), "the idle starter's folder removed", 5)
     assert "no warm ranks: the next %%ddp_train starts them" in kernel.execute("%ddp_ranks")
 
     assert "preparing warm ranks" in kernel.execute("%ddp_ranks --idle 600 start")
     again = _starter(kernel)
     folder = _folder(again)
     assert "stopped the warm ranks" in kernel.execute("%ddp_ranks stop")
-    assert _wait(lambda: not alive(again), 10) and not folder.path.exists()
+    _wait(lambda: not alive(again), "%ddp_ranks stop ended the starter", 10)
+    assert not folder.path.exists()
 
 
 @pytest.mark.slow
@@ -127,7 +128,7 @@ def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_t
     out = train(kernel, extra="print('setting', os.environ.get('MY_SETTING'))\n")
     assert ("the warm ranks' starter loaded with the extension could not serve this run (environment variables "
             "changed (MY_SETTING)): started a fresh one") in out and "[rank 1] setting 1" in out, out
-    assert _wait(lambda: not alive(starter), 5)  # (stopped: what it imported no rank may inherit)
+    _wait(lambda: not alive(starter), "the starter that didn't fit stopped", 5)  # (what it imported no rank may inherit)
 
     kernel.execute("%ddp_ranks restart")  # a starter with MY_SETTING
     starter = _starter(kernel)
@@ -159,7 +160,7 @@ def test_the_starter_itself_checks_the_first_runs_word_and_a_run_that_claimed_it
             starter = subprocess.Popen([sys.executable, "-m", "nbddp.launchers.warm.agent", str(folder), agent.PRELOAD,
                                         idle, "2"], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            assert _wait(pool.preloaded.exists, 60), log.read_text()
+            _wait(pool.preloaded.exists, "the starter finished its imports", 60, detail=log.read_text)
             assert pool.claim("run") and not pool.claim("idle")
             time.sleep(pause)  # (past its idle limit: claimed, it waits for the word)
             word = {"argv": ["--nproc", str(nproc), "--report", str(tmp_path / "report.json"), "--", str(script)],
@@ -194,10 +195,11 @@ def test_a_killed_kernels_starter_goes_with_its_folder(tmp_path):
         session.execute("%load_ext nbddp")
         starter = _starter(session)
         folder = _folder(starter)
-        assert _wait(folder.preloaded.exists)  # (waiting for its first run, as it mostly is)
+        _wait(folder.preloaded.exists, "the starter finished its imports")  # (waiting for its first run, as mostly)
         session.km.restart_kernel(now=True)  # SIGKILL
-        assert _wait(lambda: not alive(starter), 10), "the starter outlived its kernel"
-        assert _wait(lambda: not folder.path.exists(), 5), (sorted(p.name for p in folder.path.iterdir()),
-                                                               (folder.path / "logs" / "launcher.log").read_text())
+        _wait(lambda: not alive(starter), "the starter ended with its SIGKILLed kernel", 10)
+        _wait(lambda: not folder.path.exists(), "the killed kernel's starter removed its folder", 5,
+              detail=lambda: (sorted(p.name for p in folder.path.iterdir()),
+                              (folder.path / "logs" / "launcher.log").read_text()))
     finally:
         session.close()

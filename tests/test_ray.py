@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import StoppedLastCell, code, write_notebook
+from tests.conftest import StoppedLastCell, code, wait_until, write_notebook
 from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 from tests.ray_cluster import RayCluster, actor_processes
@@ -42,10 +42,8 @@ def ray_env(ray_cluster, monkeypatch):
     """``--ray`` alone finds the test cluster (``RAY_ADDRESS``, in this process and every child)."""
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
     yield ray_cluster
-    deadline = time.monotonic() + 30
-    while actor_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not actor_processes(), "a test left a Ray actor of nbddp's alive"
+    wait_until(lambda: not actor_processes(), 30, "every Ray actor of nbddp's ended after the test", every=0.2,
+               detail=lambda: f"left alive: {[proc.pid for proc in actor_processes()]}")
 
 
 def nothing_left(run, run_dir) -> bool:
@@ -162,10 +160,14 @@ def test_the_magic_trains_on_ray_and_its_stop_button_leaves_no_worker(tmp_path, 
     kernel = StoppedLastCell.after_training("--ray --cpu --nproc 2", endless, tmp_path)
     try:
         kernel.assert_trained()
-        deadline = time.monotonic() + 120
-        while len(actor_processes()) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(3)  # training on the cluster, with the kernel following it
+        wait_until(lambda: len(actor_processes()) >= 2, 120, "both ranks' Ray actors running", every=0.2)
+
+        def at_step_3() -> bool:  # training on the cluster, with the kernel following it
+            runs = sorted((tmp_path / "runs").iterdir())
+            log = runs[-1] / "logs" / "rank-1.log"
+            return len(runs) == 2 and log.exists() and "step 3" in log.read_text(errors="replace")
+
+        wait_until(at_step_3, 120, "rank 1 of the endless run at its step 3 (its log in the run dir)", every=0.2)
     finally:
         kernel.stop()  # the stop button; whatever failed above, the ranks must go
     errors = kernel.errors
@@ -207,9 +209,7 @@ def test_two_ray_nodes_train_as_one_run_rank_0_beside_the_kernel(tmp_path, cli_r
     """Last in this file: a second Ray node (a raylet of its own on this machine) joins the cluster for it."""
     node = ray_env.add_node(cpus=1)
     try:
-        deadline = time.monotonic() + 60
-        while ray_env.alive_nodes() < 2 and time.monotonic() < deadline:
-            time.sleep(1)
+        wait_until(lambda: ray_env.alive_nodes() >= 2, 60, "the second Ray node joined the cluster", every=1)
         write_notebook(tmp_path / "fit.ipynb", [code(SETUP), code(train_cell(8)), code(EVALUATE)])
         run = cli_run(["run", "fit.ipynb", "--ray", "--nodes", "2", "--cpu", "--nproc", "1"], tmp_path)
         assert run.wait() == 0, run.output

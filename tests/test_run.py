@@ -16,7 +16,7 @@ import torch
 
 from nbddp.contracts.atomic import ordinary_mode
 from nbddp.contracts.devices import resolve, visible_gpu_count
-from tests.conftest import EXAMPLES, code, md, write_notebook
+from tests.conftest import EXAMPLES, code, md, wait_until, write_notebook
 
 pytestmark = pytest.mark.slow
 
@@ -347,10 +347,8 @@ def test_sigkilled_run_keeps_an_executed_notebook_of_the_cells_that_ran(tmp_path
     ])
     run = cli_run(["run", "k.ipynb", "--cpu", "-p", "lr", "0.5"], tmp_path)
     run.wait_for("[rank 1] step 3")
-    deadline = time.monotonic() + 60  # (the ranks may train before the kernel has reached the training cell)
-    while "training as a DDP job" not in _texts_so_far(tmp_path):
-        assert time.monotonic() < deadline, "the kernel never reached the training cell"
-        time.sleep(0.1)
+    wait_until(lambda: "training as a DDP job" in _texts_so_far(tmp_path), 60,  # (the ranks may train before
+               "the kernel reached the training cell (its saved notebook)")  # the kernel has reached that cell)
     run.proc.send_signal(signal.SIGKILL)
     run.proc.wait(10)
     assert not run.leftovers(grace=10)
@@ -374,7 +372,7 @@ def _remove_the_killed_kernels_sockets() -> None:
     import os
 
     from nbddp.doors.notebook_kernel import SOCKETS_PREFIX
-    from nbddp.launchers.process_groups import owned_temp_dir
+    from nbddp.contracts.process_groups import owned_temp_dir
 
     os.rmdir(owned_temp_dir(SOCKETS_PREFIX, for_sockets=True))
 

@@ -19,10 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from nbddp.contracts.interpreter import code_argv, module_argv, program_argv
-from tests.conftest import code, write_notebook
 
 PLANTED = """import sys
 with open({mark!r}, "a") as f:

@@ -32,7 +32,7 @@ def test_setup_cells_keep_their_lines_and_say_what_they_read(tmp_path):
     assert first.imports == (("torch", "torch"),)
     namespace: dict = {}
     for unit in units[:-1]:
-        exec(unit.code, namespace)  # noqa: S102 - the units run in order are the script's module level
+        exec(unit.code, namespace)
     assert namespace["lr"] == 0.5 and namespace["model"].out_features == 3
 
 

@@ -63,7 +63,9 @@ def reference() -> dict[str, torch.Tensor]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(STEPS):
         loss = nn.functional.mse_loss(model(X), Y)
-        opt.zero_grad(); loss.backward(); opt.step()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
     return model.state_dict()
 
 

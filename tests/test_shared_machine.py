@@ -8,17 +8,18 @@ Real runs: ``nbddp run`` (2 gloo ranks) and a kernel's idle warm pool; "another 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import code, write_notebook
+from nbddp.contracts.pool_dir import PoolDir
+from tests.conftest import code, wait_until, write_notebook
 
 pytestmark = pytest.mark.slow
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
@@ -123,14 +124,15 @@ def test_an_idle_warm_pool_listens_on_loopback_only_and_no_store_answers(tmp_pat
         kernel.execute("#| ddp\nimport torch, nbddp", "setup")
         out = kernel.execute("%%ddp_train --cpu\n" + TRAINING.format(steps=2).split("\n", 1)[1], "train")
         assert "[rank 1] step 1 2.0" in out, out
-        time.sleep(1)  # idle now: the ranks wait for their next job
         agent = [p for p in psutil.Process(kernel.km.provisioner.process.pid).children(recursive=True)
                  if _runs(p.pid, "nbddp.launchers.warm.agent") and not _runs(p.ppid(), "nbddp.launchers.warm.agent")]
         assert len(agent) == 1, agent
+        pool = PoolDir(Path(agent[0].cmdline()[agent[0].cmdline().index("nbddp.launchers.warm.agent") + 1]))
+        wait_until(lambda: _idle(pool, 2), 30, "both ranks idle: the setup put back after the job, waiting for the next")
         pids = {agent[0].pid, *(c.pid for c in agent[0].children(recursive=True))}
         assert len(pids) == 3
         assert_unreachable(pids)
-        assert_private(Path(agent[0].cmdline()[agent[0].cmdline().index("nbddp.launchers.warm.agent") + 1]) / "store")
+        assert_private(pool.path / "store")
         again = kernel.execute("%%ddp_train --cpu\n" + TRAINING.format(steps=2).split("\n", 1)[1], "train")
         assert "on a warm rank (its run 2)" in again and "[rank 1] step 1 2.0" in again, again
     finally:
@@ -153,13 +155,15 @@ def test_ranks_whose_launcher_dies_while_they_start_exit_on_their_own(tmp_path, 
     write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(TRAINING.format(steps=300))])
     run = cli_run(["run", "f.ipynb", "--cpu", *flags], tmp_path,
                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))})
-    deadline = time.monotonic() + 60
-    ranks: list[psutil.Process] = []
-    while len(ranks) < 2 and time.monotonic() < deadline:
+
+    def ranks_started() -> tuple[list[psutil.Process], list[psutil.Process]] | None:
         seen = list(run.seen)  # (one C call: the watcher thread adds to the set meanwhile)
         agents = [psutil.Process(pid) for pid in seen if _runs(pid, launcher) and not _runs(_parent(pid), launcher)]
         ranks = [child for agent in agents for child in agent.children() if _runs(child.pid, "train.py")]
-        time.sleep(0.01)
+        return (agents, ranks) if len(ranks) >= 2 else None
+
+    agents, ranks = wait_until(ranks_started, 60, "the launcher started both ranks", every=0.01,
+                               detail=lambda: run.output)
     assert len(ranks) == 2, run.output
     agents[0].kill()  # the launcher dies before its ranks armed their death signal
     gone, alive = psutil.wait_procs(ranks, timeout=10)
@@ -187,6 +191,19 @@ with open('/proc/self/cmdline', 'rb') as cmdline:
             return pid
         os.fork = _held_fork
 """
+
+
+def _idle(pool, nproc: int) -> bool:
+    """Every rank of ``pool`` has ended the last job handed out and put its setup back (what it keeps says that job:
+    written last, as the rank goes back to waiting for its next)."""
+    last = pool.jobs_handed_out() - 1
+    for rank in range(nproc):
+        try:
+            if json.loads(pool.kept(rank).read_text()).get("job", -1) < last:
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
 
 
 def _parent(pid: int) -> int:

@@ -6,13 +6,13 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import CliRun, StoppedLastCell, code, kill_group, md, write_notebook
+from nbddp.contracts.rundir import RunDir
+from tests.conftest import CliRun, StoppedLastCell, code, kill_group, md, wait_until, write_notebook
 from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, resumable_train_cell, train_cell
 from tests.slurm_cluster import SlurmCluster, missing_tools
@@ -42,7 +42,7 @@ def slurm_env(slurm, monkeypatch):
     for key, value in slurm.env.items():
         monkeypatch.setenv(key, value)
     yield slurm
-    assert slurm.wait_until_empty(30) == [], "a test left a job in the queue"
+    slurm.wait_until_empty(30, "no job left in the queue after the test")
 
 
 def only_run_dir(folder):
@@ -52,13 +52,9 @@ def only_run_dir(folder):
 
 def first_save(folder, saved: str, timeout: float = 120):
     """The run dir of ``folder``'s run once its first checkpoint (``saved``, in the run dir) is written."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = list(folder.glob(f"runs/*/{saved}"))
-        if found:
-            return found[0].parents[len(Path(saved).parts) - 1]
-        time.sleep(0.2)
-    raise AssertionError(f"no run in {folder} wrote {saved} within {timeout:g} s")
+    found = wait_until(lambda: list(folder.glob(f"runs/*/{saved}")), timeout, f"a run in {folder} wrote {saved}",
+                       every=0.2)
+    return found[0].parents[len(Path(saved).parts) - 1]
 
 
 def processes_of(run_dir) -> list[psutil.Process]:
@@ -145,10 +141,17 @@ def test_the_magic_submits_to_slurm_and_stays_interruptible_while_pending(tmp_pa
     kernel = StoppedLastCell.after_training("--slurm --cpu --nproc 2", pending, tmp_path)
     try:
         kernel.assert_trained()
-        deadline = time.monotonic() + 60
-        while not slurm_env.queue() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(2)  # pending in the queue, with the kernel waiting for it
+        wait_until(slurm_env.queue, 60, "the job in the Slurm queue", every=0.2)
+
+        def seen_pending() -> bool:  # pending in the queue, with the kernel's run watching it
+            runs = sorted((tmp_path / "runs").iterdir())
+            job = RunDir(runs[-1]).slurm_job
+            if len(runs) < 2 or not job.exists():
+                return False
+            record = json.loads(job.read_text())  # (with Slurm's reason once the watcher has asked: not at submit)
+            return record.get("state") == "PENDING" and "reason" in record
+
+        wait_until(seen_pending, 60, "the kernel's run watching its job pending (its slurm/job.json)", every=0.2)
     finally:
         kernel.stop()  # whatever failed above, the pending job must go
     errors = kernel.errors
@@ -189,7 +192,7 @@ def test_exported_sbatch_script_submits_by_hand_and_quotes_every_value(tmp_path,
     done = subprocess.run(["sbatch", "--parsable", "train.sbatch"], cwd=job_dir, capture_output=True, text=True,
                           env={**os.environ, "TMPDIR": str(job_dir / "tmp")})
     assert done.returncode == 0, done.stderr
-    assert slurm_env.wait_until_empty(120) == []
+    slurm_env.wait_until_empty(120, "the job submitted by hand ran and left the queue")
     assert not canary.exists()
     assert (job_dir / "train.weights.pt").exists(), (job_dir / "node-0.log").read_text()
     assert_matches(job_dir / "train.weights.pt", batch=16)
@@ -310,7 +313,7 @@ def time_limited(slurm, tmp_path_factory):
     for run, _ in runs.values():
         kill_group(run.proc.pid)
         run.leftovers(grace=0)
-    assert slurm.wait_until_empty(30) == [], "a time-limited run left a job in the queue"
+    slurm.wait_until_empty(30, "no time-limited run left a job in the queue")
 
 
 def test_slurms_time_limit_is_reported_as_such(time_limited):

@@ -11,7 +11,7 @@ import pytest
 
 from nbddp.job.follow import LogLine, MetricsEvent
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
-from tests.conftest import code, kill_group, write_notebook
+from tests.conftest import code, kill_group, wait_until, write_notebook
 
 
 def test_without_a_terminal_only_what_the_ranks_printed_is_shown():
@@ -67,19 +67,25 @@ def in_a_pty(argv, cwd, timeout=240, columns=100) -> bytes:
     proc = subprocess.Popen(argv, cwd=cwd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                             env={**os.environ, "TERM": "xterm"})
     os.close(slave)
-    received = b""
-    deadline = time.monotonic() + timeout
+    received, started = b"", time.monotonic()
+
+    def closed() -> bool:
+        """What the terminal shows read, a second's worth at most; ``True`` once no process holds it."""
+        nonlocal received
+        if select.select([master], [], [], 1.0)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every process holding the terminal has gone
+                return True
+            if not chunk:
+                return True
+            received += chunk
+        return False
+
     try:
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 1.0)[0]:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # EIO: every process holding the terminal has gone
-                    break
-                if not chunk:
-                    break
-                received += chunk
-        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, received.decode(errors="replace")
+        wait_until(closed, timeout, f"{argv[2:]} ended, its terminal closed", every=0,
+                   detail=lambda: received.decode(errors="replace")[-3000:])
+        assert proc.wait(timeout=max(1.0, timeout - (time.monotonic() - started))) == 0, received.decode(errors="replace")
     finally:
         kill_group(proc.pid)
         os.close(master)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import code, write_notebook
+from tests.conftest import code, wait_until, write_notebook
 from tests.extras import need
 
 EPOCHS = 3
@@ -157,7 +157,6 @@ def mlflow_server(trackers_here):
     import signal
     import socket
     import subprocess
-    import time
     import urllib.request
 
     with socket.socket() as free:
@@ -171,15 +170,17 @@ def mlflow_server(trackers_here):
          "--workers", "1"], stdout=subprocess.DEVNULL, stderr=open(store / "server.log", "wb"), start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
+
+        def healthy() -> bool:
             try:
                 with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
+                    return answer.status == 200
             except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (store / "server.log").read_text()
-                time.sleep(0.2)
+                assert server.poll() is None, f"the MLflow server exited:\n{(store / 'server.log').read_text()}"
+                return False
+
+        wait_until(healthy, 90, "the MLflow server answered /health", every=0.2,
+                   detail=lambda: (store / "server.log").read_text())
         yield uri
     finally:
         os.killpg(server.pid, signal.SIGTERM)

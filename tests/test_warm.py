@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import alive
+from tests.conftest import alive, wait_until
 from tests.test_magic import ProtocolKernel, run_dirs
 
 pytestmark = pytest.mark.slow
@@ -174,13 +174,12 @@ def ranks_in_the_job(tmp_path, ranks, runs_before: int, printed: str = "", timeo
             return False
         return not printed or printed in run.rank_log(rank).read_text(errors="replace")
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def in_the_job() -> bool:
         runs = run_dirs(tmp_path)
-        if len(runs) > runs_before and all(there(RunDir(runs[-1]), r) for r in ranks):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"ranks {ranks} never started the job" + (f" and printed {printed!r}" if printed else ""))
+        return len(runs) > runs_before and all(there(RunDir(runs[-1]), r) for r in ranks)
+
+    wait_until(in_the_job, timeout, f"ranks {ranks} started the job" + (f" and printed {printed!r}" if printed else ""),
+               every=0.05)
 
 
 def interrupt(kernel, after: float | None = None, then=None) -> tuple[str, float]:
@@ -255,8 +254,9 @@ def test_ranks_that_take_seconds_to_leave_are_waited_for_and_kept(kernel, tmp_pa
 
 
 #: Rank 1 sleeps where no interrupt reaches it (SIGINT blocked: as in C code that never returns) while rank 0
-#: waits for it in an all-reduce.
-STUCK = ("import signal, torch.distributed as dist\nif nbddp.rank() == 1:\n"
+#: waits for it in an all-reduce. (Each rank says ``to the all-reduce`` first, on the same line: the lines stay
+#: those the test names; rank 0's next step is the all-reduce, rank 1's is to block SIGINT and say ``waiting``.)
+STUCK = ("import signal, torch.distributed as dist; print('to the all-reduce', flush=True)\nif nbddp.rank() == 1:\n"
          "    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n    print('waiting', flush=True)\n"
          "    time.sleep(60)\n"
          "dist.all_reduce(torch.ones(1))\n")
@@ -272,8 +272,8 @@ def test_a_rank_that_cannot_leave_is_replaced_and_named_with_where_it_was(kernel
     reference = weight(kernel)
     before = len(run_dirs(tmp_path))
     kernel.start_execute(TRAIN.format(flags="", extra=extra), "train")
-    ranks_in_the_job(tmp_path, [1], before, printed="waiting")
-    time.sleep(1)  # rank 1 in its sleep (or its loop), rank 0 in the all-reduce
+    ranks_in_the_job(tmp_path, [0], before, printed="to the all-reduce")  # rank 0 in the all-reduce,
+    ranks_in_the_job(tmp_path, [1], before, printed="waiting")  # rank 1 in its sleep (or its loop), SIGINT blocked
     out, took = interrupt(kernel)
     assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
     assert took < limit, took  # spinning: judged by its stack, not its CPU time (that took LEAVE_SECONDS, 30 s)
@@ -289,19 +289,14 @@ def test_a_rank_that_cannot_leave_is_replaced_and_named_with_where_it_was(kernel
     assert "[the %%ddp_train cell, line 11]" in log, log
     assert "[rank 1] [nbddp] rank 1 couldn't leave the job after the interrupt" in out, out  # and in the view
     assert not set(pids(after).values()) & set(started.values()) and weight(kernel) == reference
-    deadline = time.monotonic() + 15
-    while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in started.values()), "the stuck ranks outlived their pool"
+    wait_until(lambda: not any(alive(p) for p in started.values()), 15, "the stuck ranks ended with their pool")
 
 
 def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
     kernel.execute("%ddp_ranks --idle 2")
     started = pids(train(kernel))
-    deadline = time.monotonic() + 20
-    while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in started.values()), "idle warm ranks outlived --idle"
+    wait_until(lambda: not any(alive(p) for p in started.values()), 20, "idle warm ranks exited after --idle 2",
+               every=0.2)
     assert "no warm ranks" in kernel.execute("%ddp_ranks")
     again = train(kernel)
     assert "starting fresh warm ranks: the warm ranks had exited" in again
@@ -310,18 +305,13 @@ def test_idle_ranks_exit_and_a_kernel_restart_takes_warm_ranks_with_it(kernel):
     running = pids(train(kernel))
     kernel_pid = int(kernel.execute("import os; print(os.getpid())").strip())
     kernel.km.restart_kernel(now=True)  # SIGKILL: the kernel gets no chance to stop them
-    deadline = time.monotonic() + 15
-    while any(alive(p) for p in running.values()) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in running.values()), "warm ranks outlived their kernel"
+    wait_until(lambda: not any(alive(p) for p in running.values()), 15, "the warm ranks ended with their kernel",
+               every=0.2)
     # The killed kernel couldn't remove its pool's folder: the pool's torchrun did, once its ranks were gone.
     from nbddp.contracts.pool_dir import FOLDER_PREFIX
 
-    deadline = time.monotonic() + 10
-    while (left := list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*"))) and \
-            time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not left
+    wait_until(lambda: not list(Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{kernel_pid}-*")), 10,
+               "the killed kernel's pool folder removed", every=0.2)
 
 
 def test_what_warm_ranks_cannot_serve_runs_fresh_and_says_so(kernel):
@@ -372,13 +362,16 @@ def test_the_pool_folder_goes_although_its_killed_owner_keeps_signalling(tmp_pat
          str(tmp_path / "launch.json"), "--", str(tmp_path / "rank.py")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), "the ranks never started"
-        while agent.poll() is None and time.monotonic() < deadline:
+        wait_until(lambda: all((tmp_path / f"ready-{r}").exists() for r in (0, 1)), 60, "the ranks started",
+                   every=0.05)
+
+        def gone_under_a_storm() -> bool:
+            if agent.poll() is not None:
+                return True
             agent.send_signal(signal.SIGTERM)
-            time.sleep(0.002)
+            return False
+
+        wait_until(gone_under_a_storm, 60, "the agent left under a storm of SIGTERMs", every=0.002)
         assert agent.wait(30) is not None
         assert not pool.exists(), sorted(str(p.relative_to(pool)) for p in pool.rglob("*"))[:5]
     finally:

@@ -27,6 +27,7 @@ from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm.departure import Departure, main_thread_frames, where
 from nbddp.launchers.warm import pool as warm_pool
 from nbddp.launchers.warm.pool import WarmPool
+from tests.conftest import wait_until
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 BLOCKED = ["sleep", "60"]
@@ -84,10 +85,19 @@ def end(pool: WarmPool, rank: int, status: str = "interrupted", released: bool =
 
 
 def answer_within(departure: Departure, seconds: float) -> str | None:
-    deadline = time.monotonic() + seconds
-    while (why := departure.check()) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return why
+    """The verdict ``departure`` comes to within ``seconds`` (asked every 0.02 s), or ``None``: none yet, the ranks
+    still waited for (each caller asserts which it expects)."""
+    answers: list[str | None] = []
+
+    def answered() -> bool:
+        answers.append(departure.check())
+        return answers[-1] is not None
+
+    try:
+        wait_until(answered, seconds, "a verdict on the ranks' departure", every=0.02)
+    except AssertionError:  # (no verdict within ``seconds``: what a caller asserting ``is None`` expects)
+        return None
+    return answers[-1]
 
 
 def test_ranks_that_make_progress_are_waited_for_and_a_stall_names_the_ranks(tmp_path, ranks):
@@ -143,8 +153,8 @@ def test_a_rank_spinning_in_one_native_call_is_stuck_though_it_spends_cpu_time(t
         stacks = PoolDir(folder / "pool").stack(0)
         stacks.parent.mkdir(parents=True)
         rank = ranks([sys.executable, "-c", DUMPING, str(stacks), code])
-        while not stacks.exists() or not stacks.stat().st_size:  # (its handler registered once the line is there)
-            time.sleep(0.02)
+        wait_until(lambda: stacks.exists() and stacks.stat().st_size, 60,  # (its handler is registered by then)
+                   "the rank wrote its main thread's id", every=0.02)
         pool = pool_of(folder, rank)
         take(pool, 0)
         return pool
@@ -194,8 +204,8 @@ def test_where_a_rank_was_comes_from_its_main_thread_in_a_faulthandler_dump(tmp_
 
         def dump() -> None:  # once the main thread is blocked in the wait below, not on its way there
             main = threading.main_thread().ident
-            while not _blocked_in_event_wait(sys._current_frames()[main]):
-                time.sleep(0.001)
+            wait_until(lambda: _blocked_in_event_wait(sys._current_frames()[main]), 60,
+                       "the main thread blocked in Event.wait", every=0.001)
             faulthandler.dump_traceback(file, all_threads=True)
             dumped.set()
 

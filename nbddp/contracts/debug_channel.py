@@ -69,7 +69,8 @@ class DebugChannel:
 
     def open(self, rank: int, why: str) -> None:
         """Start a session (a fresh one: a post-mortem asked twice gets a new folder from its caller)."""
-        private_folder(self.path.parent, "the debugger's folder", parents=True)  # (inside the run dir or pool: the user's alone)
+        # (inside the run dir or pool: the user's alone)
+        private_folder(self.path.parent, "the debugger's folder", parents=True)
         for folder in (self.path, self.path / "asks", self.path / "answers"):
             folder.mkdir(mode=0o700, exist_ok=True)
         self.out.touch()
@@ -103,9 +104,6 @@ class DebugChannel:
         except (OSError, ValueError):
             return None
         return found if isinstance(found, dict) else None
-
-    def is_open(self) -> bool:
-        return self.session.exists() and not self.closed_mark.exists()
 
     def asked(self, number: int) -> int | None:
         """The size ``out`` had when the debugger asked for its ``number``-th line (``None``: not asked yet)."""

@@ -43,7 +43,7 @@ class NbddpError(Exception):
 
     exit_code: int = 1
 
-    def __reduce__(self):  # keep subclasses picklable whatever their __init__
+    def __reduce__(self) -> tuple[Any, ...]:  # keep subclasses picklable whatever their __init__
         return (self.__class__, self.args)
 
     def _render_traceback_(self) -> list[str]:
@@ -74,7 +74,7 @@ class CellSyntaxError(CellError):
         super().__init__(message)
         self.cell = cell
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (self.__class__, (*self.args, self.cell))
 
 
@@ -128,7 +128,7 @@ class RunError(NbddpError):
         values = {name: getattr(self, name) for name in JUDGED}
         return values if any(value is not None for value in values.values()) else None
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.__class__, self.args, {k: getattr(self, k) for k in self.FIELDS}))
 
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 import builtins
 import symtable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
 
 from nbddp.contracts.cell_tree import tree as parsed
+
+if TYPE_CHECKING:
+    import ast
 
 _ALWAYS_DEFINED = {"__name__", "__file__", "__doc__", "__builtins__", "__spec__", "__loader__",
                    "__package__", "__annotations__"}
@@ -63,7 +67,7 @@ def _global_names(code: str, filename: str) -> tuple[set[str], list[str], bool]:
     return bound, used, star_import or _star_imports(code)
 
 
-def _comprehensions_own(tree) -> tuple[set[str], set[str]]:  # noqa: ANN001 - an ast.Module
+def _comprehensions_own(tree: ast.Module) -> tuple[set[str], set[str]]:
     """Names that only module-level comprehensions bind (their ``for`` targets) and read; and the names their
     walrus targets bind in the module (``[w := f(t) for t in q]`` binds ``w``).
 
@@ -219,7 +223,7 @@ def cell_names(code: str) -> CellNames:
                      frozenset(imports), star_import, tuple(n for n in KERNEL_ONLY if n in reads and n not in bound))
 
 
-def _module_scope(tree):  # noqa: ANN001, ANN202 - an ast.Module; yields ast nodes
+def _module_scope(tree: ast.Module) -> Iterator[ast.AST]:
     """The nodes of ``tree`` in its module scope: not inside a function, class, lambda or comprehension
     (whose names are their own), though the ``def``/``class`` statements themselves are."""
     import ast
@@ -234,7 +238,7 @@ def _module_scope(tree):  # noqa: ANN001, ANN202 - an ast.Module; yields ast nod
             pending.extend(ast.iter_child_nodes(node))
 
 
-def _first_binds(tree) -> dict[str, int]:  # noqa: ANN001 - an ast.Module
+def _first_binds(tree: ast.Module) -> dict[str, int]:
     """Each name's first binding at module level."""
     import ast
 
@@ -254,7 +258,7 @@ def _first_binds(tree) -> dict[str, int]:  # noqa: ANN001 - an ast.Module
     return first
 
 
-def _sure_binds(body) -> set[str]:  # noqa: ANN001 - a list of ast statements
+def _sure_binds(body: list[ast.stmt]) -> set[str]:
     """Names bound by statements that always run: assignments, imports, ``def``/``class``, ``with``."""
     import ast
 
@@ -279,14 +283,14 @@ def _sure_binds(body) -> set[str]:  # noqa: ANN001 - a list of ast statements
     return names
 
 
-def _inside_attribute_or_subscript(target, name) -> bool:  # noqa: ANN001
+def _inside_attribute_or_subscript(target: ast.expr, name: ast.Name) -> bool:
     """``a[i] = …`` stores into ``a``'s object: ``i`` (a Load) aside, no name is bound."""
     import ast
 
     return any(isinstance(node, (ast.Attribute, ast.Subscript)) and name in ast.walk(node) for node in ast.walk(target))
 
 
-def _changes(tree) -> tuple[set[str], bool]:  # noqa: ANN001 - an ast.Module
+def _changes(tree: ast.Module) -> tuple[set[str], bool]:
     """Names whose objects the cell's running code may change in place, and whether it seeds a generator.
 
     A method called for its effect alone (``model.apply(init)``, ``data.append(x)``, not ``df.head()``), one
@@ -317,7 +321,8 @@ def _changes(tree) -> tuple[set[str], bool]:  # noqa: ANN001 - an ast.Module
             name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
             seeds = seeds or name in _SEEDING
             in_place = (name.endswith("_") and not name.startswith("_")) or any(
-                k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True for k in node.keywords)
+                k.arg == "inplace" and isinstance(k.value, ast.Constant) and k.value.value is True
+                for k in node.keywords)
             if in_place and isinstance(func, ast.Attribute) and (root := _root_name(func.value)):
                 changed.add(root)
             if in_place or name in _CHANGING_FUNCTIONS:
@@ -329,7 +334,7 @@ def _changes(tree) -> tuple[set[str], bool]:  # noqa: ANN001 - an ast.Module
     return changed, seeds
 
 
-def _root_name(node) -> str | None:  # noqa: ANN001
+def _root_name(node: ast.expr) -> str | None:
     """``model`` for ``model``, ``model.fc.weight`` and ``data["x"][0]``; ``None`` through a call (``f(x).y``)."""
     import ast
 
@@ -338,7 +343,7 @@ def _root_name(node) -> str | None:  # noqa: ANN001
     return node.id if isinstance(node, ast.Name) else None
 
 
-def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Script (no import cycle)
+def check_defined(script) -> None:  # noqa: ANN001 - an nbddp.notebook.script.Script: a layer above, not imported
     """Refuse a script whose running code reads a name no exported cell, parameter or import defines.
 
     In a rank that is a ``NameError`` after a long start-up; here it is an error before anything
@@ -366,7 +371,7 @@ def check_defined(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Scrip
            "'#| ddp-train' and its setup '#| ddp' too.)" if chosen else ""))
 
 
-def _check_returns(script) -> None:  # noqa: ANN001 - nbddp.notebook.script.Script
+def _check_returns(script) -> None:  # noqa: ANN001 - an nbddp.notebook.script.Script: a layer above, not imported
     """Refuse a ``--return`` name the script never binds at its top level: rank 0 would find nothing to save once
     the whole training had run."""
     from nbddp.contracts.errors import UsageError

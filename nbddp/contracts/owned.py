@@ -55,8 +55,9 @@ def private_folder(path: Path, what: str, parents: bool = False, say: Callable[[
         if info.st_mode & 0o077:
             os.chmod(path, 0o700)
             if say is not None:
-                say(f"{what} {path} could be read by {_who(info.st_mode)} (mode {stat.filemode(info.st_mode)}): made it "
-                    "private (0700), as nbddp's folders are; share what you want of it with chmod once the run ends.")
+                say(f"{what} {path} could be read by {_who(info.st_mode)} (mode {stat.filemode(info.st_mode)}): "
+                    "made it private (0700), as nbddp's folders are; share what you want of it with chmod once the "
+                    "run ends.")
     return path
 
 
@@ -114,7 +115,8 @@ def _judged(path: Path, info: os.stat_result, what: str, then: str = CHOOSE_ANOT
         writable = "others" if info.st_mode & stat.S_IWOTH else "its group"
         raise NotYours(f"{what} {path} can be written by {writable} (mode {stat.filemode(info.st_mode)}): anyone who "
                        f"can write there could change what nbddp runs. Make it yours alone (chmod go-w {path}), or "
-                       f"{then[0].lower()}{then[1:]}" + see("a-folder-that-belongs-to-another-user-or-that-others-can-write"))
+                       f"{then[0].lower()}{then[1:]}"
+                       + see("a-folder-that-belongs-to-another-user-or-that-others-can-write"))
     return info
 
 

@@ -27,7 +27,8 @@ above it, may import it; the ranks may not import the launchers). Nothing here i
       forget                        how many times the owner asked the ranks to drop their kept setup
       forgot/K-R                    rank R dropped it, asked for the K-th time
       failures/rank-R.json          rank R keeps the failure of its last job for a post-mortem (%ddp_debug): when, what
-      debug/N/                      job N is a rank's post-mortem: its debugger session (:mod:`nbddp.contracts.debug_channel`)
+      debug/N/                      job N is a rank's post-mortem: its debugger session
+                                    (:mod:`nbddp.contracts.debug_channel`)
       stop                          its owner is stopping it for good: the folder can go
       store/                        where torchrun's agent and the ranks meet (FileStores)
       logs/launcher.log             the ranks' starter's output, and the ranks' before each job
@@ -156,7 +157,8 @@ class PoolDir:
         return self.path / "forgot" / f"{count}-{rank}"
 
     def failure(self, rank: int) -> Path:
-        """Rank R's kept failure (its last job's, until the next job): ``{"job", "time", "type", "message", "run_dir"}``."""
+        """Rank R's kept failure (its last job's, until the next job): ``{"job", "time", "type", "message",
+        "run_dir"}``."""
         return self.path / "failures" / f"rank-{rank}.json"
 
     def debug_sessions(self, number: int) -> Path:

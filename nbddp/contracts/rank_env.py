@@ -122,7 +122,8 @@ class RankEnv:
     :mod:`nbddp.rank_side.log_cap`); ``None``: no cap."""
     parent: int | None = None
     """``NBDDP_PARENT``: the pid of the process that started this one (a launcher for its ranks), which a rank
-    must still have as its parent once its death signal is armed (:func:`~nbddp.rank_side.parent_death.die_with_parent`)."""
+    must still have as its parent once its death signal is armed
+    (:func:`~nbddp.rank_side.parent_death.die_with_parent`)."""
     store: Path | None = None
     """``NBDDP_STORE``: a run on one machine: the private folder where its ranks meet (a FileStore per
     attempt, :mod:`nbddp.launchers.private_rendezvous`), instead of a TCPStore at ``MASTER_ADDR``."""

@@ -320,7 +320,8 @@ def create_run_dir(notebook: Path, run_dir: Path | None = None, say: Callable[[s
     if run_dir is not None:
         run_dir = Path(run_dir)
         if RunDir(run_dir).holds_a_run():
-            raise UsageError(f"--run-dir {run_dir} already holds a run. Choose a new folder (runs are never overwritten).")
+            raise UsageError(f"--run-dir {run_dir} already holds a run. "
+                             "Choose a new folder (runs are never overwritten).")
         return RunDir(private_folder(run_dir, "--run-dir", parents=True, say=say).resolve())
     parent = private_folder(notebook.resolve().parent / "runs", "the runs folder", say=say)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")

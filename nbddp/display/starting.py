@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 def describe(spec: "JobSpec") -> str:
     """``torch engine, 2 CPU processes (gloo); run dir …``: what is starting, in one line."""
     if spec.launch.slurm is not None:
-        where = f"a Slurm job of {spec.launch.slurm.nodes} node{'s' * (spec.launch.slurm.nodes != 1)} × {spec.devices.describe()}"
+        nodes = spec.launch.slurm.nodes
+        where = f"a Slurm job of {nodes} node{'s' * (nodes != 1)} × {spec.devices.describe()}"
     elif spec.launch.ray is not None:
-        where = f"{spec.launch.ray.nodes} node{'s' * (spec.launch.ray.nodes != 1)} × {spec.devices.describe()} of {spec.launch.ray.where()}"
+        nodes = spec.launch.ray.nodes
+        where = f"{nodes} node{'s' * (nodes != 1)} × {spec.devices.describe()} of {spec.launch.ray.where()}"
     elif spec.launch.nodes is not None:
         where = f"{spec.devices.describe()} on each of {spec.launch.nodes.count} nodes (world size {spec.world_size})"
     else:

@@ -18,10 +18,14 @@ from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, SignalReceived, UsageError
 from nbddp.contracts.owned import NotYours
 from nbddp.contracts.status import BatchState, Status
-from nbddp.plan.options import BATCH, EXPORT, RUN, add_detach_argument, add_launch_arguments, launch_options
+from nbddp.plan.option_fields import add_arguments, values_from
+from nbddp.plan.options import (BATCH, EXPORT, RUN, SWEEP, SweepOptions, add_detach_argument, add_launch_arguments,
+                                launch_options)
 
 if TYPE_CHECKING:
     from nbddp.contracts.rundir import RunDir
+    from nbddp.doors.batch.schedule import Batch
+    from nbddp.doors.notebook_run import RunOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Distributed PyTorch training (DDP) from Jupyter notebooks.",
         epilog="Tag cells 'parameters', 'ddp' (setup, runs in every rank) and 'ddp-train' "
         "(the training), or start them with '#| ddp' / '#| ddp-train'. With no cell marked, the cell that "
-        "calls notebook_launcher(...), trainer.fit(...) or trainer.train() trains, and the cells it needs are its setup.",
+        "calls notebook_launcher(...), trainer.fit(...) or trainer.train() trains, and the cells it needs are its "
+        "setup.",
     )
     parser.add_argument("--version", action="version", version=f"nbddp {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -61,15 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a YAML/JSON file, or the grid itself ('{\"lr\": [0.1, 0.2]}'): name -> list of values "
                             "(all combinations), or a list of mappings")
     add_launch_arguments(batch, BATCH)
-    sweep = batch.add_argument_group("batch")
-    sweep.add_argument("--gpus-per-run", type=int, default=None, metavar="K",
-                       help="GPUs per run (default 1; --gpus K says the same)")
-    sweep.add_argument("--parallel", type=int, default=None, metavar="J",
-                       help="runs at once (CPU default 1; --slurm default 4; --ray default 1)")
-    sweep.add_argument("--out", type=Path, default=None, help="batch folder (default: batches/STEM-TIME)")
-    sweep.add_argument("--resume", action="store_true", help="skip runs of --out that already succeeded")
-    sweep.add_argument("--fresh", action="store_true",
-                       help="start every run's ranks anew (default: a device slot's runs share warm ranks)")
+    add_arguments(batch, SweepOptions, BATCH, (SWEEP,))
     batch.set_defaults(handler=_batch)
 
     attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
@@ -80,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps = commands.add_parser("ps", help="list the runs alive now")
     ps.set_defaults(handler=_ps)
     kill = commands.add_parser("kill", help="stop a live run and every process of it")
-    kill.add_argument("runs", nargs="+", metavar="RUN", help="run dir name or path (from nbddp ps), or its process group")
+    kill.add_argument("runs", nargs="+", metavar="RUN",
+                      help="run dir name or path (from nbddp ps), or its process group")
     kill.set_defaults(handler=_kill)
     return parser
 
@@ -102,9 +100,9 @@ def _shown(text: str, args: argparse.Namespace | None = None) -> str:
 def _export(args: argparse.Namespace) -> int:
     from nbddp.notebook.reader import read_notebook
     from nbddp.contracts.rundir import SCRIPT_NAME
-    from nbddp.notebook.script import ExportOptions, generate, write_script
+    from nbddp.notebook.script import generate, write_script
 
-    from nbddp.doors.export import export_launch
+    from nbddp.launchers import export_launch
 
     to_stdout = args.output == "-"
     target = None if to_stdout else Path(args.output or args.notebook.with_suffix(".py"))
@@ -156,7 +154,7 @@ def _run(args: argparse.Namespace) -> int:
         return run_notebook(options).exit_code
 
 
-def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
+def _run_detached(options: RunOptions) -> int:
     """Check what can be checked here, hand the run to a supervisor, then follow it as ``nbddp attach`` does."""
     import dataclasses
 
@@ -167,7 +165,8 @@ def _run_detached(options) -> int:  # noqa: ANN001 - RunOptions
     check_notebook(options)
     run_dir = create_run_dir(options.notebook, options.launch.run_dir,
                              lambda text: print(_shown(f"nbddp: {text}"), file=sys.stderr))
-    options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir.path), owner="detached")
+    options = dataclasses.replace(options, launch=dataclasses.replace(options.launch, run_dir=run_dir.path),
+                                  owner="detached")
     pid = detached.start(options, run_dir, Path.cwd())
     print(f"nbddp: detached (supervisor pid {pid}): closing this terminal leaves the run going; "
           f"`nbddp attach {run_dir}` follows it again, `nbddp kill {run_dir}` stops it", file=sys.stderr, flush=True)
@@ -200,8 +199,7 @@ def _follow(run_dir: RunDir, raw: bool = False) -> int:
 def _batch(args: argparse.Namespace) -> int:
     from nbddp.doors.batch.schedule import BatchOptions, run_batch
 
-    options = BatchOptions(args.notebook, args.grid, launch_options(args), args.gpus_per_run, args.parallel,
-                           args.out, args.resume, args.fresh)
+    options = BatchOptions(args.notebook, args.grid, launch_options(args), **values_from(SweepOptions, args))
     try:
         with signals_interrupt():
             rows, code = run_batch(options, progress=_BatchProgress())
@@ -215,8 +213,8 @@ def _batch(args: argparse.Namespace) -> int:
     for row in rows:
         if row["status"] != Status.SUCCEEDED:
             print(_shown(f"nbddp: {row['run']} {row['status']}: {row['error']}"), file=sys.stderr)
-    print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; summary in {Path(rows[0]['run_dir']).parent}/summary.md"
-          if rows else "nbddp: no runs", file=sys.stderr)
+    print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; "
+          f"summary in {Path(rows[0]['run_dir']).parent}/summary.md" if rows else "nbddp: no runs", file=sys.stderr)
     return code
 
 
@@ -227,7 +225,7 @@ class _BatchProgress:
         self.bar = None
         self.done = 0
 
-    def __call__(self, batch) -> None:  # noqa: ANN001 - nbddp.doors.batch.schedule.Batch
+    def __call__(self, batch: Batch) -> None:
         from tqdm import tqdm
 
         states = batch.states

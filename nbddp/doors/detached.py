@@ -35,7 +35,7 @@ from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import NotYours, check_owned, private_folder, touch
-from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE
+from nbddp.contracts.process_groups import RECORD_SECONDS, STOP_GRACE
 from nbddp.contracts.interpreter import module_argv
 
 #: How often an attached door reads the run dir (a detached run is long; a tenth of a second is live).
@@ -69,7 +69,8 @@ def start(what: Any, paths: RunDir, cwd: Path) -> int:
             os.kill(int(read_json(paths.supervisor)["pid"]), signal.SIGTERM)  # the user didn't want it to start
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise NbddpError(f"the run's supervisor did not start within {START_SECONDS:g} s; see {paths.supervisor_log}") from None
+        raise NbddpError(f"the run's supervisor did not start within {START_SECONDS:g} s; "
+                         f"see {paths.supervisor_log}") from None
     info = read_json(paths.supervisor)
     if proc.returncode != 0 or not info:
         shutil.rmtree(paths.path, ignore_errors=True)
@@ -103,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fd, target in ((0, null), (1, log), (2, log)):
                 os.dup2(target, fd)
             for name, fd in (("stdout", 1), ("stderr", 2)):  # line-buffered into the transcript, whatever the locale
-                setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False))
+                setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8",  # noqa: SIM115 - sys's, for good
+                                        errors="backslashreplace", closefd=False))
             return _supervise(paths)
         except BaseException as exc:  # noqa: BLE001 - whatever ends it before the run is recorded: the attacher says why
             return _stopped_before_recording(paths, exc)
@@ -127,27 +129,13 @@ def _supervise(paths: RunDir) -> int:
     if isinstance(what, RunOptions):  # its terminal's transcript: what nbddp attach replays (and makes terminal-safe)
         result = run_notebook(dataclasses.replace(what, raw_output=True), say=say, on_start=started)
     else:
-        result = orchestrator.run(what, _NoKernelHere(), [TerminalSink(raw=True)], lambda t: say(f"nbddp: {t}"),
-                                  on_start=started)
+        waits = orchestrator.NoKernel(WEIGHTS_WAIT, once_weights=True)  # (for a kernel to attach)
+        result = orchestrator.run(what, waits, [TerminalSink(raw=True)], lambda t: say(f"nbddp: {t}"), on_start=started)
         say(f"nbddp: {ending_of(result).line()}")
     error = result.error()
     if error is not None:  # the judged error (rank, cell, line), for an attached kernel to raise as its own run would
         write_error(paths, error)
     return result.exit_code
-
-
-class _NoKernelHere:
-    """A detached ``%%ddp_train``: no kernel beside the job; its weights wait in the run dir for one to attach."""
-
-    def run(self, job: Any, train: Any, deadline: float | None) -> Any:
-        from nbddp.job.orchestrator import KernelResult
-        from nbddp.contracts.status import Status
-
-        succeeded = train().status == Status.SUCCEEDED and job.checkpoint.exists()
-        return KernelResult(note=WEIGHTS_WAIT if succeeded else "")
-
-    def shares_records_later(self) -> bool:
-        return False
 
 
 def _stopped_before_recording(paths: RunDir, exc: BaseException) -> int:

@@ -57,7 +57,8 @@ def write_error(paths: RunDir, error: BaseException) -> None:
     """The judged error of a detached run that didn't succeed, as ``detached/error.json``: its class (one of
     nbddp's), message and, for a :class:`~nbddp.contracts.errors.RunError`, the fields it carries."""
     fields = {name: getattr(error, name) for name in getattr(error, "FIELDS", ())}
-    write_text(paths.detached_error, json.dumps({"type": type(error).__name__, "message": str(error), "fields": fields}))
+    write_text(paths.detached_error,
+               json.dumps({"type": type(error).__name__, "message": str(error), "fields": fields}))
 
 
 def read_error(paths: RunDir) -> errors.NbddpError | None:
@@ -82,7 +83,8 @@ def _encode(value: Any, hint: Any = None) -> Any:
         return {_LITERAL: repr(value)}  # a parameter's tuple, set or complex stays what it is
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         hints = typing.get_type_hints(type(value))
-        return {field.name: _encode(getattr(value, field.name), hints[field.name]) for field in dataclasses.fields(value)}
+        return {field.name: _encode(getattr(value, field.name), hints[field.name])
+                for field in dataclasses.fields(value)}
     args = typing.get_args(hint)
     if isinstance(value, Path):
         return str(value)

@@ -8,15 +8,17 @@ the script.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbconvert.exporters import Exporter
 from traitlets import Enum, Unicode
 
-from nbddp.engines import ENGINES
 from nbddp.notebook.reader import from_nbformat
-from nbddp.plan.options import parse_returns
+from nbddp.plan.options import choices, parse_returns
 from nbddp.notebook.script import ExportOptions, generate
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 
 class NbddpExporter(Exporter):
@@ -25,14 +27,15 @@ class NbddpExporter(Exporter):
     export_from_notebook = "DDP training script (nbddp)"
     output_mimetype = "text/x-python"
 
-    engine = Enum([*ENGINES, "auto"], default_value="auto",
+    engine = Enum([*choices("engine"), "auto"], default_value="auto",
                   help="DDP engine; 'auto' detects it from the training cells").tag(config=True)
     returns = Unicode("model", help="comma-separated variables to return").tag(config=True)
 
     def _file_extension_default(self) -> str:
         return ".py"
 
-    def from_notebook_node(self, nb, resources: dict[str, Any] | None = None, **kw):
+    def from_notebook_node(self, nb: NotebookNode, resources: dict[str, Any] | None = None,
+                           **kw: Any) -> tuple[str, dict[str, Any]]:
         nb_copy, resources = super().from_notebook_node(nb, resources, **kw)
         meta = resources.get("metadata", {})
         name = meta.get("name", "notebook")

@@ -28,7 +28,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from nbddp.contracts.atomic import write_json
 from nbddp.display.terminal import NotebookOutputSink
@@ -37,19 +37,24 @@ from nbddp.contracts.rank_env import beside_a_job
 from nbddp.job import trackers
 from nbddp.job.follow import Sink
 from nbddp.job.lifecycle import Job
-from nbddp.job.orchestrator import KernelResult, Train
+from nbddp.job.orchestrator import Kernel, KernelResult, Train
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.contracts.status import Status
-from nbddp.launchers.process_groups import owned_temp_dir
+from nbddp.contracts.process_groups import owned_temp_dir
 from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
 from nbddp.notebook.literals import assignments
 from nbddp.notebook.reader import Notebook
+
+if TYPE_CHECKING:
+    from jupyter_client import AsyncKernelManager
+    from nbclient import NotebookClient
+    from nbformat import NotebookNode
 
 SOCKETS_PREFIX = "nbddp-kernel-"
 PUMP_SECONDS = 0.05
 
 
-def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]):  # noqa: ANN201 - nbformat's node
+def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]) -> tuple[NotebookNode, list[int | None]]:
     """A copy of the notebook for the kernel, ``-p`` parameters injected the papermill way.
 
     The injected cell is written with the same literal writer as the script, so the kernel and the
@@ -67,7 +72,7 @@ def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]):  # noqa: AN
             insert_at = number
     if parameters:
         injected = new_code_cell("# Parameters (nbddp -p)\n" + "\n".join(assignments(parameters)),
-                                 metadata={"tags": ["injected-parameters"]})
+                                 metadata={"tags": [INJECTED]})
         nb.cells.insert(insert_at, injected)
         numbers.insert(insert_at, None)
     return nb, numbers
@@ -82,14 +87,14 @@ class TrainingCells:
 
     nbddp_kernel: "NotebookKernel"
 
-    def execute_cell(self, cell, cell_index: int, execution_count: int | None = None,  # noqa: ANN001, ANN201
-                     store_history: bool = True):
+    def execute_cell(self, cell: NotebookNode, cell_index: int, execution_count: int | None = None,
+                     store_history: bool = True) -> NotebookNode:
         if self.nbddp_kernel.trains(cell_index):
             return self.nbddp_kernel.receive(self, cell, cell_index)
         with _interrupt_settles_the_cell(self):
             return super().execute_cell(cell, cell_index, execution_count, store_history)
 
-    def run_in_kernel(self, cell, cell_index: int, store_history: bool = True):  # noqa: ANN001, ANN201
+    def run_in_kernel(self, cell: NotebookNode, cell_index: int, store_history: bool = True) -> NotebookNode:
         """Run ``cell`` in the kernel at ``cell_index`` the ordinary way (nbclient's own execute_cell);
         ``store_history=False``: unseen (no execution count, nothing in the kernel's history)."""
         with _interrupt_settles_the_cell(self):
@@ -104,7 +109,7 @@ ANSWER_SECONDS = 5.0
 
 
 @contextlib.contextmanager
-def _interrupt_settles_the_cell(client) -> Iterator[None]:  # noqa: ANN001 - nbclient's NotebookClient
+def _interrupt_settles_the_cell(client: NotebookClient) -> Iterator[None]:
     """A Ctrl-C while the kernel runs a cell ends that cell as a front end's stop button would, and leaves
     nothing running on nbclient's event loop.
 
@@ -140,10 +145,10 @@ def _interrupt_settles_the_cell(client) -> Iterator[None]:  # noqa: ANN001 - nbc
         raise
 
 
-class NotebookKernel:
+class NotebookKernel(Kernel):
     """The notebook's cells in a kernel beside the job (:class:`nbddp.job.orchestrator.Kernel`)."""
 
-    def __init__(self, nb, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,  # noqa: ANN001
+    def __init__(self, nb: NotebookNode, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,
                  collector: NotebookOutputSink, sinks: Sequence[Sink], training: Sequence[int],
                  save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None) -> None:
         """``nb``/``numbers``: from :func:`kernel_notebook`; ``collector``: the training cell's output
@@ -205,7 +210,7 @@ class NotebookKernel:
                                     getattr(exc, "traceback", ""))
         return KernelResult(loaded=list(self.loaded))
 
-    def client(self):  # noqa: ANN201 - an nbclient NotebookClient with TrainingCells
+    def client(self) -> NotebookClient:
         """``nbddp run``'s client: a kernel with private IPC sockets, at a lower CPU priority."""
         from nbclient import NotebookClient
 
@@ -218,13 +223,13 @@ class NotebookKernel:
         client.nbddp_kernel = self
         return client
 
-    def kernel_manager(self, kernel_name: str):  # noqa: ANN201 - jupyter_client's KernelManager
+    def kernel_manager(self, kernel_name: str) -> AsyncKernelManager:
         """A manager whose kernel talks over private IPC sockets: local only, and without ipykernel's
         "Kernel is running over TCP without encryption" warning on every run (jupyter_client's default
         is TCP). The socket files default to the working folder, where two runs would collide: they go
-        in a private temp folder (a short path: a socket's has a length limit), removed when the run ends. Asynchronous, as the manager nbclient makes
-        itself: with a blocking one, nbclient's wait for a cell's reply blocks its own event loop and a
-        cell's time limit (papermill's ``--execution-timeout``) never fires."""
+        in a private temp folder (a short path: a socket's has a length limit), removed when the run ends.
+        Asynchronous, as the manager nbclient makes itself: with a blocking one, nbclient's wait for a cell's reply
+        blocks its own event loop and a cell's time limit (papermill's ``--execution-timeout``) never fires."""
         from jupyter_client import AsyncKernelManager
 
         sockets = owned_temp_dir(SOCKETS_PREFIX, for_sockets=True)
@@ -249,7 +254,7 @@ class NotebookKernel:
         """Whether the kernel's cell ``index`` is a training cell: received from the job, never run here."""
         return self.numbers[index] in self.training
 
-    def receive(self, client, cell, index: int):  # noqa: ANN001, ANN201
+    def receive(self, client: TrainingCells, cell: NotebookNode, index: int) -> NotebookNode:
         """In place of the training cell: wait for the job, then load its weights or raise its error."""
         if self.outcome is not None:  # a second training cell: one job trained them all
             cell.outputs = [_note("ran as part of the DDP job above")]
@@ -275,7 +280,7 @@ class NotebookKernel:
             self._echo(index, receipt.outputs)  # (the ranks' lines were shown as they came)
         return cell
 
-    def _share_open_records(self, client, index: int) -> None:  # noqa: ANN001
+    def _share_open_records(self, client: TrainingCells, index: int) -> None:
         """Tell rank 0 which records the kernel has open now, at the training cell (it waits for the word)."""
         from nbformat.v4 import new_code_cell
 
@@ -296,7 +301,7 @@ class NotebookKernel:
         ``(None, None)``: the run's."""
         return None, None
 
-    def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
+    def on_training_start(self, cell: NotebookNode, index: int) -> None:
         self._save()
 
     def _on_lines(self, text: str) -> None:
@@ -321,7 +326,7 @@ class NotebookKernel:
                 self.echo("".join(label + line + "\n" for line in str(text).rstrip("\n").split("\n")))
 
 
-def receipt_cell(job: Job, outcome: JobOutcome):  # noqa: ANN201 - nbformat's node
+def receipt_cell(job: Job, outcome: JobOutcome) -> NotebookNode:
     """What the kernel runs in the training cell's place: load the weights, or raise the run's error."""
     from nbformat.v4 import new_code_cell
 
@@ -406,7 +411,7 @@ def _lower_priority() -> None:
     os.nice(5)
 
 
-def _note(text: str):  # noqa: ANN202
+def _note(text: str) -> NotebookNode:
     from nbformat.v4 import new_output
 
     return new_output("stream", name="stdout", text=f"[nbddp] {text}\n")

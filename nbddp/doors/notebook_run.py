@@ -9,11 +9,10 @@ writes the executed notebook. Nodes 1 and up of a multi-node run run no kernel.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from nbddp.display.ending import NO_WEIGHTS, ending_of, shown_path
 from nbddp.display.starting import describe
@@ -22,15 +21,18 @@ from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
 from nbddp.job import orchestrator
 from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
-from nbddp.contracts.devices import Devices
+from nbddp.launchers import batch_slot
 from nbddp.contracts.status import Status
-from nbddp.launchers.warm.keepers import POOL_ENV
 from nbddp.contracts.freevars import check_defined
 from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.notebook.script import generate
-from nbddp.plan.job_spec import WarmHandle
+from nbddp.notebook.script import Script, generate
 from nbddp.plan.options import LaunchOptions
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
+
+    from nbddp.job.lifecycle import Job
 
 
 @dataclass(frozen=True)
@@ -52,24 +54,9 @@ class RunOptions:
     (:func:`nbddp.display.terminal.terminal_safe` otherwise)."""
 
 
-class BatchSlotPool:
-    """The warm ranks of this run's device slot in ``nbddp batch`` (:data:`nbddp.launchers.warm.keepers.POOL_ENV`)."""
-
-    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmHandle | None, str]:
-        from nbddp.launchers.warm.keepers import adopt_batch_pool
-
-        return adopt_batch_pool(devices, cwd, launch)
-
-    def after_run(self, pool: WarmHandle, status: Status) -> None:
-        """The batch, which owns the pool, replaces it after a run that did not succeed."""
-
-    def held_gpus(self) -> tuple[str, ...]:
-        """None by name: a batch run gets its slot's GPUs as numbers (``--gpus N``), never ``--gpus free``."""
-        return ()
-
-
 def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: Callable[[str], None] | None = None,
-                 notebook: Notebook | None = None, on_start: Callable[[Any], Any] | None = None) -> orchestrator.RunResult:
+                 notebook: Notebook | None = None,
+                 on_start: Callable[[Any], Any] | None = None) -> orchestrator.RunResult:
     """Run the notebook; returns the result (never raises for a failed *run*, only for bad input).
 
     ``sinks``: where rank output goes (default: this terminal); ``notebook``: already read;
@@ -83,7 +70,7 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
     request = orchestrator.RunRequest(
         script, launch, notebook.path, notebook.path.resolve().parent,
         effective_parameters(declared_parameters(notebook), launch.parameters), dict(launch.parameters),
-        options.command, owner=options.owner, warm=BatchSlotPool() if POOL_ENV in os.environ else None,
+        options.command, owner=options.owner, warm=batch_slot(),
         console=options.console, debug_on_failure=options.debug_on_failure)
     terminal = TerminalSink(raw=options.raw_output) if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
@@ -111,7 +98,7 @@ def check_notebook(options: RunOptions) -> None:
     devices_for(options.launch, asked=script.processes)
 
 
-def _script(notebook: Notebook, launch: LaunchOptions):  # noqa: ANN202 - Script
+def _script(notebook: Notebook, launch: LaunchOptions) -> Script:
     script = generate(notebook, launch.export_options())
     check_defined(script)
     return script
@@ -125,11 +112,11 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
     collector = NotebookOutputSink()
     where: dict[str, Path] = {}
 
-    def save(nb) -> None:  # noqa: ANN001
+    def save(nb: NotebookNode) -> None:
         if "output" in where:
             write_notebook(nb, where["output"])
 
-    def on_start(job) -> None:  # noqa: ANN001
+    def on_start(job: Job) -> None:
         collector.run_dir = job.run_dir
         where["output"] = Path(output or job.paths.output)
         say(f"nbddp: {describe(job.spec)}")
@@ -159,7 +146,7 @@ def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callab
     """Node 1 and up of a multi-node run: only this node's ranks (node 0 runs the kernel, gets the weights)."""
     nodes = request.launch.nodes
 
-    def on_start(job) -> None:  # noqa: ANN001
+    def on_start(job: Job) -> None:
         say(f"nbddp: node {nodes.rank} of {nodes.count}: {describe(job.spec)}")
         if started is not None:
             started(job)
@@ -172,7 +159,7 @@ def _other_node(request: orchestrator.RunRequest, sinks: list[Sink], say: Callab
     return result
 
 
-def write_notebook(nb, path: Path) -> None:  # noqa: ANN001
+def write_notebook(nb: NotebookNode, path: Path) -> None:
     """Write atomically: a kill mid-write leaves the previous save."""
     import nbformat
 

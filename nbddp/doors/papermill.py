@@ -43,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, TextIO
 
 import click
 import papermill.iorw
@@ -66,6 +66,14 @@ from nbddp.notebook.script import Script, generate
 from nbddp.contracts.freevars import check_defined
 from nbddp.plan.options import PAPERMILL, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
+if TYPE_CHECKING:
+    import logging
+
+    from nbformat import NotebookNode
+    from papermill.engines import NotebookExecutionManager
+
+    from nbddp.job.lifecycle import Job
+
 OPTIONS_VARIABLE = "NBDDP_OPTIONS"
 
 
@@ -82,11 +90,11 @@ class NbddpEngineError(PapermillException, click.ClickException):
     def __str__(self) -> str:
         return self.message
 
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+    def show(self, file: IO[Any] | None = None) -> None:
         """As ``nbddp run`` says a refusal."""
         click.echo(f"nbddp: error: {self.message}", file=file or sys.stderr)
 
-    def __reduce__(self):  # noqa: ANN204 - pickles as its message, as the other nbddp errors do
+    def __reduce__(self) -> tuple[Any, ...]:  # pickles as its message, as the other nbddp errors do
         return type(self), (self.message,)
 
 
@@ -104,7 +112,7 @@ def _read_parameters_directive() -> None:
         return
 
     @functools.wraps(original)
-    def load_notebook_node(notebook_path):  # noqa: ANN001, ANN202 - papermill's signature
+    def load_notebook_node(notebook_path: str) -> NotebookNode:
         nb = original(notebook_path)
         tag_parameters_directive(nb)
         return nb
@@ -117,7 +125,7 @@ def _read_parameters_directive() -> None:
             module.load_notebook_node = load_notebook_node
 
 
-def tag_parameters_directive(nb) -> None:  # noqa: ANN001
+def tag_parameters_directive(nb: NotebookNode) -> None:
     """Tag the first ``#| parameters`` cell ``parameters``, unless a cell already has the tag."""
     code_cells = [cell for cell in nb.cells if cell.get("cell_type") == "code"]
     if any(PARAMETERS in (cell.get("metadata", {}).get("tags") or ()) for cell in code_cells):
@@ -145,7 +153,7 @@ class NbddpEngine(Engine):
     """papermill's engine, with the ``ddp-train`` cells run as a DDP job."""
 
     @classmethod
-    def execute_notebook(cls, nb, kernel_name, **kwargs: Any):  # noqa: ANN001, ANN206 - papermill's signature
+    def execute_notebook(cls, nb: NotebookNode, kernel_name: str, **kwargs: Any) -> NotebookNode:
         """Check everything first (a refusal writes nothing), then let papermill run the notebook."""
         notebook = from_nbformat(nb, _notebook_name(kwargs.get("input_path")))
         try:
@@ -165,9 +173,10 @@ class NbddpEngine(Engine):
         return super().execute_notebook(nb, kernel_name, nbddp_plan=plan, **kwargs)
 
     @classmethod
-    def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False, stdout_file=None,  # noqa: ANN001, ANN206
-                                 stderr_file=None, start_timeout=60, execution_timeout=None,
-                                 nbddp_plan: _Plan | None = None, **kwargs: Any):
+    def execute_managed_notebook(cls, nb_man: NotebookExecutionManager, kernel_name: str, log_output: bool = False,
+                                 stdout_file: TextIO | None = None, stderr_file: TextIO | None = None,
+                                 start_timeout: float = 60, execution_timeout: float | None = None,
+                                 nbddp_plan: _Plan | None = None, **kwargs: Any) -> NotebookNode:
         plan = nbddp_plan or _plan(nb_man.nb, kwargs.get("input_path"))
         kwargs.pop("input_path", None)
         timeout = execution_timeout or kwargs.pop("timeout", None)
@@ -177,7 +186,7 @@ class NbddpEngine(Engine):
                                  dict(kwargs, kernel_name=kernel_name, startup_timeout=start_timeout,
                                       log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file))
 
-        def on_start(job) -> None:  # noqa: ANN001
+        def on_start(job: Job) -> None:
             collector.run_dir = job.run_dir
             _say(describe(job.spec))
 
@@ -205,7 +214,7 @@ class _Client(TrainingCells, PapermillNotebookClient):
 class PapermillKernel(NotebookKernel):
     """The notebook's cells in papermill's client, beside the job."""
 
-    def __init__(self, nb_man, notebook: Notebook, collector: NotebookOutputSink,  # noqa: ANN001
+    def __init__(self, nb_man: NotebookExecutionManager, notebook: Notebook, collector: NotebookOutputSink,
                  training: tuple[int, ...], timeout: float | None, client_options: dict[str, Any]) -> None:
         numbers = list(range(1, len(nb_man.nb.cells) + 1))  # papermill's notebook: its cells, as they are
         super().__init__(nb_man.nb, numbers, notebook, Path.cwd(), collector, [collector], training)
@@ -238,7 +247,7 @@ class PapermillKernel(NotebookKernel):
             return None, None
         return time.monotonic() + self.timeout, f"papermill's --execution-timeout ({self.timeout:g}s)"
 
-    def on_training_start(self, cell, index: int) -> None:  # noqa: ANN001
+    def on_training_start(self, cell: NotebookNode, index: int) -> None:
         self.nb_man.save()
 
 
@@ -249,7 +258,7 @@ def options_parser() -> ArgumentParser:
     return parser
 
 
-def _plan(nb, input_path: Any) -> _Plan:  # noqa: ANN001
+def _plan(nb: NotebookNode, input_path: Any) -> _Plan:
     """The DDP run of papermill's parameterized notebook, checked: its options, names and script.
 
     Raises:
@@ -305,7 +314,7 @@ def _without_help_hint(message: str) -> str:
     return message.replace(f" See {OPTIONS_VARIABLE} --help.", "").rstrip()
 
 
-def _logger():  # noqa: ANN202
+def _logger() -> logging.Logger:
     from papermill.log import logger
 
     return logger

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import ast
 from importlib import import_module
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from nbddp.engines.reading import facts, imported_packages, name_of, parse
-from nbddp.engines.record import CodeCell, CodeRequest, Engine, EngineCode  # noqa: F401 - the engines' face
+from nbddp.engines.record import CodeCell, CodeRequest, Engine, EngineCode  # (the engines' face)
 
 #: Every engine, by name: ``module:attribute`` of its record, loaded on first use. Detection asks them in this
 #: order (``torch``, which no notebook calls for by name, answers when none of the others does).
@@ -111,8 +111,9 @@ def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
     running code (not a ``def`` body) calls Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``),
     a Lightning ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, or torch's
     ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP tutorial's
-    ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer`` was assigned a Trainer
-    (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)`` don't.
+    ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer``
+    was assigned a Trainer (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)``
+    don't.
 
     ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns the index of that
     cell in ``codes`` and the call as the user wrote it (``trainer.fit``, ``notebook_launcher``), or ``None``.
@@ -128,7 +129,8 @@ def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 trainers.update({t.id: name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
         if "torch" in imported and tree is not None:
-            spawners |= {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            spawners |= {node.name for node in ast.walk(tree)
+                         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                          and any(_spawns_ranks(sub) for sub in ast.walk(node))}
         for call in calls:
             name = name_of(call.func)
@@ -151,7 +153,7 @@ def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
     return None
 
 
-def _running_nodes(tree: ast.AST):  # noqa: ANN202 - yields ast nodes
+def _running_nodes(tree: ast.AST) -> Iterator[ast.AST]:
     """The nodes of ``tree`` that run with it, in source order: not inside a ``def`` or ``lambda`` body."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
@@ -200,7 +202,8 @@ def processes_asked(cells: Sequence[ExportedCell], name: str) -> int | None:
 
 
 def _spawns_ranks(node: ast.AST) -> bool:
-    """``mp.spawn(...)`` / ``start_processes(...)`` of torch.multiprocessing: PyTorch's DDP tutorial starting its ranks."""
+    """``mp.spawn(...)`` / ``start_processes(...)`` of torch.multiprocessing: PyTorch's DDP tutorial starting its
+    ranks."""
     return (isinstance(node, ast.Call) and name_of(node.func) in _SPAWN_COUNT[0] and _is_torch_spawn(node.func))
 
 

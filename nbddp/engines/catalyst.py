@@ -38,8 +38,8 @@ def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
         train_epilogue=(
             f"_nbddp.finish(globals(), returns={list(returns)!r})",
         ),
-        launch_hint=f"python {shlex.quote(script_name)}  (Catalyst spawns one process per GPU, or {CPU_PROCESSES} CPU processes "
-                    f"without one; {RankEnv.shell(nproc='N')} chooses)",
+        launch_hint=f"python {shlex.quote(script_name)}  (Catalyst spawns one process per GPU, or {CPU_PROCESSES} "
+                    f"CPU processes without one; {RankEnv.shell(nproc='N')} chooses)",
         notes=("Catalyst's own logs and checkpoints go to the runner's logdir, relative to the folder it is "
                "launched from.",),
     )

@@ -12,6 +12,8 @@ in the rank, the fork strategy becomes the matching torchrun one, and the librar
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from nbddp.engines.record import CellFacts, CodeRequest, Engine, EngineCode
 from nbddp.engines.torch import default_hint
 
@@ -56,8 +58,8 @@ def code(engine: str, packages: tuple[str, ...], returns: tuple[str, ...], scrip
     )
 
 
-def _library(name: str, packages: tuple[str, ...], trains_with, detected_by: str, shard_instead: str,  # noqa: ANN001
-             **more) -> Engine:  # noqa: ANN003 - Engine's other fields
+def _library(name: str, packages: tuple[str, ...], trains_with: Callable[[CellFacts], bool], detected_by: str,
+             shard_instead: str, **more: Any) -> Engine:  # (more: Engine's other fields)
     def library_code(request: CodeRequest) -> EngineCode:
         return code(name, request.packages or packages[:1], request.returns, request.script_name)
 

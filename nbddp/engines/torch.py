@@ -8,7 +8,7 @@ plain ``python train.py``.
 :func:`torchrun_options` is the one place torchrun's command line is written. The torchrun launcher's
 argv (:mod:`nbddp.launchers.torchrun`), the line a Slurm job's tasks run (:mod:`nbddp.launchers.slurm`),
 a warm pool's ranks and the command an exported script's header tells a person to type (here, and
-:mod:`nbddp.doors.export`) are renderings of it, so they can't disagree about nodes, rendezvous or
+:mod:`nbddp.launchers.by_hand`) are renderings of it, so they can't disagree about nodes, rendezvous or
 timeouts (a test parses them with torchrun's own argument parser). It lives with the engine, below
 the launchers, because the script's header needs it before any launcher is chosen.
 """

@@ -14,10 +14,13 @@ import builtins
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from nbddp.contracts.debug_channel import POLL_SECONDS, DebugChannel, channels_under
-from nbddp.launchers.process_groups import process_alive
+from nbddp.contracts.process_groups import process_alive
+
+if TYPE_CHECKING:
+    from nbddp.launchers.warm.pool import WarmPool
 
 #: How each session starts: what the rank is, and what to type.
 HELP = "p EXPR / pp EXPR print, up / down, l list, where, c go on, q quit"
@@ -28,7 +31,8 @@ class Console:
     """How a door talks to a person: ``ask(prompt)`` reads one line (``EOFError``: nobody will answer),
     ``show(text)`` writes text as it comes."""
 
-    ask: Callable[[str], str] = lambda prompt: builtins.input(prompt)  # (ipykernel replaces it per cell: looked up then)
+    # (ipykernel replaces builtins.input per cell: looked up when asked)
+    ask: Callable[[str], str] = lambda prompt: builtins.input(prompt)
     show: Callable[[str], None] = lambda text: print(text, end="", flush=True)
 
 
@@ -112,13 +116,16 @@ def _read(channel: DebugChannel, start: int, end: int | str | None) -> tuple[str
     return data.decode("utf-8", "replace"), start + len(data)
 
 
-def post_mortem(pool, rank: int, console: Console) -> None:  # noqa: ANN001 - a WarmPool
+def post_mortem(pool: WarmPool, rank: int, console: Console) -> None:
     """``%ddp_debug``: hand the warm ranks a post-mortem of ``rank``'s kept failure and relay its session; returns
     once the rank has left it (``q`` or ``c``). ``KeyboardInterrupt`` (the cell stopped) ends the session, and
     the job, first."""
     run, folder = pool.submit_post_mortem(rank)
     sessions = Relayed(folder)
-    running = lambda: run.poll() is None  # noqa: E731
+
+    def running() -> bool:
+        return run.poll() is None
+
     try:
         while running():
             relay_open(sessions, console, running, others_wait=False)

@@ -24,7 +24,7 @@ from nbddp.contracts.errors import UsageError
 from nbddp.launchers import launcher_for
 from nbddp.launchers.base import Launch, Launcher
 from nbddp.job.outcome import PEER_GONE, Evidence, JobOutcome, Status, judge
-from nbddp.launchers.process_groups import process_alive
+from nbddp.contracts.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.metrics import last_metrics
@@ -240,7 +240,8 @@ class Job:
             deadline_name=self.deadline_name,
             stopped_by=self.launch.stopped_by, early_exit=self.early_exit,
             collective_timeout=self.collective_timeout, nproc=self._local_ranks(), first_rank=self._first_rank(),
-            checkpoint_expected=bool(self.script.returns) and (self.spec.launch.nodes is None or self.spec.launch.nodes.rank == 0),
+            checkpoint_expected=(bool(self.script.returns)
+                                 and (self.spec.launch.nodes is None or self.spec.launch.nodes.rank == 0)),
             final_metrics=last_metrics(self.paths), rendezvous_failure=seen.rendezvous_failure,
             scheduler_end=seen.scheduler_end, warm=self.spec.pool is not None,
         )
@@ -248,7 +249,8 @@ class Job:
             self.early_exit = self._rank_ended_early(despite_errors=True, live=False)
             evidence = replace(evidence, early_exit=self.early_exit)
             if self.early_exit is None and self.spec.launch.nodes is not None:
-                evidence = replace(evidence, node_gone=node_gone(self.paths.roster(), self.spec.launch.nodes.rank, errors[0].message))
+                evidence = replace(evidence, node_gone=node_gone(self.paths.roster(), self.spec.launch.nodes.rank,
+                                                                 errors[0].message))
         return evidence
 
     def _first_rank(self) -> int:
@@ -276,7 +278,7 @@ class Job:
     def __enter__(self) -> "Job":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.launch.poll() is None or self.launch.alive():
             self.launch.stop()
         registry.unregister(self.live)

@@ -101,6 +101,11 @@ class RunRequest:
     """What this door's user was told of the machine already (a kernel's: each line once per kernel, not in every
     cell); ``None``: a door that runs once says it every time."""
 
+    @property
+    def origin(self) -> str:
+        """Where the code came from, as ``result.json`` and the trackers name it (:attr:`source`, else the notebook)."""
+        return self.source or str(self.notebook)
+
 
 @dataclass
 class KernelResult:
@@ -115,12 +120,14 @@ class KernelResult:
     message: str = ""
     """Why a kernel cell failed (naming the notebook, the cell and the error)."""
     error: BaseException | None = None
-    """What to raise for it (a :class:`~nbddp.contracts.errors.CheckpointError`, a :class:`~nbddp.contracts.errors.RunFailed`)."""
+    """What to raise for it (a :class:`~nbddp.contracts.errors.CheckpointError`, a
+    :class:`~nbddp.contracts.errors.RunFailed`)."""
 
     @classmethod
     def failed(cls, message: str, status: Status = Status.FAILED, error: BaseException | None = None,
                **judged: Any) -> "KernelResult":
-        """``judged``: what is known of the exception (:data:`nbddp.contracts.errors.JUDGED`: ``exc_type``, ``cell``, ``line``…)."""
+        """``judged``: what is known of the exception (:data:`nbddp.contracts.errors.JUDGED`: ``exc_type``,
+        ``cell``, ``line``…)."""
         return cls(status=status, exit_code=status.exit_code, message=message,
                    error=error or (RunFailed(message, **judged) if status is Status.FAILED else None))
 
@@ -131,7 +138,7 @@ training cell); ``deadline``, a monotonic time that ``name`` names, may only sho
 
 
 class Kernel(Protocol):
-    """What runs beside the job and receives its weights."""
+    """What runs beside the job and receives its weights (a door's kernel subclasses it for the defaults)."""
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         """Run until done, calling ``train()`` once where the training belongs; ``deadline``: ``--timeout``."""
@@ -139,16 +146,23 @@ class Kernel(Protocol):
     def shares_records_later(self) -> bool:
         """Whether the kernel's cells before the training may open an experiment record (an MLflow run, …),
         which it then shares at its training cell, for rank 0 to write into (:mod:`nbddp.job.trackers`)."""
+        return False
+
+    def records_now(self, request: RunRequest) -> tuple[dict[str, str], list[str]]:
+        """``(variables for the ranks, what each names)``: the experiment records open as the run starts, for rank 0
+        to write into. A kernel in another process had them open as it asked for the run
+        (:attr:`RunRequest.kernel_records`; their store's credentials from this process's environment)."""
+        return trackers.own_credentials(request.kernel_records), []
 
 
-class InProcess:
+class InProcess(Kernel):
     """This process's own namespace receives the weights (``%%ddp_train``: the kernel it runs in)."""
 
     def __init__(self, namespace: dict[str, Any]) -> None:
         self.namespace = namespace
 
-    def shares_records_later(self) -> bool:
-        return False  # (its open records are this process's, read as the job starts)
+    def records_now(self, request: RunRequest) -> tuple[dict[str, str], list[str]]:
+        return trackers.open_records()  # (this process's own, read as the job starts)
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
         if train().status != Status.SUCCEEDED:
@@ -168,18 +182,18 @@ class InProcess:
             return KernelResult.failed(f"the trained weights could not be loaded: {exc}", error=exc)
 
 
-class NoKernel:
-    """No kernel: nodes 1 and up of a multi-node run (node 0's kernel receives the weights)."""
+class NoKernel(Kernel):
+    """No kernel: nodes 1 and up of a multi-node run (node 0's kernel receives the weights), or a detached
+    ``%%ddp_train``'s supervisor (its weights wait in the run dir for a kernel to attach)."""
 
-    def __init__(self, note: str = "") -> None:
+    def __init__(self, note: str = "", once_weights: bool = False) -> None:
         self.note = note
-
-    def shares_records_later(self) -> bool:
-        return False
+        self.once_weights = once_weights
+        """Say :attr:`note` only when the run succeeded and its weights are in the run dir."""
 
     def run(self, job: Job, train: Train, deadline: float | None) -> KernelResult:
-        train()
-        return KernelResult(note=self.note)
+        succeeded = train().status == Status.SUCCEEDED and job.checkpoint.exists()
+        return KernelResult(note=self.note if succeeded or not self.once_weights else "")
 
 
 @dataclass
@@ -248,76 +262,114 @@ def run(request: RunRequest, kernel: Kernel, sinks: Sequence[Sink], say: Say,
     Raises:
         UsageError, DeviceError: before anything starts (bad options, devices that aren't there).
     """
-    launch = request.launch
     started = time.monotonic()
+    devices = _devices(request, say)
+    pool = _warm_pool(request, devices, say)
+    spec, records = _job_spec(request, kernel, devices, pool, say)
+    trackers.start_tracking(spec, request.parameters, request.origin,
+                            asked_trackers(request.launch) if request.tracked else (), records,
+                            request.tracked and kernel.shares_records_later(), versions()["torch"], request.tracked)
+    following = _Following(request, sinks, heartbeat)
+    result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)
+    try:
+        with Job.start(spec) as following.job:
+            following.beside(kernel, result, on_start)
+            _conclude(result, following.trained, warm=pool is not None)
+            result.seconds = time.monotonic() - started
+            result.record = _record(following.job, request, result)
+    except Exception as exc:  # nbddp itself broke: record it, then let it be seen
+        if following.job is not None and result.record is None:
+            following.job.record(Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None, request.parameters,
+                                 request.origin, request.overrides, request.command)
+        _warm_after_run(request, pool, Status.FAILED)
+        raise
+    _warm_after_run(request, pool, result.status)
+    return result
+
+
+def _devices(request: RunRequest, say: Say) -> Devices:
+    """The run's devices, once what was chosen and what the user must know of the machine is said."""
     if request.script.note:
         say(request.script.note)  # no cell is marked: which cells nbddp chose
     for notice in request.script.notices:
         say(notice)
     ours = request.warm.held_gpus() if request.warm is not None else ()
-    devices = devices_for(launch, asked=request.script.processes, say=say, ours=ours)
-    for note in _news([devices.note] if devices.note else [], request.said) + topology_notes(launch):
+    devices = devices_for(request.launch, asked=request.script.processes, say=say, ours=ours)
+    for note in _news([devices.note] if devices.note else [], request.said) + topology_notes(request.launch):
         say(note)
-    pool = _warm_pool(request, devices, say)
-    asked = asked_trackers(launch) if request.tracked else ()
-    records, names = (({}, []) if not request.tracked else trackers.open_records() if isinstance(kernel, InProcess)
-                      else (trackers.own_credentials(request.kernel_records), []))
+    return devices
+
+
+def _console(request: RunRequest) -> Console | None:
+    """Where a rank's debugger is relayed: from this machine's run dir only. Ranks on other machines (Slurm, Ray,
+    ``--nnodes``) skip their breakpoints, as a run nobody can type into does."""
+    launch = request.launch
+    return None if launch.slurm or launch.ray or launch.nodes is not None else request.console
+
+
+def _job_spec(request: RunRequest, kernel: Kernel, devices: Devices, pool: WarmHandle | None,
+              say: Say) -> tuple[JobSpec, dict[str, str]]:
+    """The job's spec (its run dir made) and the experiment records open as it starts (rank 0 writes into them)."""
+    records, names = kernel.records_now(request) if request.tracked else ({}, [])
     if names:
         say(trackers.start_line(names))
-    # A rank's debugger is relayed from this machine's run dir: ranks on other machines (Slurm, Ray, --nnodes) skip
-    # their breakpoints, as a run nobody can type into does.
-    console = None if launch.slurm or launch.ray or launch.nodes is not None else request.console
-    spec = JobSpec(request.script, devices, create_run_dir(request.notebook, launch.run_dir, say), request.cwd,
-                   launch=launch, owner=request.owner, pool=pool,
-                   environment={**trackers.rank_variables(records), **RankEnv(
-                       debugger=console is not None,
-                       debug_on_failure=request.debug_on_failure and console is not None).variables()})
-    trackers.start_tracking(spec, request.parameters, request.source or str(request.notebook), asked, records,
-                            request.tracked and kernel.shares_records_later(), versions()["torch"], request.tracked)
-    deadline = time.monotonic() + launch.timeout if launch.timeout else None
-    judged: list[JobOutcome] = []
-    result = RunResult(Status.FAILED, Status.FAILED.exit_code, spec.run_dir.path)
-    job: Job | None = None
+    console = _console(request)
+    ranks = RankEnv(debugger=console is not None, debug_on_failure=request.debug_on_failure and console is not None)
+    spec = JobSpec(request.script, devices, create_run_dir(request.notebook, request.launch.run_dir, say), request.cwd,
+                   launch=request.launch, owner=request.owner, pool=pool,
+                   environment={**trackers.rank_variables(records), **ranks.variables()})
+    return spec, records
 
-    def train(own_deadline: float | None = None, name: str | None = None) -> JobOutcome:
-        limit, limit_name = deadline, "--timeout"
+
+class _Following:
+    """The job as the kernel beside it meets it: :meth:`train` follows and judges it where the training belongs."""
+
+    def __init__(self, request: RunRequest, sinks: Sequence[Sink], heartbeat: Callable[[], Any] | None) -> None:
+        self.request, self.sinks, self.heartbeat = request, sinks, heartbeat
+        self.console = _console(request)
+        timeout = request.launch.timeout
+        self.deadline = time.monotonic() + timeout if timeout else None
+        self.judged: list[JobOutcome] = []
+        self.job: Job | None = None
+
+    @property
+    def trained(self) -> bool:
+        """Whether the kernel got to its training cell (the job was followed and judged there)."""
+        return bool(self.judged)
+
+    def train(self, own_deadline: float | None = None, name: str | None = None) -> JobOutcome:
+        """Follow the job until it ends and judge it; ``own_deadline`` (named ``name``) may only come sooner."""
+        limit, limit_name = self.deadline, "--timeout"
         if own_deadline is not None and (limit is None or own_deadline < limit):
             limit, limit_name = own_deadline, name or limit_name
-        judged.append(job.wait(sinks, limit, launch.idle_timeout, heartbeat, deadline_name=limit_name,
-                               console=console))
-        return judged[-1]  # (every rank was stopped first, however it ended)
+        self.judged.append(self.job.wait(self.sinks, limit, self.request.launch.idle_timeout, self.heartbeat,
+                                         deadline_name=limit_name, console=self.console))
+        return self.judged[-1]  # (every rank was stopped first, however it ended)
 
-    try:
-        with Job.start(spec) as job:
-            try:
-                if on_start is not None:  # (a Ctrl-C or nbddp kill landing here is an interruption too)
-                    on_start(job)
-                result.kernel = kernel.run(job, train, deadline)
-                if not request.script.returns and not result.kernel.note:  # (nothing to load: say why)
-                    result.kernel = replace(result.kernel, note=request.script.returns_note)
-            except (KeyboardInterrupt, SignalReceived) as exc:
-                result.interrupted_by = stop_signal(exc)
-            trained = bool(judged)
-            if not trained:  # interrupted, or the kernel stopped before the training
-                job.stop()
-                judged.append(job.outcome(timed_out=result.kernel.status == Status.TIMEOUT,
-                                          interrupted_by=result.interrupted_by))
-            result.outcome = judged[-1]
-            _conclude(result, trained, warm=pool is not None)
-            result.seconds = time.monotonic() - started
-            error = result.error()
-            result.record = job.record(result.status, result.exit_code, result.message, result.outcome,
-                                       request.parameters, request.source or str(request.notebook),
-                                       overrides=request.overrides, command=request.command,
-                                       failure=error.judged() if isinstance(error, RunError) else None)
-    except Exception as exc:  # nbddp itself broke: record it, then let it be seen
-        if job is not None and result.record is None:
-            job.record(Status.FAILED, 1, f"{type(exc).__name__}: {exc}", None, request.parameters,
-                       request.source or str(request.notebook), request.overrides, request.command)
-        _warm_after_run(request, pool, Status.FAILED)
-        raise
-    _warm_after_run(request, pool, result.status)
-    return result
+    def beside(self, kernel: Kernel, result: RunResult, on_start: Callable[[Job], Any] | None) -> None:
+        """Run ``kernel`` beside the started job, into ``result``: what the kernel loaded, the judged outcome, and
+        the interruption that ended it early, if one did (the job stopped and judged then)."""
+        try:
+            if on_start is not None:  # (a Ctrl-C or nbddp kill landing here is an interruption too)
+                on_start(self.job)
+            result.kernel = kernel.run(self.job, self.train, self.deadline)
+            if not self.request.script.returns and not result.kernel.note:  # (nothing to load: say why)
+                result.kernel = replace(result.kernel, note=self.request.script.returns_note)
+        except (KeyboardInterrupt, SignalReceived) as exc:
+            result.interrupted_by = stop_signal(exc)
+        if not self.trained:  # interrupted, or the kernel stopped before the training
+            self.job.stop()
+            self.judged.append(self.job.outcome(timed_out=result.kernel.status == Status.TIMEOUT,
+                                                interrupted_by=result.interrupted_by))
+        result.outcome = self.judged[-1]
+
+
+def _record(job: Job, request: RunRequest, result: RunResult) -> RunRecord:
+    """The run's ``result.json``, with what judged it when it failed."""
+    error = result.error()
+    return job.record(result.status, result.exit_code, result.message, result.outcome, request.parameters,
+                      request.origin, overrides=request.overrides, command=request.command,
+                      failure=error.judged() if isinstance(error, RunError) else None)
 
 
 def _news(facts: list[str], said: set[str] | None) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 from nbddp.job.record import RankError, describe_exit
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status, signal_exit_code
-from nbddp.contracts.errors import see
+from nbddp.contracts.errors import RunError, see
 
 #: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
 _COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
@@ -98,7 +98,8 @@ class Evidence:
 
 
 def stopped(warm: bool) -> str:
-    """What a stop did to the ranks: a fresh run's end with it; warm ranks only leave the job (and wait for the next)."""
+    """What a stop did to the ranks: a fresh run's end with it; warm ranks only leave the job (and wait for the
+    next)."""
     return "every rank's job was stopped" if warm else "every rank was stopped"
 
 
@@ -206,7 +207,7 @@ def death_message(e: Evidence, rank: int, exit_code: int) -> str:
             f"teardown, not in the training. {kept}Its last output is in {log}.")
 
 
-def run_error(outcome: JobOutcome, run_dir: RunDir):  # noqa: ANN201 - an nbddp.contracts.errors.RunError
+def run_error(outcome: JobOutcome, run_dir: RunDir) -> RunError:
     """The exception for an outcome that isn't success, carrying what was judged."""
     from nbddp.contracts.errors import error_for
 

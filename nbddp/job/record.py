@@ -72,7 +72,8 @@ def rank_errors(run_dir: RunDir, source_map: SourceMap) -> list[RankError]:
                     break
         errors.append(RankError(
             rank=data["rank"], type=data["type"], message=data["message"], cell=cell, line=line,
-            location=location, source_line=source_line, attempt=int(data.get("attempt", 0)), traceback=source_map.translate_traceback(data.get("traceback", "")),
+            location=location, source_line=source_line, attempt=int(data.get("attempt", 0)),
+            traceback=source_map.translate_traceback(data.get("traceback", "")),
             time=data.get("time", 0.0),
         ))
     return sorted(errors, key=lambda e: e.time)
@@ -164,7 +165,8 @@ def record_job(spec: "JobSpec", launcher: "Launcher", started_at: float, status:
     record = RunRecord(
         status=str(Status(status)), exit_code=exit_code, notebook=notebook, engine=spec.script.engine,
         devices={"kind": spec.devices.kind, "nproc": spec.devices.nproc}, world_size=spec.world_size,
-        parameters=dict(parameters), started_at=started_at, ended_at=ended_at, wall_time_s=round(ended_at - started_at, 3),
+        parameters=dict(parameters), started_at=started_at, ended_at=ended_at,
+        wall_time_s=round(ended_at - started_at, 3),
         rank_exit_codes={str(k): v for k, v in rank_exit_codes.items()},
         final_metrics=last_metrics(paths) if final_metrics is None else final_metrics,
         restarts=paths.restarts(), checkpoint=str(paths.weights) if paths.weights.exists() else None,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nbddp.contracts.atomic import write_json
 from nbddp.contracts.errors import UsageError
-from nbddp.launchers.process_groups import RECORD_SECONDS, STOP_GRACE, group_alive, process_alive, stop_groups
+from nbddp.contracts.process_groups import RECORD_SECONDS, STOP_GRACE, group_alive, process_alive, stop_groups
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.owned import touch
 
@@ -68,7 +68,8 @@ class LiveRun:
         """Some process of the job's group still runs, and the group is still the job's: a pid (and so a group
         id) is reused once its process and group are gone, and a group whose leader is a process started since
         belongs to someone else."""
-        return group_alive(self.pgid) and (not process_alive(self.pgid) or _same_process(self.pgid, self.leader_created))
+        return group_alive(self.pgid) and (not process_alive(self.pgid)
+                                           or _same_process(self.pgid, self.leader_created))
 
 
 def _same_process(pid: int, created: float) -> bool:
@@ -144,7 +145,7 @@ def find(which: str) -> LiveRun:
 
 def kill(run: LiveRun) -> bool:
     """End a run: ask its owner to stop it (recorded as interrupted), giving it its launcher's stop grace and
-    :data:`~nbddp.launchers.process_groups.RECORD_SECONDS`, else stop its processes.
+    :data:`~nbddp.contracts.process_groups.RECORD_SECONDS`, else stop its processes.
 
     Returns True when nothing of the run is left.
     """

@@ -89,7 +89,8 @@ def public(variables: dict[str, str]) -> dict[str, str]:
 
 def own_credentials(variables: dict[str, str]) -> dict[str, str]:
     """:func:`public`'s variables with a store's credentials back, from this process's own environment."""
-    return {name: with_credentials(value, name) if name.endswith("_URI") else value for name, value in variables.items()}
+    return {name: with_credentials(value, name) if name.endswith("_URI") else value
+            for name, value in variables.items()}
 
 
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def share_open_records(path: str) -> None:
     trackers can't be read shares none."""
     try:
         variables, names = open_records()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a kernel whose trackers can't be read shares none
         variables, names = {}, []
     write_json(Path(path), {"variables": public(variables), "names": names})
 

@@ -17,12 +17,19 @@ The launchers, chosen in one place (:func:`launcher_for`) by name:
   of the above;
 * ``ray`` (:class:`~nbddp.launchers.ray.Ray`): the ranks on a Ray cluster's workers, one Ray actor
   per rank running the script as torchrun would;
-* ``warm`` (:class:`~nbddp.launchers.warm.WarmRanks`): ranks already running (a warm pool), handed
+* ``warm`` (:class:`~nbddp.launchers.warm.launcher.WarmRanks`): ranks already running (a warm pool), handed
   the job's script.
 
 Another package may register a launcher class under one of these names (or a new one) through
 the ``nbddp.launchers`` entry point group; it replaces the built-in one of that name. The tests
 use this to watch every front door's runs go through the seam.
+
+This module is the launchers' one face to the doors: what a door needs of warm ranks (a kernel's
+:class:`~nbddp.launchers.warm.keepers.KernelPool`, a batch's :class:`~nbddp.launchers.warm.keepers.BatchSlots`
+and each of its runs' :func:`~nbddp.launchers.warm.keepers.batch_slot`,
+:func:`~nbddp.launchers.warm.rules.why_not_warm`)
+and of an exported script's launch by hand (:func:`~nbddp.launchers.by_hand.export_launch`) is named here, loaded
+when first asked for (:data:`FACE`), so that importing this module starts nothing.
 """
 
 from __future__ import annotations
@@ -33,13 +40,29 @@ from typing import TYPE_CHECKING, Callable
 from nbddp.contracts.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
-from nbddp.launchers.process_groups import RECORD_SECONDS
+from nbddp.contracts.process_groups import RECORD_SECONDS
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec
     from nbddp.plan.options import LaunchOptions
 
 ENTRY_POINTS = "nbddp.launchers"
+#: What the doors may ask of the launchers beyond this module's own functions: name → the module that holds it.
+FACE = {
+    "KernelPool": "nbddp.launchers.warm.keepers",
+    "BatchSlots": "nbddp.launchers.warm.keepers",
+    "batch_slot": "nbddp.launchers.warm.keepers",
+    "why_not_warm": "nbddp.launchers.warm.rules",
+    "export_launch": "nbddp.launchers.by_hand",
+    "ExportPlan": "nbddp.launchers.by_hand",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in FACE:
+        return getattr(import_module(FACE[name]), name)
+    raise AttributeError(f"module 'nbddp.launchers' has no attribute {name!r}")
+
 BUILTIN = {
     "direct": "nbddp.launchers.direct:Direct",
     "torchrun": "nbddp.launchers.torchrun:Torchrun",
@@ -98,8 +121,10 @@ def cluster_launcher_name(launch: "LaunchOptions") -> str | None:
     return None
 
 
+#: The launchers whose jobs run on a cluster's machines (:func:`cluster_launcher_name`).
+CLUSTER_LAUNCHERS = ("slurm", "ray")
 #: Launchers that may run a job on this machine, one of them picked per job by :func:`launcher_name`.
-LOCAL_LAUNCHERS = ("direct", "torchrun", "catalyst-spawn", "warm")
+LOCAL_LAUNCHERS = tuple(name for name in BUILTIN if name not in CLUSTER_LAUNCHERS)
 
 
 def run_stop_grace(launch: "LaunchOptions") -> float:

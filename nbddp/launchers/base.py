@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from nbddp.contracts.devices import Devices
 from nbddp.contracts.rundir import RunDir
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
-from nbddp.launchers.process_groups import STOP_GRACE
+from nbddp.contracts.process_groups import STOP_GRACE
 
 if TYPE_CHECKING:
     from nbddp.plan.job_spec import JobSpec

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp.contracts.devices import Devices
 from nbddp.launchers import private_rendezvous
@@ -20,6 +21,9 @@ from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.interpreter import program_argv
+
+if TYPE_CHECKING:
+    from nbddp.plan.job_spec import JobSpec
 
 _FAILURE = re.compile(r"process (\d+) terminated with (?:exit code (-?\d+)|signal (SIG\w+))", re.I)
 _RAISED = re.compile(r"-- Process (\d+) terminated with the following error")
@@ -34,7 +38,7 @@ class CatalystSpawn(Launcher):
         self.first_rank = 0
 
     @classmethod
-    def for_job(cls, spec) -> "CatalystSpawn":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+    def for_job(cls, spec: JobSpec) -> "CatalystSpawn":
         return cls(spec.launch.nodes, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,

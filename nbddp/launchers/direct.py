@@ -47,6 +47,7 @@ class Direct(Launcher):
         its log (the ranks' output before they open their own logs)."""
         seen = read_json(self.launch_report(run_dir))
         seen = seen if isinstance(seen, dict) else {}
-        return LaunchReport(rank_exit_codes={int(rank): int(code) for rank, code in (seen.get("exit_codes") or {}).items()},
+        return LaunchReport(rank_exit_codes={int(rank): int(code)
+                                             for rank, code in (seen.get("exit_codes") or {}).items()},
                             root_cause=seen.get("root_cause"),
                             tail="\n".join(self.report(run_dir).splitlines()[-TAIL_LINES:]))

@@ -31,7 +31,7 @@ from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import LOOPBACK, torchrun_variables
 from nbddp.contracts.status import signal_exit_code
 from nbddp.launchers import forked_rank
-from nbddp.launchers.process_groups import STOP_GRACE
+from nbddp.contracts.process_groups import STOP_GRACE
 from nbddp.contracts.ports import free_port
 from nbddp.contracts.rank_env import threads_per_rank
 from nbddp.rank_side.parent_death import launching_ranks
@@ -47,8 +47,8 @@ class Ranks:
         port = free_port(LOOPBACK)  # nothing listens on it (the ranks meet in files): for libraries that read it
         forked_rank.preload(threads_per_rank(nproc), forked_rank.RANK_IMPORTS)
         base = dict(os.environ)
-        self.procs = [forked_rank.start(program, {**base, **torchrun_variables(rank, rank, nproc, master=(LOOPBACK, port),
-                                                                               run_id=f"nbddp-{os.getpid()}")})
+        self.procs = [forked_rank.start(program, {**base, **torchrun_variables(
+                          rank, rank, nproc, master=(LOOPBACK, port), run_id=f"nbddp-{os.getpid()}")})
                       for rank in range(nproc)]
         self.codes: dict[int, int] = {}
         self.root_cause: int | None = None

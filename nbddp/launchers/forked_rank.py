@@ -64,7 +64,7 @@ def preload(threads: str, modules: Sequence[str] = ()) -> None:
     if not FORKS:
         return
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401 - imported for its effect: once here, before the ranks fork
     except Exception:  # noqa: BLE001 - not installed, or broken (a CUDA library): each rank says so, as it would
         return
     for module in modules:
@@ -189,7 +189,7 @@ def _run_main(program: list[str]) -> None:
     sys.modules["__main__"] = main
     with io.open_code(script) as source:
         code = compile(source.read(), script, "exec", dont_inherit=True)  # (not this module's __future__ flags)
-    exec(code, main.__dict__)
+    exec(code, main.__dict__)  # noqa: S102 - the rank's program, run as the interpreter runs a script
 
 
 def _from_the_program(frames: types.TracebackType | None) -> types.TracebackType | None:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.launchers.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
+from nbddp.contracts.process_groups import STOP_GRACE, group_alive, process_alive, stop_groups
 from nbddp.contracts.interpreter import module_argv
 
 
@@ -87,7 +86,7 @@ class LocalProcess:
     def __enter__(self) -> "LocalProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.poll() is None or self.alive():
             self.stop()
 

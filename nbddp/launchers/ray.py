@@ -20,6 +20,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp.contracts.atomic import read_json
 from nbddp.contracts.devices import CPU_PROCESSES, Devices, asked_per_node
@@ -29,6 +30,9 @@ from nbddp.launchers.base import Launcher
 from nbddp.contracts.rundir import RunDir
 from nbddp.plan.options import RayRequest, ray_refusal
 from nbddp.contracts.interpreter import module_argv
+
+if TYPE_CHECKING:
+    from nbddp.plan.job_spec import JobSpec
 
 _EXIT = re.compile(r"^ray: rank (\d+) exitcode (-?\d+)$", re.MULTILINE)
 #: Seconds a rank has to end after SIGTERM before its actor SIGKILLs it.
@@ -61,7 +65,7 @@ class Ray(Launcher):
         self.request, self.start_timeout = request, start_timeout
 
     @classmethod
-    def for_job(cls, spec) -> "Ray":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+    def for_job(cls, spec: JobSpec) -> "Ray":
         return cls(spec.script.engine, spec.launch.ray, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,

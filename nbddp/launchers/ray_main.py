@@ -37,7 +37,7 @@ from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import torchrun_variables
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import signal_exit_code
-from nbddp.launchers.process_groups import stop_groups
+from nbddp.contracts.process_groups import stop_groups
 from nbddp.launchers.ray import CLUSTER_FAILED, FORWARDED, RANK_GRACE
 from nbddp.plan.options import RAY_AUTO, RayRequest
 from nbddp.contracts.rank_env import threads_per_rank
@@ -86,7 +86,8 @@ class RankActor:
                 if self.stopped:
                     return -signal.SIGTERM
                 self.proc = subprocess.Popen(
-                    module_argv("nbddp.rank_side.parent_death", str(os.getpid()), "--", *program_argv(argv)), env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
+                    module_argv("nbddp.rank_side.parent_death", str(os.getpid()), "--", *program_argv(argv)),
+                    env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, start_new_session=True)
         finally:
             os.close(fd)
         return self.proc.wait()

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp._version import __version__
 from nbddp.contracts.atomic import read_json
@@ -32,6 +33,9 @@ from nbddp.plan.options import SlurmRequest
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.interpreter import has_safe_path, module_argv
+
+if TYPE_CHECKING:
+    from nbddp.plan.job_spec import JobSpec
 
 #: Final states in which Slurm, not the training, ended the job; what each means for the user.
 SCHEDULER_ENDS = {
@@ -65,7 +69,8 @@ class Slurm(Launcher):
     exit_settle = 8.0  # the watcher polls Slurm every second; a cancelled job's ranks die first
     job_record = "slurm_job"
 
-    def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float, saves_checkpoints: bool = False) -> None:
+    def __init__(self, engine: str, request: SlurmRequest, rdzv_timeout: float,
+                 saves_checkpoints: bool = False) -> None:
         """``saves_checkpoints``: the training code calls ``nbddp.save_checkpoint`` (the job requeues itself
         unless ``--no-requeue``).
 
@@ -81,7 +86,7 @@ class Slurm(Launcher):
         self.nproc = 1
 
     @classmethod
-    def for_job(cls, spec) -> "Slurm":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+    def for_job(cls, spec: JobSpec) -> "Slurm":
         return cls(spec.script.engine, spec.launch.slurm, spec.launch.rdzv_timeout, spec.script.saves_checkpoints)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,
@@ -142,21 +147,24 @@ class Slurm(Launcher):
             return None
         if state != "COMPLETED" and stopped_to_requeue(run_dir, int(job.get("restarts") or 0)) is not None:
             return (f"Slurm: job {job.get('job_id')} stopped at its checkpoint to be requeued, but it wasn't requeued "
-                    f"(Slurm said {state}; the batch shell's output is {run_dir.slurm_batch_log}); {_resume_hint(run_dir)}.")
+                    f"(Slurm said {state}; the batch shell's output is {run_dir.slurm_batch_log}); "
+                    f"{_resume_hint(run_dir)}.")
         if state in SCHEDULER_ENDS:
             said = "Slurm: " + SCHEDULER_ENDS[state].format(
                 id=job.get("job_id"), limit=job.get("time_limit") or "?", nodes=job.get("nodes") or "?")
             return said + (" " + self._why_not_requeued(run_dir) if state == "TIMEOUT" else "")
         written = [run_dir.slurm_batch_log, *run_dir.written_logs()]
         if state in FINAL_STATES and not any(path.exists() for path in written):
-            return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached the run "
-                    f"dir {run_dir}: the run dir must be on a filesystem the nodes share (give --run-dir on one). "
+            return (f"Slurm ran job {job.get('job_id')} on {job.get('nodes') or '?'}, but nothing it wrote reached "
+                    f"the run dir {run_dir}: the run dir must be on a filesystem the nodes share "
+                    "(give --run-dir on one). "
                     f"Slurm said: {state} {job.get('reason') or ''}".rstrip())
         return None
 
     def _why_not_requeued(self, run_dir: RunDir) -> str:
         if spawns_its_own_ranks(self.engine):
-            return f"It was not requeued: the {self.engine} engine doesn't resume through nbddp.save_checkpoint/restore."
+            return (f"It was not requeued: the {self.engine} engine doesn't resume through "
+                    "nbddp.save_checkpoint/restore.")
         if not self.requeue:
             if not self.saves_checkpoints:
                 return ("It was not requeued: the training saves no checkpoint to resume from. Call "
@@ -164,7 +172,8 @@ class Slurm(Launcher):
                         "and the job requeues itself before its time limit.")
             return "It was not requeued (--no-requeue)."
         return ("It was not requeued: no rank reached nbddp.save_checkpoint between Slurm's signal (about "
-                f"{REQUEUE_SIGNAL_LEAD} s before the limit) and the limit. Save more often, or ask for more time with --time.")
+                f"{REQUEUE_SIGNAL_LEAD} s before the limit) and the limit. Save more often, or ask for more time "
+                "with --time.")
 
     def _bound_reached(self, run_dir: RunDir, job: dict) -> str:
         bound = job["requeue_bound"]
@@ -315,7 +324,8 @@ def _requeue_lines(max_requeues: int) -> list[str]:
         "if [ -e \"$requeue_saved\" ] && \"$PYTHON\" -c 'import json, sys; sys.exit(json.load(open(sys.argv[1]))"
         "[\"attempt\"] != int(sys.argv[2]))' \"$requeue_saved\" \"$attempt\"; then",
         f'  if [ "$attempt" -ge {max_requeues} ]; then',
-        f'    echo "nbddp: not requeued: job $SLURM_JOB_ID was requeued $attempt times, the bound (--max-requeues {max_requeues})"',
+        f'    echo "nbddp: not requeued: job $SLURM_JOB_ID was requeued $attempt times, the bound '
+        f'(--max-requeues {max_requeues})"',
         "    exit 1",
         "  fi",
         '  echo "nbddp: every rank stopped at its checkpoint: requeueing job $SLURM_JOB_ID"',
@@ -343,8 +353,8 @@ def slurm_devices(request: SlurmRequest, cpu: bool, nproc: int | None, *, requir
     if gpus:
         return Devices("cuda", gpus, note=f"the partition's nodes have {gpus} GPUs each: using all of them "
                                           "(--gpus-per-node G to choose, --cpu for CPU processes).")
-    return Devices("cpu", CPU_PROCESSES, note=f"the partition's nodes list no GPUs: {CPU_PROCESSES} CPU processes (gloo) per node "
-                                  "(--cpu --nproc P to choose).")
+    return Devices("cpu", CPU_PROCESSES, note=f"the partition's nodes list no GPUs: {CPU_PROCESSES} CPU processes "
+                                              "(gloo) per node (--cpu --nproc P to choose).")
 
 
 def require_slurm() -> None:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from nbddp.contracts.atomic import write_json
 from nbddp.launchers.slurm import FINAL_STATES, stopped_to_requeue
@@ -47,7 +49,7 @@ class Watcher:
         self.restarts = 0
         self.attempts: list[dict] = []
 
-    def on_signal(self, signum: int, frame) -> None:  # noqa: ANN001
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop_signal = self.stop_signal or signum
 
     def run(self) -> int:
@@ -119,7 +121,8 @@ class Watcher:
         elif state == "RUNNING":
             line = f"running on {info.get('NodeList')}{attempt}"
             if not self.attempts or "ended" in self.attempts[-1]:
-                self.attempts.append({"attempt": self.restarts + 1, "nodes": info.get("NodeList"), "started": time.time()})
+                self.attempts.append({"attempt": self.restarts + 1, "nodes": info.get("NodeList"),
+                                      "started": time.time()})
         else:
             return
         if line != self.shown:
@@ -136,7 +139,8 @@ class Watcher:
         bound = self.max_requeues if stopped and self.restarts >= self.max_requeues else None
         self.record(state=state, reason=info.get("Reason"), exit_code=exit_code, nodes=info.get("NodeList"),
                     time_limit=info.get("TimeLimit"), run_time=info.get("RunTime"), requeue_bound=bound)
-        say(f"slurm job {self.job_id}: {state}" + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")
+        say(f"slurm job {self.job_id}: {state}"
+            + (f" ({info.get('Reason')})" if info.get("Reason") not in (None, "None") else "")
             + f", exit {exit_code}")
         return exit_code
 
@@ -160,7 +164,7 @@ class Watcher:
         say(f"slurm job {self.job_id}: cancelled; it has left the queue")
         return exit_code
 
-    def record(self, **fields) -> None:  # noqa: ANN003
+    def record(self, **fields: Any) -> None:
         """``job.json``: the job as it is now (rewritten as it changes), with every attempt so far."""
         known = {k: v for k, v in fields.items() if v is not None}
         write_json(self.run_dir.slurm_job, {"job_id": self.job_id, **known, "restarts": self.restarts,

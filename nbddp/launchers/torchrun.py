@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp.contracts.devices import Devices
 from nbddp.engines.torch import torchrun_options
@@ -18,6 +19,9 @@ from nbddp.launchers.base import Launcher
 from nbddp.plan.options import DEFAULT_RDZV_TIMEOUT, Nodes
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.interpreter import module_argv
+
+if TYPE_CHECKING:
+    from nbddp.plan.job_spec import JobSpec
 
 #: What nbddp's launcher runs: torchrun's own ``main``, minus the collection at its exit
 #: (:mod:`nbddp.launchers.torchrun_main`); the same options, the same behaviour.
@@ -37,7 +41,7 @@ class Torchrun(Launcher):
         self.nodes, self.rdzv_timeout = nodes, rdzv_timeout
 
     @classmethod
-    def for_job(cls, spec) -> "Torchrun":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+    def for_job(cls, spec: JobSpec) -> "Torchrun":
         return cls(spec.launch.nodes, spec.launch.rdzv_timeout)
 
     def command(self, script: Path, devices: Devices, run_dir: RunDir, *, python: str,

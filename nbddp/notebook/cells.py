@@ -11,7 +11,7 @@ from typing import Sequence
 
 from nbddp.contracts.errors import NotebookError
 from nbddp.notebook.reader import Notebook
-from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, TRAIN_MAGIC,  # noqa: F401 (see above)
+from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, TRAIN_MAGIC,  # noqa: F401 - handed on (see above)
                                   ExportedCell, Selection, cell_role, directive, export_cell, no_training_cell)
 from nbddp.notebook.unmarked import choose, launching_cell
 

@@ -36,7 +36,8 @@ class Unquoted(str):
 
 
 def parse_value(text: str) -> Any:
-    """Parse a command-line value as papermill does: a Python literal if it is one, else the string (:class:`Unquoted`)."""
+    """Parse a command-line value as papermill does: a Python literal if it is one, else the string
+    (:class:`Unquoted`)."""
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):

@@ -106,14 +106,16 @@ def _initials(name: str) -> str:
     return "".join(part[0] for part in parts) if len(parts) > 1 else ""
 
 
-def type_notices(declared: dict[str, Any], overrides: dict[str, Any], holder: str = "the notebook's") -> tuple[str, ...]:
+def type_notices(declared: dict[str, Any], overrides: dict[str, Any],
+                 holder: str = "the notebook's") -> tuple[str, ...]:
     """One line for each override whose type differs from its literal default (``-p name 3`` for ``name = 'x'``), said
     the same way by every door before anything runs.
 
-    A value typed as text that reads as no Python literal (:class:`~nbddp.notebook.literals.Unquoted`: ``-p lr abc`` for
-    ``lr = 0.05``) is refused instead: it would fail deep inside the ranks, after the launch; quoted (``-p lr "'abc'"``),
-    or given as a ``str`` in Python, it is text meant, and said as any other. An int for a float default (``-p lr 1``)
-    and ``None`` either way are what people mean; a default that isn't a literal has no type to compare with.
+    A value typed as text that reads as no Python literal (:class:`~nbddp.notebook.literals.Unquoted`: ``-p lr abc``
+    for ``lr = 0.05``) is refused instead: it would fail deep inside the ranks, after the launch; quoted
+    (``-p lr "'abc'"``), or given as a ``str`` in Python, it is text meant, and said as any other. An int for a float
+    default (``-p lr 1``) and ``None`` either way are what people mean; a default that isn't a literal has no type to
+    compare with.
     ``holder``: whose the defaults are (``%%ddp_train``'s: the kernel's values).
 
     Raises:

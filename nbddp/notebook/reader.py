@@ -11,8 +11,12 @@ import json
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp.contracts.errors import NotebookError
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode, ValidationError
 
 #: nbformat major versions we can read (v4 is what every current front end writes).
 SUPPORTED_NBFORMAT = (4,)
@@ -97,7 +101,7 @@ def read_notebook(path: str | Path) -> Notebook:
     return from_nbformat(nb, path)
 
 
-def _where(error) -> str:  # noqa: ANN001 - nbformat's ValidationError
+def _where(error: ValidationError) -> str:
     """`` (cell 2's metadata.tags)``: where in the notebook nbformat's schema found it wrong."""
     where = list(getattr(error, "absolute_path", None) or getattr(error, "path", None) or ())
     if len(where) >= 2 and where[0] == "cells" and isinstance(where[1], int):
@@ -121,11 +125,12 @@ def _check_cells(path: Path, cells: object) -> None:
         lines = source if isinstance(source, list) else [source]
         wrong = next((line for line in lines if not isinstance(line, str)), None)
         if wrong is not None:
-            raise NotebookError(f"{path}: cell {number}'s source holds {reprlib.repr(wrong)} ({type(wrong).__name__}), not text. "
+            raise NotebookError(f"{path}: cell {number}'s source holds {reprlib.repr(wrong)} "
+                                f"({type(wrong).__name__}), not text. "
                                 "Open the notebook in Jupyter and fix that cell, or restore it from version control.")
 
 
-def from_nbformat(nb, path: str | Path) -> Notebook:
+def from_nbformat(nb: NotebookNode, path: str | Path) -> Notebook:
     """Wrap an already-loaded nbformat v4 node (used by the nbconvert exporter)."""
     cells = tuple(
         Cell(

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from nbddp.contracts.errors import CellError, CellSyntaxError, see
 from nbddp.notebook.reader import Cell, Notebook
-from nbddp.contracts.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP, TRAIN,  # noqa: F401
-                                       TRAIN_MAGIC)
+from nbddp.contracts.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP,  # noqa: F401 - handed on
+                                       TRAIN, TRAIN_MAGIC)
 
 _DIRECTIVE = re.compile(r"^#\|\s*([A-Za-z][\w-]*)\s*$")
 
@@ -231,7 +231,7 @@ def _check_syntax(code: str, cell: Cell, first_line: int, notebook_path: Path | 
         raise CellSyntaxError(str(error), cell.number) from None
 
 
-def _cell_error(notebook_path, cell: Cell, line: int, text: str, what: str) -> CellError:  # noqa: ANN001
+def _cell_error(notebook_path: Path | str, cell: Cell, line: int, text: str, what: str) -> CellError:
     """Names the cell as the user sees it: ``nb.ipynb: cell 3`` in a notebook, ``In [2]`` (its label) in a kernel."""
     where = cell.label or f"{notebook_path}: cell {cell.number}"
     return CellError(f"{where}, line {line}: {what}.\n    {text.strip()}")

@@ -66,7 +66,8 @@ class Option:
     """Any value given in Python (``gpus=2``, ``returns="a,b"``, ``None``) → the field's value; applied whenever
     the dataclass is made, so it must keep a value it already made as it is."""
     check: Callable[[Any, str], None] | None = None
-    """Raises :class:`~nbddp.contracts.errors.UsageError` naming the flag for a value that can never work (never for None)."""
+    """Raises :class:`~nbddp.contracts.errors.UsageError` naming the flag for a value that can never work (never for
+    None)."""
     render: Callable[[Any, str], list[str]] | None = None
     """The field's value → arguments that parse back to it (default: ``[flag, str(value)]``)."""
     accepts: str | None = None
@@ -346,7 +347,8 @@ def _nearest(kwargs: dict[str, Any], signature: inspect.Signature) -> str:
 
 def _keywords_doc(cls: type, door: str) -> str:
     """The docstring's list of the option keywords: each with its flag and its help, wrapped."""
-    lines = [f"Launch options (each flag of ``{door}``, as a keyword):"]
+    what = (inspect.getdoc(cls) or cls.__name__).split("(")[0].split(":")[0].strip().rstrip(".")
+    lines = [f"{cls.__name__}, {what[0].lower()}{what[1:]} (each flag of ``{door}``, as a keyword):"]
     for top in fields_of(cls):
         if not takes(top, door):
             continue

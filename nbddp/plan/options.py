@@ -20,15 +20,16 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from nbddp.contracts.devices import CPU_PROCESSES, requested_gpus
 from nbddp.engines import DEFAULT_RETURNS, ENGINES, engine_help, shard_refusal, shards, spawns_its_own_ranks
 from nbddp.contracts.errors import UsageError
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
-from nbddp.plan.option_fields import Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage, values_from
-from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, DEFAULT_WARM_IDLE  # (owned there: the ranks fall back on them)
+from nbddp.plan.option_fields import (Option, add_arguments, check_fields, declared, markdown_rows, to_argv, usage,
+                                      values_from)
+from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT  # (owned there: the ranks fall back on it)
 
 if TYPE_CHECKING:
     from nbddp.notebook.script import ExportOptions
@@ -57,7 +58,8 @@ RAY_AUTO = "auto"
 
 #: The front doors that take launch options (``nbddp.run()`` takes what ``nbddp run`` takes, ``nbddp.batch()``
 #: what ``nbddp batch`` takes).
-RUN, BATCH, MAGIC, EXPORT, PAPERMILL = "nbddp run", "nbddp batch", "%%ddp_train", "nbddp export", "papermill --engine nbddp"
+RUN, BATCH, MAGIC, EXPORT, PAPERMILL = ("nbddp run", "nbddp batch", "%%ddp_train", "nbddp export",
+                                        "papermill --engine nbddp")
 DOORS = (RUN, BATCH, MAGIC, EXPORT, PAPERMILL)
 _EVERY = frozenset(DOORS)
 _RUNS = _EVERY - {EXPORT}
@@ -79,7 +81,7 @@ def option(*flags: str, doors: frozenset[str] = _EVERY, **declaration: Any) -> A
 # ---------------------------------------------------------------- what several options share
 
 
-def _at_least(least: int, says: str):  # noqa: ANN202
+def _at_least(least: int, says: str) -> Callable[[int, str], None]:
     def check(value: int, flag: str) -> None:
         if value < least:
             raise UsageError(f"{flag} {value}: {says}.")
@@ -165,9 +167,9 @@ class Nodes:
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"--rdzv-endpoint {self.endpoint!r}: give HOST:PORT of node 0 (e.g. node0:29500).")
         if host.strip("[]") in _EVERY_INTERFACE:
-            raise UsageError(f"--rdzv-endpoint {self.endpoint}: {host} names every interface, not an address another node "
-                             "can dial: give node 0's host name or address on the network the nodes share (its store "
-                             "listens there, reachable by whoever can reach that network).")
+            raise UsageError(f"--rdzv-endpoint {self.endpoint}: {host} names every interface, not an address another "
+                             "node can dial: give node 0's host name or address on the network the nodes share (its "
+                             "store listens there, reachable by whoever can reach that network).")
         return host.strip("[]"), int(port)
 
 
@@ -184,7 +186,8 @@ def _several_nodes(given: dict[str, Any]) -> Nodes | None:
 #: A cluster's nodes: ``--nodes`` and ``--gpus-per-node`` mean the same for ``--slurm`` and ``--ray``.
 _CLUSTER_NODES = Option(("--nodes",), doors=_EVERY, group=_CLUSTER, default=1, type=int, metavar="N", example=("2",),
                         help="nodes to ask for (default 1)", check=_at_least(1, "need at least 1 node"))
-_GPUS_PER_NODE = Option(("--gpus-per-node",), doors=_EVERY, group=_CLUSTER, default=None, type=int, metavar="G", example=("4",),
+_GPUS_PER_NODE = Option(("--gpus-per-node",), doors=_EVERY, group=_CLUSTER, default=None, type=int, metavar="G",
+                        example=("4",),
                         help="GPUs per node (default: Slurm's partition's, else --cpu; on Ray: --cpu)",
                         check=_at_least(1, "need at least 1 (or --cpu --nproc P)"))
 
@@ -237,7 +240,8 @@ class SlurmRequest:
         check_fields(self)
         for key, value in self.extra:
             if not _SLURM_KEY.fullmatch(key):
-                raise UsageError(f"--slurm-arg {key}={value}: KEY is an sbatch option name without dashes (e.g. qos=high).")
+                raise UsageError(f"--slurm-arg {key}={value}: KEY is an sbatch option name without dashes "
+                                 "(e.g. qos=high).")
             if key in _SLURM_REQUEUE_OWN and self.requeue is not False:
                 raise UsageError(f"--slurm-arg {key}=...: a job that requeues itself sets --{key} itself; "
                                  "give --no-requeue to set your own.")
@@ -362,7 +366,8 @@ class LaunchOptions:
         "-p", "--parameter", group=_SCRIPT, default_factory=dict, nargs=2, action="append", metavar=("NAME", "VALUE"),
         example=("lr", "0.5"), help="override a parameter (value read as a Python literal, else a string)",
         parse=_parameters, coerce=lambda values: dict(values or {}), check=_names, accepts="Mapping[str, Any] | None",
-        render=lambda values, flag: [word for name, value in values.items() for word in (flag, name, _value_arg(value))])
+        render=lambda values, flag: [word for name, value in values.items()
+                                     for word in (flag, name, _value_arg(value))])
     """Overrides of the parameters cell."""
     returns: tuple[str, ...] = option(
         "--return", group=_SCRIPT, default=DEFAULT_RETURNS, metavar="NAME[,NAME...]", example=("model,optimizer",),
@@ -531,6 +536,44 @@ def add_launch_arguments(parser: argparse.ArgumentParser, door: str = RUN) -> No
     add_arguments(parser, LaunchOptions, door, GROUPS)
 
 
+#: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
+SLURM_PARALLEL = 4
+#: ``--help``'s section of a batch's own options.
+SWEEP = "batch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepOptions:
+    """A batch's own options (``nbddp batch``, ``nbddp.batch()``), beside every run's :class:`LaunchOptions`."""
+
+    gpus_per_run: int | None = option(
+        "--gpus-per-run", doors=frozenset({BATCH}), group=SWEEP, default=None, type=int, metavar="K",
+        check=_at_least(1, "need at least 1"), help="GPUs per run (default 1; --gpus K says the same)")
+    parallel: int | None = option(
+        "--parallel", doors=frozenset({BATCH}), group=SWEEP, default=None, type=int, metavar="J",
+        check=_at_least(1, "need at least 1"),
+        help=f"runs at once (CPU default 1; --slurm default {SLURM_PARALLEL}; --ray default 1)")
+    out: Path | None = option(
+        "--out", doors=frozenset({BATCH}), group=SWEEP, default=None, type=Path, coerce=_path,
+        help="batch folder (default: batches/STEM-TIME)")
+    resume: bool = option(
+        "--resume", doors=frozenset({BATCH}), group=SWEEP, default=False, action="store_true",
+        help="skip runs of --out that already succeeded")
+    fresh: bool = option(
+        "--fresh", doors=frozenset({BATCH}), group=SWEEP, default=False, action="store_true",
+        help="start every run's ranks anew (default: a device slot's runs share warm ranks)")
+    """Every run on ranks of its own (by default a device slot's runs share warm ranks, as ``%%ddp_train`` re-runs
+    do)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def choices(name: str) -> tuple[str, ...]:
+    """The values launch option ``name`` may take, as declared (for a door that lists them: nbconvert's ``engine``)."""
+    return next(found.option.choices or () for found in declared(LaunchOptions) if found.name == name)
+
+
 def launch_options(args: argparse.Namespace) -> LaunchOptions:
     """The validated options from what :func:`add_launch_arguments` parsed."""
     return LaunchOptions(**values_from(LaunchOptions, args))
@@ -543,7 +586,8 @@ def options_table() -> str:
 
 
 def add_detach_argument(parser: argparse.ArgumentParser) -> None:
-    """``--detach`` (``nbddp run``, ``%%ddp_train``): a door's option, not the run's (the supervisor runs it attached)."""
+    """``--detach`` (``nbddp run``, ``%%ddp_train``): a door's option, not the run's (the supervisor runs it
+    attached)."""
     parser.add_argument("--detach", action="store_true",
                         help="a supervisor owns the run: closing the terminal or notebook, or restarting the kernel, "
                              "leaves it going; follow it again with `nbddp attach RUN` (%%ddp_attach RUN)")

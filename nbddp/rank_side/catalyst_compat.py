@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Sequence
 
 _TARGET = "accelerate.utils"
 
@@ -25,7 +28,7 @@ def apply_catalyst_shims() -> None:
         sys.meta_path.insert(0, _AfterImport())
 
 
-def _alias_tpu(module) -> None:  # noqa: ANN001
+def _alias_tpu(module: ModuleType) -> None:
     kind = getattr(module, "DistributedType", None)
     if kind is not None and not hasattr(kind, "TPU") and hasattr(kind, "XLA"):
         type.__setattr__(kind, "TPU", kind.XLA)
@@ -34,7 +37,8 @@ def _alias_tpu(module) -> None:  # noqa: ANN001
 class _AfterImport(importlib.abc.MetaPathFinder):
     """One-shot finder: lets the normal import of ``accelerate.utils`` happen, then shims it."""
 
-    def find_spec(self, name, path, target=None):  # noqa: ANN001
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if name != _TARGET:
             return None
         sys.meta_path.remove(self)
@@ -43,7 +47,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         execute = spec.loader.exec_module
 
-        def exec_module(module) -> None:  # noqa: ANN001
+        def exec_module(module: ModuleType) -> None:
             execute(module)
             _alias_tpu(module)
 

@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from catalyst import dl
@@ -35,6 +35,10 @@ from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT, RankEnv
 from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
 from nbddp.rank_side.parent_death import launching_ranks
 from nbddp.contracts.errors import see
+
+if TYPE_CHECKING:
+    from catalyst.core.runner import IRunner
+    from catalyst.runners.runner import Runner
 
 _state = {"trained": False, "patched": False}
 
@@ -92,7 +96,7 @@ def trained() -> bool:
 class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
     """Catalyst's DDP engine, spawning through :func:`_rank_main` (per-rank logs, exit codes)."""
 
-    def spawn(self, fn, *args, **kwargs):  # noqa: ANN001
+    def spawn(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         import torch.multiprocessing as mp
 
         _temp_dir_that_holds_sockets()
@@ -104,8 +108,9 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
     def setup(self, local_rank: int, world_size: int) -> None:
         """Catalyst's setup, on GPUs with the rank's own GPU checked, made current and bound to the NCCL
         group (as the torch engine's ranks); on one machine, the ranks meet in the run's store folder
-        (:mod:`nbddp.launchers.private_rendezvous`) rather than at Catalyst's TCP address; across nodes, joining waits at most ``--rdzv-timeout`` (then
-        the collective timeout applies) and the nodes check they run the same script."""
+        (:mod:`nbddp.launchers.private_rendezvous`) rather than at Catalyst's TCP address; across nodes, joining waits
+        at most ``--rdzv-timeout`` (then the collective timeout applies) and the nodes check they run the same
+        script."""
         if self._process_group_kwargs.get("backend", "nccl") == "nccl":  # (Catalyst's default: GPUs)
             gpu = self._own_gpu(local_rank)
             torch.cuda.set_device(gpu)
@@ -147,8 +152,9 @@ class UnpicklableError(TypeError):
     """Something Catalyst's spawn must send to the ranks can't be pickled (raised before spawning)."""
 
 
-def check_picklable(fn) -> None:  # noqa: ANN001 - the runner's bound method
-    """Fail before spawning, naming the notebook cell of the culprit, instead of deep in pickle."""
+def check_picklable(fn: Callable[..., Any]) -> None:
+    """Fail before spawning, naming the notebook cell of the culprit, instead of deep in pickle (``fn``: what
+    Catalyst spawns, the runner's bound method)."""
     from multiprocessing.reduction import ForkingPickler
 
     try:
@@ -166,7 +172,7 @@ def check_picklable(fn) -> None:  # noqa: ANN001 - the runner's bound method
     )
 
 
-def _find_unpicklable(obj, path: str, depth: int = 0):  # noqa: ANN001
+def _find_unpicklable(obj: object, path: str, depth: int = 0) -> tuple[str, object]:
     """The innermost attribute/item of ``obj`` that fails to pickle, with a readable path to it."""
     from multiprocessing.reduction import ForkingPickler
 
@@ -186,12 +192,12 @@ def _find_unpicklable(obj, path: str, depth: int = 0):  # noqa: ANN001
             continue  # pickling a bound method pickles its owner: it leads back up, not down
         try:
             ForkingPickler.dumps(child)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - any pickling failure: look inside that child
             return _find_unpicklable(child, child_path, depth + 1)
     return path, obj
 
 
-def _where_defined(obj) -> str | None:  # noqa: ANN001
+def _where_defined(obj: object) -> str | None:
     """``nb.ipynb, cell 3, line 4`` for a function defined in the generated script."""
     from pathlib import Path
 
@@ -238,7 +244,7 @@ def make_engine() -> NbddpDistributedDataParallelEngine:
     return NbddpDistributedDataParallelEngine(**kwargs)
 
 
-def _rank_main(local_rank: int, fn, world_size: int, first_rank: int = 0) -> None:
+def _rank_main(local_rank: int, fn: Callable[[int, int], Any], world_size: int, first_rank: int = 0) -> None:
     """Entry of each spawned rank: per-rank logs and error file, then Catalyst's own function.
 
     ``first_rank``: the global rank of this node's first process (its node rank × processes per node).
@@ -269,7 +275,7 @@ def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
 
     original = Runner.train
 
-    def train(self, *args, **kwargs):
+    def train(self: Runner, *args: Any, **kwargs: Any) -> None:
         kwargs["engine"] = make_engine()
         kwargs["callbacks"] = _with_return_callback(kwargs.get("callbacks"), returns[0])
         result = original(self, *args, **kwargs)
@@ -281,7 +287,8 @@ def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
     _state["patched"] = True
 
 
-def _with_return_callback(callbacks, name: str):
+def _with_return_callback(callbacks: dict[str, Callback] | Sequence[Callback] | None,
+                          name: str) -> dict[str, Callback] | list[Callback]:
     callback = ReturnModelCallback(name)
     if callbacks is None:
         return {"_nbddp_return": callback}
@@ -297,7 +304,7 @@ class ReturnModelCallback(Callback):
         super().__init__(order=CallbackOrder.External + 50)
         self.name = name
 
-    def on_epoch_end(self, runner) -> None:  # noqa: ANN001
+    def on_epoch_end(self, runner: IRunner) -> None:
         """Catalyst's epoch metrics become ``nbddp.log`` records: live view, summary, batches."""
         if runner.engine.process_index != 0:
             return
@@ -308,7 +315,7 @@ class ReturnModelCallback(Callback):
         }
         runtime.log(epoch=runner.epoch_step, epochs=runner.num_epochs, **values)
 
-    def on_experiment_end(self, runner) -> None:  # noqa: ANN001
+    def on_experiment_end(self, runner: IRunner) -> None:
         from nbddp.contracts import checkpoint
 
         if runner.engine.process_index != 0:
@@ -327,7 +334,7 @@ class ReturnModelCallback(Callback):
         print(f"[nbddp] returning {note}", flush=True)
 
 
-def _best_checkpoint(runner) -> tuple[str, float, str] | None:  # noqa: ANN001
+def _best_checkpoint(runner: IRunner) -> tuple[str, float, str] | None:
     """The best model checkpoint a Catalyst ``CheckpointCallback`` kept, if any."""
     from catalyst.callbacks.checkpoint import CheckpointCallback
 
@@ -339,5 +346,6 @@ def _best_checkpoint(runner) -> tuple[str, float, str] | None:  # noqa: ANN001
             and callback._storage
         ):
             best = callback._storage[0]
-            return str(best.logpath), float(best.metric), f"{callback.loader_key or ''}.{callback.metric_key}".strip(".")
+            return (str(best.logpath), float(best.metric),
+                    f"{callback.loader_key or ''}.{callback.metric_key}".strip("."))
     return None

@@ -22,16 +22,19 @@ import os
 import pdb
 import sys
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Callable
 
 from nbddp.contracts.debug_channel import DebugChannel
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.sourcemap import SourceMap
 
-#: Maps a frame's (file, line) to the current job's script, where a warm rank's kept cells were compiled in an
-#: earlier job's script (set by :mod:`nbddp.rank_side.warm.loop`).
-relocate: Callable[[str, int], tuple[str, int]] = lambda filename, line: (filename, line)
+
+def relocate(filename: str, line: int) -> tuple[str, int]:
+    """A frame's (file, line) in the current job's script, where a warm rank's kept cells were compiled in an
+    earlier job's script (:mod:`nbddp.rank_side.warm.loop` replaces this function); as it is elsewhere."""
+    return filename, line
+
 
 #: How many sessions this process opened (each gets a channel of its own), and the run dirs where a skipped
 #: breakpoint was said already.
@@ -91,7 +94,7 @@ class RelayedPdb(pdb.Pdb):
         channel.open(self.rank, self.why)
         return channel
 
-    def format_stack_entry(self, frame_lineno, lprefix: str = ": ") -> str:  # noqa: ANN001 - bdb's signature
+    def format_stack_entry(self, frame_lineno: tuple[FrameType, int], lprefix: str = ": ") -> str:
         text = super().format_stack_entry(frame_lineno, lprefix)
         frame, line = frame_lineno
         where = self._where(frame.f_code.co_filename, line)
@@ -105,7 +108,8 @@ class RelayedPdb(pdb.Pdb):
         super().set_quit()
         self.channel.close()
 
-    def interaction(self, frame, tb_or_exc) -> None:  # noqa: ANN001 - pdb's signature (3.13 passes an exception)
+    def interaction(self, frame: FrameType | None,
+                    tb_or_exc: TracebackType | BaseException | None) -> None:  # (3.13 passes an exception)
         if self.channel.closed_mark.exists():  # a stop after `c`: a new session
             self._input.channel = self._output.channel = self._open()
             self._input.lines = 0

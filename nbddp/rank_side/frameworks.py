@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from nbddp.contracts.errors import NbddpError
 from nbddp.contracts.metrics import COUNTERS
 from nbddp.rank_side import ranks
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 _MARK = "__nbddp_adapted__"
 
@@ -154,18 +157,18 @@ def _adapt_lightning(package: str) -> None:
     class NbddpMetrics(callback_base):  # type: ignore[misc, valid-type]
         """``trainer.callback_metrics`` to ``nbddp.log`` (the live view, ``metrics.jsonl``), rank 0 only."""
 
-        def on_train_batch_end(self, trainer, *args: Any) -> None:  # noqa: ANN001
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:  # (lightning's or pytorch_lightning's)
             if trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
                 _log_lightning(trainer, trainer.current_epoch)
 
-        def on_train_epoch_end(self, trainer, *args: Any) -> None:  # noqa: ANN001
+        def on_train_epoch_end(self, trainer: Any, *args: Any) -> None:
             _log_lightning(trainer, trainer.current_epoch + 1)
 
     environments = importlib.import_module(f"{module.__name__}.plugins.environments")
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - Trainer.__init__ now, by name too
             _lightning_kwargs(kwargs)
             _use_torchrun_environment(kwargs, environments)
             kwargs["callbacks"] = [*_as_list(kwargs.get("callbacks")), NbddpMetrics()]
@@ -235,7 +238,8 @@ def _adapt_transformers() -> None:
     class NbddpLogs(transformers.TrainerCallback):
         """The Trainer's logs (loss, learning rate, epoch) to ``nbddp.log``, from the main process."""
 
-        def on_log(self, args, state, control, logs=None, **kwargs: Any) -> None:  # noqa: ANN001
+        def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                   logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
             if not state.is_world_process_zero or not logs:
                 return
             values = {k: v for k, v in logs.items()
@@ -245,7 +249,7 @@ def _adapt_transformers() -> None:
 
     def make(original: Callable) -> Callable:
         @functools.wraps(original)
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 - Trainer.__init__ now, by name too
             original(self, *args, **kwargs)
             self.add_callback(NbddpLogs())
             say(f"{type(self).__name__}: trains on {self.args.world_size} process(es) started by torchrun "

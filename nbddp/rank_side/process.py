@@ -17,7 +17,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch.distributed as dist
 
@@ -28,6 +29,9 @@ from nbddp.rank_side import debugger, log_cap, memory, trackers
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.parent_death import die_with_parent
 from nbddp.contracts.rundir import SCRIPT_NAME, RunDir
+
+if TYPE_CHECKING:
+    from datetime import timedelta
 
 
 def use_notebook_folder() -> None:
@@ -54,7 +58,7 @@ def become_rank(global_rank: int, size: int) -> None:
         return
     previous_hook = sys.excepthook
 
-    def record(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
+    def record(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         record_exception(global_rank, exc_type, exc, tb)
         debugger.on_failure(global_rank, exc, tb)  # (--debug-on-failure: a post-mortem before the rank ends)
         previous_hook(exc_type, exc, tb)
@@ -133,7 +137,7 @@ def map_tracebacks_to_the_notebook() -> None:
     if source_map is None or sys.excepthook is not sys.__excepthook__:
         return  # (a hook of the user's or a library's: theirs to print)
 
-    def mapped(exc_type, exc, tb):  # noqa: ANN001 - the excepthook signature
+    def mapped(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         sys.stderr.write(source_map.translate_traceback(text))
         sys.stderr.flush()
@@ -150,8 +154,8 @@ def refuse(global_rank: int, error: NbddpError) -> NoReturn:
     sys.exit(error.exit_code)
 
 
-def record_exception(global_rank: int, exc_type, exc, tb,  # noqa: ANN001
-                     report: traceback.TracebackException | None = None) -> None:
+def record_exception(global_rank: int, exc_type: type[BaseException] | None, exc: BaseException | None,
+                     tb: TracebackType | None, report: traceback.TracebackException | None = None) -> None:
     """Write ``errors/rank-N.json``: what the launcher shows, translated to the notebook. ``report``: the
     traceback as it should read, when it isn't ``tb``'s own (a warm rank's kept cells, moved to this job's lines)."""
     directory = run_dir()
@@ -228,7 +232,7 @@ def _address() -> str:
         return ""
 
 
-def collective_timeout():
+def collective_timeout() -> timedelta | None:
     """``--collective-timeout`` (set by the launcher): how long a rank waits for its peers in a
     collective before raising, instead of torch's 30 minutes for gloo."""
     from datetime import timedelta
@@ -324,7 +328,7 @@ def guard_destroy() -> None:
     if getattr(dist.destroy_process_group, "_nbddp_guarded", False):
         return
 
-    def destroy_process_group(group=None):  # noqa: ANN001, ANN202 - torch's signature
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:  # (torch's signature)
         if dist.is_initialized() and (group is None or group is c10d.GroupMember.WORLD):
             _final_barrier()
             if warm():

@@ -114,9 +114,12 @@ def blocks_of(model: nn.Module, policy: BlockPolicy = None) -> list[nn.Module]:
     if policy is None:
         counts = Counter(type(m) for m in model.modules()
                          if m is not model and _has_parameters(m) and not isinstance(m, _CONTAINERS))
-        wanted: Callable[[nn.Module], bool] = lambda m: counts[type(m)] >= 2  # noqa: E731
+
+        def wanted(m: nn.Module) -> bool:
+            return counts[type(m)] >= 2
     elif isinstance(policy, (type, tuple)):
-        wanted = lambda m: isinstance(m, policy)  # noqa: E731
+        def wanted(m: nn.Module) -> bool:
+            return isinstance(m, policy)
     elif callable(policy):
         wanted = policy
     else:
@@ -164,7 +167,7 @@ def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
         raise NbddpError(f"--shard on CPU ranks needs torch 2.6 or newer (this is torch {torch.__version__}, whose "
                          "FSDP2 calls into CUDA even for CPU shards): upgrade torch, train on GPUs, or drop --shard.")
     fsdp = fsdp2()
-    MixedPrecisionPolicy, fully_shard = fsdp.MixedPrecisionPolicy, fsdp.fully_shard
+    fully_shard = fsdp.fully_shard
     if is_sharded(model):
         raise NbddpError("nbddp.prepare(model, shard=True): this model is sharded already; prepare it once.")
     # No model.to(device): fully_shard moves one block at a time to the mesh's device and shards it there,
@@ -172,8 +175,8 @@ def shard(model: nn.Module, device: torch.device, blocks: BlockPolicy = None,
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     options: dict[str, Any] = {"mesh": mesh}
     if mixed_precision is not None:
-        options["mp_policy"] = (mixed_precision if isinstance(mixed_precision, MixedPrecisionPolicy)
-                                else MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32))
+        options["mp_policy"] = (mixed_precision if isinstance(mixed_precision, fsdp.MixedPrecisionPolicy)
+                                else fsdp.MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32))
     if offload and device.type != "cpu":
         options["offload_policy"] = fsdp.CPUOffloadPolicy()
     if device.type == "cpu":

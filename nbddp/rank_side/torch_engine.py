@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ from nbddp.rank_side.process import (become_rank, checkpoint_path, collective_ti
                                      skip_final_collection, use_notebook_folder)
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.rank_side.debugger import breakpoint  # noqa: A004, F401 - nbddp.breakpoint(rank=0), the cells' API
-from nbddp.rank_side.ranks import device, is_main, local_rank, log, rank, use_cuda, world_size  # (the cells' API)
+from nbddp.rank_side.ranks import device, is_main, local_rank, rank, use_cuda, world_size  # (the cells' API)
+from nbddp.rank_side.ranks import log  # noqa: F401 - nbddp.log(...), the cells' API
 from nbddp.contracts.rundir import RunDir
 
 
@@ -116,7 +117,7 @@ def _binding_hangs(version: str) -> bool:
     return (major, minor) == (2, 6) or (major, minor, patch) == (2, 7, 0)
 
 
-def _attempt_store():
+def _attempt_store() -> dist.Store:
     """The store this restart attempt's ranks meet in.
 
     Launched by nbddp on one machine (``NBDDP_STORE``): a FileStore of its own in the run's private folder,
@@ -226,7 +227,7 @@ def prepare(obj: Any, shard: bool | None = None, *, blocks: Any = None, mixed_pr
 class _EpochLoader(torch.utils.data.DataLoader):
     """A DataLoader that calls ``sampler.set_epoch`` each time a new pass starts."""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self.sampler.set_epoch(self._nbddp_epoch)
         self._nbddp_epoch += 1
         return super().__iter__()

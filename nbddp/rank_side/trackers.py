@@ -259,7 +259,7 @@ def _end_runs(failed: bool, interrupted: bool) -> None:
             wandb.run.finish(exit_code=1 if failed or interrupted else 0)
         if wandb is not None and hasattr(wandb, "teardown"):  # its settings, read from the job's environment once
             wandb.teardown()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - a tracker's failure never costs the run: said, then past
         _fail("W&B", exc)
 
 

@@ -28,22 +28,18 @@ from nbddp.contracts.devices import FREE, free_devices, gpu_usage, requested_gpu
 from nbddp.contracts.errors import DeviceError, NbddpError, ParameterError, UsageError, stop_signal
 from nbddp.contracts.owned import private_folder
 from nbddp.job.trackers import BATCH_VARIABLE, group_batch
-from nbddp.launchers import devices_for, run_stop_grace
+from nbddp.launchers import BatchSlots, run_stop_grace
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.plan.options import LaunchOptions, machine_gpus_refusal
+from nbddp.plan.options import SLURM_PARALLEL, LaunchOptions, SweepOptions, machine_gpus_refusal
 from nbddp.contracts.status import BatchState, Status
 from nbddp.notebook.parameters import check_overrides, declared_parameters
 from nbddp.notebook.literals import check_name, is_plain_data
-from nbddp.launchers.process_groups import stop_groups
+from nbddp.contracts.process_groups import stop_groups
 from nbddp.contracts.rundir import RunDir
 from nbddp.notebook.script import engine_of
-from nbddp.launchers.warm.keepers import POOL_ENV, PoolKeeper
-from nbddp.launchers.warm.rules import why_not_warm
 from nbddp.contracts.interpreter import module_argv
 
 POLL_SECONDS = 0.2
-#: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.
-SLURM_PARALLEL = 4
 
 
 @dataclass(frozen=True)
@@ -59,34 +55,29 @@ class PlannedRun:
 
 
 @dataclass(frozen=True)
-class BatchOptions:
+class BatchOptions(SweepOptions):
+    """A batch: the notebook, its grid, every run's launch options, and the batch's own options
+    (:class:`~nbddp.plan.options.SweepOptions`, declared with the launch options)."""
+
     notebook: Path
     grid: Any
     """A path to a YAML/JSON file, or the grid itself (mapping of lists, or list of mappings)."""
     launch: LaunchOptions = LaunchOptions()
     """Every run's launch options (``launch.parameters``: fixed for every run; no run dir: each run gets one)."""
-    gpus_per_run: int | None = None
-    parallel: int | None = None
-    out: Path | None = None
-    resume: bool = False
-    fresh: bool = False
-    """Every run on ranks of its own (by default a device slot's runs share warm ranks, as ``%%ddp_train`` re-runs do)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.launch.run_dir is not None:
             raise UsageError("a batch gives each run its own run dir under --out; --run-dir is for one run.")
         if self.launch.nodes is not None:
             raise UsageError("a batch spans several nodes with --slurm (each run becomes a Slurm job); with "
                              "--nnodes every node would have to start the same runs in lockstep on one port. "
                              "Use --slurm, or `nbddp run --nnodes` on each node for one run.")
-        if self.launch.gpus is not None and self.gpus_per_run is not None and str(self.launch.gpus) != str(self.gpus_per_run):
+        if (self.launch.gpus is not None and self.gpus_per_run is not None
+                and str(self.launch.gpus) != str(self.gpus_per_run)):
             raise UsageError("--gpus and --gpus-per-run both say how many GPUs a run uses: give one.")
         if self.gpus_per_run is not None and self.launch.cluster_flag is not None:
             raise UsageError(machine_gpus_refusal("--gpus-per-run", self.launch))  # (the cluster places each run)
-        if self.gpus_per_run is not None and self.gpus_per_run < 1:
-            raise UsageError(f"--gpus-per-run {self.gpus_per_run}: need at least 1.")
-        if self.parallel is not None and self.parallel < 1:
-            raise UsageError(f"--parallel {self.parallel}: need at least 1.")
 
     @property
     def per_run_gpus(self) -> int | None:
@@ -110,8 +101,8 @@ def load_grid(grid: Any) -> list[dict[str, Any]]:
         except OSError as exc:
             inline = _inline_grid(str(grid))
             if inline is None:
-                raise ParameterError(f"--grid {path}: cannot read it ({exc.strerror or exc}); give a YAML or JSON file, or "
-                                     "the grid itself: --grid '{\"lr\": [0.1, 0.2]}'.") from None
+                raise ParameterError(f"--grid {path}: cannot read it ({exc.strerror or exc}); give a YAML or JSON "
+                                     "file, or the grid itself: --grid '{\"lr\": [0.1, 0.2]}'.") from None
             grid = inline
         else:
             grid = _parse_grid_text(text, path)
@@ -168,7 +159,8 @@ def plan(notebook: Notebook, sets: list[dict[str, Any]], fixed: dict[str, Any]) 
     """
     if not declared_parameters(notebook):
         raise ParameterError(f"{notebook.path}: no 'parameters' cell, so a batch has nothing to vary. "
-                             "Tag the cell that sets the hyperparameters 'parameters' (or start it with '#| parameters').")
+                             "Tag the cell that sets the hyperparameters 'parameters' "
+                             "(or start it with '#| parameters').")
     check_overrides(notebook, {n for values in sets for n in values} | set(fixed))
     runs = []
     for index, values in enumerate(sets, start=1):
@@ -211,9 +203,7 @@ class Batch:
         self.nproc, self.device_kind = nproc, device_kind
         self.progress = progress or (lambda batch: None)
         self.states = [RunState(r, out / r.name) for r in runs]
-        self.warm = not options.fresh and not why_not_warm(engine, options.launch)
-        self.cwd = Path(options.notebook).resolve().parent
-        self.keepers: dict[int, PoolKeeper] = {}
+        self.warm = BatchSlots(engine, options.launch, options.fresh, Path(options.notebook).resolve().parent)
         """Each device slot's warm ranks, kept between its runs (by the rule ``%%ddp_train``'s are kept by)."""
 
     def run(self) -> list[RunState]:
@@ -235,8 +225,7 @@ class Batch:
             self._stop_all(running, stop_signal(exc))
             raise
         finally:
-            for keeper in self.keepers.values():
-                keeper.stop()
+            self.warm.stop()
         self.progress(self)
         return self.states
 
@@ -249,7 +238,8 @@ class Batch:
             if not isinstance(data, dict):
                 continue
             overrides = data.get("overrides", data.get("parameters"))  # result.json before nbddp 0.2: overrides only
-            if data.get("status") == Status.SUCCEEDED and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key:
+            if (data.get("status") == Status.SUCCEEDED
+                    and json.dumps(overrides, sort_keys=True, default=repr) == state.run.key):
                 state.run_dir, state.status = ended.path, BatchState.SKIPPED
                 return True
         return False
@@ -272,47 +262,17 @@ class Batch:
         launch = replace(self.options.launch, parameters=state.run.parameters, run_dir=state.run_dir, **devices)
         argv = module_argv("nbddp", "run", str(self.options.notebook), "-o", str(state.paths.output),
                            *launch.to_argv())
-        log = open(state.paths.batch_log, "ab")
-        try:
-            env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
-            pool = self._warm_pool(index, launch, env, log)
-            if pool is not None:
-                env[POOL_ENV] = str(pool.folder)
+        with open(state.paths.batch_log, "ab") as log:
+            self.warm.hand_to(index, launch, len(slot) or None, env, log)
             state.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env=env, start_new_session=True)
-        finally:
-            log.close()
         state.slot, state.started, state.status = index, time.monotonic(), BatchState.RUNNING
-
-    def _warm_pool(self, slot: int, launch: LaunchOptions, env: dict[str, str], log: Any) -> Any:
-        """The warm ranks device slot ``slot`` keeps between its runs: started for its first run, and again (with
-        a line in the run's log saying why) when what they were started with no longer holds, or when its last
-        run's ranks could not be kept."""
-        if not self.warm:
-            return None
-        from nbddp.launchers.warm.rules import pool_key
-
-        devices = devices_for(launch, visible=len(self.slots[slot]) or None)
-        keeper = self.keepers.setdefault(slot, PoolKeeper(environ=env, replace_at_once=False))
-        keeper.environ = env
-        try:
-            pool, why = keeper.pool_with(pool_key(devices, self.cwd, launch, env), devices)
-        except OSError as exc:  # the run starts its own ranks, and would say why it can't either
-            log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
-            log.flush()
-            return None
-        if why:
-            log.write(f"nbddp: {why}\n".encode())
-            log.flush()
-        return pool
 
     def _finish(self, state: RunState) -> None:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.paths, code)
-        keeper = self.keepers.get(state.slot)
-        if keeper is not None and keeper.pool is not None:
-            keeper.after_run(keeper.pool, Status(state.status.value))
+        self.warm.after_run(state.slot, Status(state.status.value))
 
     def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
         """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and
@@ -344,7 +304,8 @@ def device_slots(options: BatchOptions, say: Callable[[str], None]) -> tuple[lis
     """
     if options.launch.slurm is not None:  # Slurm places each run's job; its devices are the job's
         return [() for _ in range(options.parallel or SLURM_PARALLEL)], options.launch.nproc or 0, "slurm"
-    # Ray places each run's ranks; one at a time unless --parallel (a run the cluster can't place in --rdzv-timeout fails)
+    # Ray places each run's ranks; one at a time unless --parallel (a run the cluster can't place in --rdzv-timeout
+    # fails)
     if options.launch.ray is not None:
         return [() for _ in range(options.parallel or 1)], options.launch.nproc or 0, "ray"
     free = str(options.launch.gpus or "").lower() == FREE

@@ -64,7 +64,7 @@ def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [c for c in columns if c not in tail] + tail
 
 
-def _write_csv(path: Path, rows, columns) -> None:
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: list[str]) -> None:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -79,7 +79,7 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _write_markdown(path: Path, rows, columns, metric: str | None) -> None:
+def _write_markdown(path: Path, rows: Sequence[dict[str, Any]], columns: list[str], metric: str | None) -> None:
     shown = [c for c in columns if c != "run_dir"]
     lines = [f"# Batch summary: {len(rows)} runs, "
              f"{sum(r['status'] == BatchState.SUCCEEDED for r in rows)} succeeded, "
@@ -95,7 +95,7 @@ def _write_markdown(path: Path, rows, columns, metric: str | None) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _write_plot(path: Path, rows, curves: dict[str, list[dict]], metric: str | None) -> None:
+def _write_plot(path: Path, rows: Sequence[dict[str, Any]], curves: dict[str, list[dict]], metric: str | None) -> None:
     try:
         import matplotlib
 
@@ -114,7 +114,8 @@ def _write_plot(path: Path, rows, curves: dict[str, list[dict]], metric: str | N
     left.invert_yaxis()
     left.set_title(f"final {metric or 'metric'} per run (red: failed)", fontsize=9)
     for name, records in curves.items():
-        points = [(r.get("epoch", i + 1), r[metric]) for i, r in enumerate(records) if metric and isinstance(r.get(metric), (int, float))]
+        points = [(r.get("epoch", i + 1), r[metric]) for i, r in enumerate(records)
+                  if metric and isinstance(r.get(metric), (int, float))]
         if points:
             right.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=name)
     right.set_title(f"{metric or 'metric'} during training", fontsize=9)

@@ -4,6 +4,6 @@ before it imports the magics (0.2 s), so that the starter begins importing torch
 
 from __future__ import annotations
 
-from nbddp.launchers.warm.keepers import KernelPool
+from nbddp.launchers import KernelPool
 
 kernel_pool = KernelPool()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
@@ -26,13 +27,19 @@ from nbddp.job import orchestrator
 from nbddp.job.debugger import Console, post_mortem
 from nbddp.job.outcome import gist
 from nbddp.contracts.metrics import last_metrics
+from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE
 from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
-from nbddp.launchers.warm.rules import why_not_warm
-from nbddp.plan.options import (DEFAULT_WARM_IDLE, MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments,
-                           check_seconds, launch_options, parse_line)
-from nbddp.rank_side.catalyst_compat import apply_catalyst_shims
+from nbddp.launchers import why_not_warm
+from nbddp.plan.options import (MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments, check_seconds,
+                                launch_options, parse_line)
+
+if TYPE_CHECKING:
+    from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
+
+    from nbddp.job.follow import Event
+    from nbddp.job.lifecycle import Job
 
 
 def _parser() -> ArgumentParser:
@@ -40,7 +47,8 @@ def _parser() -> ArgumentParser:
     add_launch_arguments(parser, MAGIC)
     parser.add_argument("--dry-run", action="store_true", help="show the generated script; launch nothing")
     parser.add_argument("--fresh", action="store_true",
-                        help="start fresh ranks for this run instead of the kernel's warm ones (%%ddp_ranks shows them)")
+                        help="start fresh ranks for this run instead of the kernel's warm ones "
+                             "(%%ddp_ranks shows them)")
     add_detach_argument(parser)
     parser.add_argument("--attach", nargs="?", const="", default=None, metavar="RUN",
                         help="follow a detached run instead of starting one: RUN's run dir, or this notebook's latest; "
@@ -111,14 +119,14 @@ EXEC_LABEL = "the %%ddp_exec cell"
 
 @magics_class
 class DdpMagics(Magics):
-    def __init__(self, shell) -> None:  # noqa: ANN001
+    def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
         self.history = CellHistory()
         self.said: set[str] = set()
         """What this kernel's cells were told of the machine (said once per kernel)."""
         shell.events.register("post_run_cell", self._record)
 
-    def _record(self, result) -> None:  # noqa: ANN001 - IPython's ExecutionResult
+    def _record(self, result: ExecutionResult | None) -> None:
         """Remember a cell the kernel ran, by the ``In [N]`` the front end shows for it: the result's count.
         (Not the shell's count in ``pre_run_cell``: IPython 9 counts the cell before that event, 8 after.)"""
         if result is None:
@@ -134,7 +142,7 @@ class DdpMagics(Magics):
         self.history.record(info.raw_cell, getattr(info, "cell_id", None), tags, result.execution_count)
 
     @line_magic
-    def ddp_ranks(self, line: str):
+    def ddp_ranks(self, line: str) -> None:
         """Show (``%ddp_ranks``: the ranks, and what each keeps of the setup), ``forget`` (drop the kept setup),
         ``stop`` or ``restart`` the kernel's warm ranks; ``--idle SECONDS`` sets how long idle ranks wait for
         the next ``%%ddp_train`` before exiting."""
@@ -160,7 +168,7 @@ class DdpMagics(Magics):
         return None
 
     @line_cell_magic
-    def ddp_train(self, line: str, cell: str | None = None):
+    def ddp_train(self, line: str, cell: str | None = None) -> None:
         """Train this cell across the GPUs (or CPU processes) with DDP; weights come back here.
 
         Options are those of ``nbddp run`` (``%%ddp_train --help`` lists them), plus ``--dry-run``
@@ -171,7 +179,8 @@ class DdpMagics(Magics):
             return None
         if args.attach is not None:
             if args.detach or args.dry_run:
-                raise UsageError("%%ddp_train --attach follows a run that is already going: drop --detach and --dry-run.")
+                raise UsageError("%%ddp_train --attach follows a run that is already going: "
+                                 "drop --detach and --dry-run.")
             return self._attach(args.attach)
         if not (cell or "").strip():
             raise UsageError("%%ddp_train: the cell has no training code: put it under the %%ddp_train line.")
@@ -196,7 +205,7 @@ class DdpMagics(Magics):
         return self._train(request)
 
     @line_cell_magic
-    def ddp_exec(self, line: str, cell: str | None = None):
+    def ddp_exec(self, line: str, cell: str | None = None) -> None:
         """Run this cell on the kernel's warm ranks (``--ranks 0,1``: those only), in the namespace they keep after
         the setup cells; each rank's output comes labelled. What it changes is undone before the next run (the
         warm ranks' fresh-run state), unless ``--keep``: then the cell joins the setup every later run runs."""
@@ -231,7 +240,7 @@ class DdpMagics(Magics):
         return None
 
     @line_magic
-    def ddp_debug(self, line: str):
+    def ddp_debug(self, line: str) -> None:
         """Open a debugger (pdb) in the frame where the last ``%%ddp_train`` failed on the warm ranks, in the rank
         that failed first (``--rank N``: that rank's), as IPython's ``%debug`` does in the kernel. Each rank keeps
         its failure until the next run; ``q`` leaves the debugger."""
@@ -258,7 +267,7 @@ class DdpMagics(Magics):
         return None
 
     @line_magic
-    def ddp_attach(self, line: str):
+    def ddp_attach(self, line: str) -> None:
         """Follow a detached run (``%%ddp_train --detach``, ``nbddp run --detach``) until it ends, with the live
         view; its weights come back into this kernel as a normal run's do. Stopping the cell leaves the run going."""
         args = parse_line(_ATTACH_PARSER, line)
@@ -303,7 +312,8 @@ class DdpMagics(Magics):
             shown.close(Ending("detached", time.monotonic() - started, run_dir.path, "", again), say=True)
             return None
         except BaseException as exc:
-            shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir.path, NO_WEIGHTS, first_line(str(exc))))
+            shown.close(Ending(Status.FAILED, time.monotonic() - started, run_dir.path, NO_WEIGHTS,
+                               first_line(str(exc))))
             raise
         weights = NO_WEIGHTS
         weights_file = run_dir.weights
@@ -327,7 +337,7 @@ class DdpMagics(Magics):
         kernel = orchestrator.NoKernel("node 0 holds the weights") if nodes and nodes.rank != 0 \
             else orchestrator.InProcess(self.shell.user_ns)
 
-        def on_start(job) -> None:  # noqa: ANN001
+        def on_start(job: Job) -> None:
             nonlocal paths
             paths = job.paths
             shown.open(job.local_ranks(), job.run_dir)
@@ -355,7 +365,7 @@ class DdpMagics(Magics):
         return None
 
 
-def kernel_console(shell) -> Console | None:  # noqa: ANN001 - IPython's shell
+def kernel_console(shell: InteractiveShell) -> Console | None:
     """The cell's input box, where its front end answers ``input()`` (JupyterLab, Notebook, VS Code; papermill and
     nbclient don't: ``None``, and breakpoints are skipped); IPython in a terminal reads the terminal."""
     kernel = getattr(shell, "kernel", None)
@@ -383,16 +393,16 @@ def _ranks(text: str | None, size: int) -> tuple[int, ...] | None:
 class _Shown:
     """The cell's live view (made once the job's ranks are known), what a run and an attached run show alike."""
 
-    def __init__(self, shell) -> None:  # noqa: ANN001
+    def __init__(self, shell: InteractiveShell) -> None:
         self.shell = shell
         self.view = None
 
-    def open(self, ranks, run_dir: Path) -> None:  # noqa: ANN001
+    def open(self, ranks: Sequence[int], run_dir: Path) -> None:
         from nbddp.doors.jupyter.view import make_view
 
         self.view = make_view(ranks, run_dir)
 
-    def __call__(self, event) -> None:  # noqa: ANN001 - a sink
+    def __call__(self, event: Event) -> None:  # (a sink)
         if self.view is not None:
             self.view(event)
 
@@ -422,9 +432,8 @@ def _short_interrupt(seconds: float, run_dir: Path | None) -> KeyboardInterrupt:
     return exc
 
 
-def load_ipython_extension(ipython) -> None:  # noqa: ANN001
+def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``nbddp.load_ipython_extension`` has prepared the warm ranks first)."""
-    apply_catalyst_shims()  # Catalyst cells run in this kernel too (single process)
     ipython.register_magics(DdpMagics(ipython))
     cleanup = ipython.input_transformer_manager.cleanup_transforms
     if _bodiless_cell_magic not in cleanup:

@@ -54,7 +54,8 @@ def notebook_in_command(argv: Sequence[str]) -> str | None:
     for i, arg in enumerate(after):
         if arg == "-" and command == _PAPERMILL and not notebooks:
             return None  # papermill reads its input from stdin
-        if arg.lower().endswith(".ipynb") and not arg.startswith("-") and (i == 0 or after[i - 1] not in _OUTPUT_OPTIONS):
+        if (arg.lower().endswith(".ipynb") and not arg.startswith("-")
+                and (i == 0 or after[i - 1] not in _OUTPUT_OPTIONS)):
             notebooks.append(arg)
     if command == _PAPERMILL:
         return notebooks[0] if notebooks else None

@@ -30,7 +30,7 @@ import html
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from nbddp.display.ending import Ending, shown_path
 from nbddp.doors.jupyter.snapshot import snapshot_html, snapshot_text
@@ -67,7 +67,7 @@ _STYLE = """<style>
 class TextView:
     """Plain text: each line printed as it arrives (terminal IPython, plain Python)."""
 
-    def __init__(self, write=print) -> None:
+    def __init__(self, write: Callable[[str], Any] = print) -> None:
         self.write = write
 
     def __call__(self, event: Event) -> None:
@@ -217,7 +217,8 @@ class WidgetView:
         self.everything = LogPane(w)
         self.panes: dict[int | None, LogPane] = {rank: LogPane(w) for rank in ranks}
         self.tabs = w.Tab(children=[self.everything.widget, *(p.widget for p in self.panes.values())],
-                          titles=["all ranks", *(f"rank {r}" for r in ranks)], layout=w.Layout(flex="3 1 0%", min_width="0"))
+                          titles=["all ranks", *(f"rank {r}" for r in ranks)],
+                          layout=w.Layout(flex="3 1 0%", min_width="0"))
         self.plot: Any = None  # made with the first metrics, as a pane's footer is
         self.lower = w.HBox([self.tabs], layout=w.Layout(align_items="flex-start"))
         self.box = w.VBox([w.HBox([self.progress, self.status]), self.lower])
@@ -330,7 +331,8 @@ class WidgetView:
             text += f" · {describe_memory(self.memory)}"
         where = f" · {html.escape(shown_path(self.run_dir))}" if self.run_dir else ""
         self.status.value = (
-            f"{_STYLE}<span class='nbddp-live'><b>{html.escape(self.title)}</b> {html.escape(text)} · {seconds}s{where}</span>"
+            f"{_STYLE}<span class='nbddp-live'><b>{html.escape(self.title)}</b> {html.escape(text)} · "
+            f"{seconds}s{where}</span>"
             f"<span class='nbddp-gone'><b>the kernel restarted: this run was stopped</b> after {seconds}s"
             f"{' · its logs are in ' + html.escape(shown_path(self.run_dir)) if self.run_dir else ''}</span>")
 
@@ -358,7 +360,7 @@ def _close_tree(widget: Any) -> None:
     widget.close()
 
 
-def make_view(ranks: Sequence[int], run_dir: Path | None = None, mode: str | None = None):
+def make_view(ranks: Sequence[int], run_dir: Path | None = None, mode: str | None = None) -> TextView | WidgetView:
     """``WidgetView`` inside a kernel with ipywidgets, else ``TextView``. ``NBDDP_VIEW`` overrides."""
     import os
 

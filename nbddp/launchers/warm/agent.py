@@ -33,7 +33,7 @@ from nbddp.contracts.status import signal_exit_code
 from nbddp.contracts.rank_env import PER_RUN_VARIABLES, threads_per_rank
 from nbddp.launchers import direct_main, forked_rank
 from nbddp.contracts.pool_dir import PoolDir
-from nbddp.launchers.process_groups import process_alive
+from nbddp.contracts.process_groups import process_alive
 from nbddp.rank_side.parent_death import arm
 from nbddp.contracts.interpreter import module_argv
 
@@ -52,8 +52,10 @@ _NOT_READ_AT_IMPORT = (*PER_RUN_VARIABLES, "CUDA_VISIBLE_DEVICES")
 def main(argv: list[str]) -> None:
     pool = PoolDir(argv[0])
     idle = False
-    for name in ("SIGTERM", "SIGHUP"):  # its owner's death, or stop, before the starter has its own handlers: the
-        signal.signal(getattr(signal, name), _leave)  # folder goes on the way out (the ranks reset them, see forked_rank)
+    # Its owner's death, or stop, before the starter has its own handlers: the folder goes on the way out (the ranks
+    # reset them, see forked_rank).
+    for name in ("SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), _leave)
     try:
         starter = argv[1:]
         if starter[:1] == [PRELOAD]:

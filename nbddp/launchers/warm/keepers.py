@@ -1,25 +1,27 @@
 """Keeping a pool of warm ranks between runs: whether *this* pool can take a run, a batch slot's pool that its
 runs adopt, and the keepers (one pool each, and the one rule for keeping it after a run that didn't succeed).
 
-``nbddp batch`` keeps a :class:`PoolKeeper` per device slot; ``%%ddp_train`` a :class:`KernelPool` per kernel,
-which the Jupyter door owns (:data:`nbddp.doors.jupyter.kernel_pool.kernel_pool`).
+``nbddp batch`` keeps a :class:`PoolKeeper` per device slot (:class:`BatchSlots`), and each of its runs adopts its
+slot's (:class:`BatchSlot`); ``%%ddp_train`` a :class:`KernelPool` per kernel, which the Jupyter door owns
+(:data:`nbddp.doors.jupyter.kernel_pool.kernel_pool`). The doors reach them through the launchers' face
+(:mod:`nbddp.launchers`).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import IO, Mapping
 
 from nbddp.contracts.devices import Devices
-from nbddp.contracts.rank_env import RankEnv, prepares_ranks_ahead
+from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv, prepares_ranks_ahead
 from nbddp.contracts.rank_memory import size
 from nbddp.contracts.status import Status
-from nbddp.launchers.process_groups import memory_held
+from nbddp.contracts.process_groups import memory_held
 from nbddp.launchers.warm.pool import WarmPool
 from nbddp.launchers.warm.preload import Preload, ranks_environment
-from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key
-from nbddp.plan.options import DEFAULT_WARM_IDLE, LaunchOptions
+from nbddp.launchers.warm.rules import PoolKey, ending_note, pool_key, why_not_warm
+from nbddp.plan.options import LaunchOptions
 
 #: Set by ``nbddp batch`` for each run: the folder of the warm pool its device slot keeps.
 POOL_ENV = "NBDDP_WARM_POOL"
@@ -50,6 +52,27 @@ def adopt_batch_pool(devices: Devices, cwd: Path, launch: LaunchOptions,
     if why:
         return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
     return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
+
+
+class BatchSlot:
+    """A batch run's warm ranks (a :class:`nbddp.job.orchestrator.WarmSource`): the pool its device slot keeps
+    (:data:`POOL_ENV`), adopted for this run."""
+
+    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool | None, str]:
+        return adopt_batch_pool(devices, cwd, launch)
+
+    def after_run(self, pool: WarmPool, status: Status) -> None:
+        """The batch, which owns the pool, replaces it after a run that did not succeed
+        (:meth:`BatchSlots.after_run`)."""
+
+    def held_gpus(self) -> tuple[str, ...]:
+        """None by name: a batch run gets its slot's GPUs as numbers (``--gpus N``), never ``--gpus free``."""
+        return ()
+
+
+def batch_slot(environ: Mapping[str, str] | None = None) -> BatchSlot | None:
+    """This run's slot's warm ranks when ``nbddp batch`` started it with some (:data:`POOL_ENV`), else ``None``."""
+    return BatchSlot() if POOL_ENV in (os.environ if environ is None else environ) else None
 
 
 class PoolKeeper:
@@ -251,7 +274,8 @@ class KernelPool(PoolKeeper):
         if self.pool is None or not self.pool.alive() or not self.pool.runs:
             return ""
         gpu = sum(g for report in self.pool.kept(wait=2.0) if report for _, _, g in report.get("names", []))
-        failures = self.pool.devices.kind == "cuda" and bool(self.pool.failures())  # (%ddp_debug's frames hold GPU memory)
+        # (%ddp_debug's frames hold GPU memory)
+        failures = self.pool.devices.kind == "cuda" and bool(self.pool.failures())
         if not (gpu or failures) or not self.pool.forget():
             return ""
         dropped = f"the setup they kept ({size(gpu)} on the GPU)" if gpu else ""
@@ -268,7 +292,8 @@ class KernelPool(PoolKeeper):
 
 
 def kept_summary(report: dict, limit: int = 8) -> str:
-    """One rank's kept setup in a few words: ``cell 2, cell 3 kept: X 1.05 MB, model 4.1 kB; nbddp's copies 4.1 kB (CPU)``."""
+    """One rank's kept setup in a few words: ``cell 2, cell 3 kept: X 1.05 MB, model 4.1 kB; nbddp's copies 4.1 kB
+    (CPU)``."""
     if not report.get("cells"):
         return "nothing kept" + (f" ({report['note']})" if report.get("note") else "")
     names = report.get("names", [])
@@ -279,3 +304,49 @@ def kept_summary(report: dict, limit: int = 8) -> str:
     more = f", and {len(names) - limit} more" if len(names) > limit else ""
     copies = f"; nbddp's copies {size(report['copies'])} (CPU)" if report.get("copies") else ""
     return f"{', '.join(report['cells'])} kept: {', '.join(shown)}{more}{copies}"
+
+
+class BatchSlots:
+    """``nbddp batch``'s warm ranks: one :class:`PoolKeeper` per device slot, its ranks kept between the slot's runs
+    by the rule ``%%ddp_train``'s are kept by, and handed to each run through its environment (:data:`POOL_ENV`)."""
+
+    def __init__(self, engine: str, launch: LaunchOptions, fresh: bool, cwd: Path) -> None:
+        self.warm = not fresh and not why_not_warm(engine, launch)
+        """Whether the batch's runs can share warm ranks at all (``--fresh``, Catalyst, ``--slurm``: no)."""
+        self.cwd = cwd
+        self.keepers: dict[int, PoolKeeper] = {}
+
+    def hand_to(self, slot: int, launch: LaunchOptions, visible: int | None, env: dict[str, str],
+                log: IO[bytes]) -> None:
+        """Give the run about to start on device slot ``slot`` (its ``launch`` and environment ``env``) the slot's
+        warm ranks: started for its first run, and again (with a line in the run's ``log`` saying why) when what
+        they were started with no longer holds, or when its last run's ranks could not be kept."""
+        env.pop(POOL_ENV, None)  # a batch started from a batch run's notebook has pools of its own
+        if not self.warm:
+            return
+        from nbddp.launchers import devices_for
+
+        devices = devices_for(launch, visible=visible)
+        keeper = self.keepers.setdefault(slot, PoolKeeper(environ=env, replace_at_once=False))
+        keeper.environ = env
+        try:
+            pool, why = keeper.pool_with(pool_key(devices, self.cwd, launch, env), devices)
+        except OSError as exc:  # the run starts its own ranks, and would say why it can't either
+            log.write(f"nbddp: could not start warm ranks ({exc}): the run starts its own\n".encode())
+            log.flush()
+            return
+        if why:
+            log.write(f"nbddp: {why}\n".encode())
+            log.flush()
+        env[POOL_ENV] = str(pool.folder)
+
+    def after_run(self, slot: int, status: Status) -> None:
+        """Slot ``slot``'s run ended with ``status``: keep its ranks, or replace them (:meth:`PoolKeeper.after_run`)."""
+        keeper = self.keepers.get(slot)
+        if keeper is not None and keeper.pool is not None:
+            keeper.after_run(keeper.pool, status)
+
+    def stop(self) -> None:
+        """Stop every slot's warm ranks (the batch is over, or stopped)."""
+        for keeper in self.keepers.values():
+            keeper.stop()

@@ -10,11 +10,15 @@ it (its ``logs/launch.json``), read here as a fresh run's is.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nbddp.launchers.base import Launch, read_report
 from nbddp.launchers.direct import Direct
 from nbddp.launchers.warm.pool import WarmPool
 from nbddp.contracts.rundir import RunDir
+
+if TYPE_CHECKING:
+    from nbddp.plan.job_spec import JobSpec
 
 
 class WarmRanks(Direct):
@@ -29,10 +33,10 @@ class WarmRanks(Direct):
         self.pool = pool
 
     @classmethod
-    def for_job(cls, spec) -> "WarmRanks":  # noqa: ANN001 - nbddp.job.lifecycle.JobSpec
+    def for_job(cls, spec: JobSpec) -> "WarmRanks":
         return cls(spec.pool)
 
-    def start(self, script: Path, spec, rank_env: dict[str, str]) -> Launch:  # noqa: ANN001
+    def start(self, script: Path, spec: JobSpec, rank_env: dict[str, str]) -> Launch:
         return self.pool.submit(script, rank_env, spec.cwd)
 
     def report(self, run_dir: RunDir) -> str:

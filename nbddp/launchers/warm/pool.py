@@ -24,14 +24,13 @@ from nbddp.launchers import private_rendezvous
 from nbddp.contracts.owned import touch
 from nbddp.launchers.local_process import AdoptedGroup, LaunchSpec, LocalProcess
 from nbddp.contracts.pool_dir import FOLDER_PREFIX, PoolDir
-from nbddp.launchers.process_groups import owned_temp_dir, process_alive
+from nbddp.contracts.process_groups import owned_temp_dir, process_alive
 from nbddp.launchers.direct import starter_options
 from nbddp.launchers.warm.departure import Departure
 from nbddp.launchers.warm.preload import Preload, ranks_environment
 from nbddp.launchers.warm.rules import PoolKey
 from nbddp.launchers.warm.run import WarmRun
-from nbddp.plan.options import DEFAULT_WARM_IDLE
-from nbddp.contracts.rank_env import RankEnv
+from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
 from nbddp.contracts.interpreter import module_argv
 
 #: Seconds a rank that took a stopped job is given to end it (it does so at once, once scheduled) before the
@@ -64,7 +63,8 @@ class WarmPool:
             env = ranks_environment(RankEnv(device=devices.kind, nproc=devices.nproc,
                                             collective_timeout=key.collective_timeout, warm=True, warm_idle=idle,
                                             pool_owner=os.getpid()),
-                                    private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
+                                    private_rendezvous.prepare(self.dir.store),
+                                    os.environ if environ is None else environ)
             if preload is None:
                 argv = tuple(module_argv("nbddp.launchers.warm.agent", str(self.dir), *starter, python=key.python))
                 self.launch = LocalProcess(LaunchSpec(argv, env, Path(key.cwd), self.dir.launcher_log))

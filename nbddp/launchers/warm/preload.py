@@ -32,7 +32,7 @@ from nbddp.contracts.rank_env import RankEnv
 from nbddp.contracts.rank_memory import size
 from nbddp.launchers import private_rendezvous
 from nbddp.launchers.local_process import LaunchSpec, LocalProcess
-from nbddp.launchers.process_groups import memory_held, owned_temp_dir
+from nbddp.contracts.process_groups import memory_held, owned_temp_dir
 from nbddp.launchers.warm import agent
 from nbddp.contracts.interpreter import module_argv
 
@@ -59,7 +59,8 @@ class Preload:
         try:
             self.nproc = resolve().nproc  # a run with no options gets this many ranks: OMP_NUM_THREADS as theirs
             env = ranks_environment(RankEnv(warm=True, pool_owner=os.getpid()),
-                                    private_rendezvous.prepare(self.dir.store), os.environ if environ is None else environ)
+                                    private_rendezvous.prepare(self.dir.store),
+                                    os.environ if environ is None else environ)
             self.imported = agent.as_imported(env, self.nproc)
             """What of the ranks' environment its imports read (as :func:`~nbddp.launchers.warm.agent.as_imported`)."""
             argv = tuple(module_argv("nbddp.launchers.warm.agent", str(self.dir), agent.PRELOAD, f"{idle:g}",

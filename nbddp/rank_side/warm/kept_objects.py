@@ -87,7 +87,6 @@ class KeptObjects:
         self.namespace = namespace
         self.folder = str(Path(folder).resolve())
         self.records: dict[int, Record] = {}
-        self.sealed = False
         self._kinds: dict[type, int] = {}
 
     # ------------------------------------------------------------------ recording
@@ -147,7 +146,6 @@ class KeptObjects:
                     record.changed, record.sum = max(record.changed, last_cell), now
         for record in copied:
             record.copy = copy_of(record.kind, record.obj)
-        self.sealed = True
 
     def _to_copy(self) -> list[Record]:
         """The tensors and arrays restored from a copy: a module's parameters and buffers, an optimizer's state,
@@ -156,7 +154,8 @@ class KeptObjects:
         for record in self.records.values():
             obj = record.obj
             if record.kind == OBJECT and is_module(obj):
-                for tensor in [*obj.__dict__.get("_parameters", {}).values(), *obj.__dict__.get("_buffers", {}).values()]:
+                for tensor in [*obj.__dict__.get("_parameters", {}).values(),
+                               *obj.__dict__.get("_buffers", {}).values()]:
                     trained.update((id(tensor), id(getattr(tensor, "grad", None))))
             elif record.kind == OBJECT and is_optimizer(obj):
                 for state in obj.__dict__.get("state", {}).values():
@@ -171,7 +170,6 @@ class KeptObjects:
         for record in self.records.values():
             if record.changed >= cell:
                 record.changed = -1  # (only possible for what a later cell changed and is restored to before it)
-        self.sealed = False
 
     # ------------------------------------------------------------------ after a run
     def restore(self) -> list[tuple[Record, str]]:
@@ -294,7 +292,8 @@ class KeptObjects:
             return MODULE if self._local(getattr(obj, "__file__", None)) else ATOMIC
         if isinstance(obj, type):
             module = sys.modules.get(obj.__module__)
-            local = obj.__module__ == "__main__" or (module is not None and self._local(getattr(module, "__file__", None)))
+            local = obj.__module__ == "__main__" or (module is not None
+                                                     and self._local(getattr(module, "__file__", None)))
             return CLASS if local else ATOMIC
         if isinstance(obj, io.IOBase):
             if obj in (sys.stdin, sys.stdout, sys.stderr, sys.__stdin__, sys.__stdout__, sys.__stderr__) or obj.closed:
@@ -367,7 +366,7 @@ class KeptObjects:
         """Whether the object is as its record says."""
         try:
             return same(record.kind, record.state, capture(record.kind, record.obj))
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an object that can't be read now isn't as its record says
             return False
 
     def _sum(self, record: Record) -> Any:
@@ -379,6 +378,6 @@ class KeptObjects:
                 return array_sum(record.obj)
             if record.kind == OPAQUE:
                 return pickle_digest(record.obj)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - an object nbddp can't check is one it can't keep
             record.kind, record.why = UNKEEPABLE, f"a {type(record.obj).__name__} that can't be checked"
         return None

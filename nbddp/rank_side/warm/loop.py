@@ -52,20 +52,22 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Callable
 
 from nbddp.rank_side.parent_death import die_with_parent
 
 die_with_parent()  # dies with the pool's starter, armed before torch is imported (seconds)
 
-import torch.distributed as dist  # noqa: E402
+# The rest only once that signal is armed (torch's import takes seconds): below the code, E402 deliberately broken.
+import torch.distributed as dist  # noqa: E402 - after the arming
 
-from nbddp.contracts.atomic import write_json  # noqa: E402
-from nbddp.contracts.pool_dir import JobEnd, PoolDir
-from nbddp.rank_side import debugger, memory, trackers
-from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv
-from nbddp.rank_side.warm.process_state import ProcessState
-from nbddp.rank_side.warm.state import Plan, WarmState
+from nbddp.contracts.atomic import write_json  # noqa: E402 - after the arming
+from nbddp.contracts.pool_dir import JobEnd, PoolDir  # noqa: E402 - after the arming
+from nbddp.rank_side import debugger, memory, trackers  # noqa: E402 - after the arming
+from nbddp.contracts.rank_env import DEFAULT_WARM_IDLE, RankEnv  # noqa: E402 - after the arming
+from nbddp.rank_side.warm.process_state import ProcessState  # noqa: E402 - after the arming
+from nbddp.rank_side.warm.state import Plan, WarmState  # noqa: E402 - after the arming
 
 POLL_SECONDS = 0.005
 #: An idle rank looks for its next job every POLL_SECONDS at first (a re-run right after a run starts at once),
@@ -80,7 +82,7 @@ def main(folder: Path) -> int:
     pool = PoolDir(folder)
     # Imported before any group exists: its functions' defaults are `group=group.WORLD`, evaluated at import,
     # and would otherwise hold the first group forever (so that freeing it could never wake a peer).
-    import torch.distributed.nn.functional  # noqa: F401
+    import torch.distributed.nn.functional  # noqa: F401 - imported for that effect alone
     runtime.start()  # joins the group; no run dir yet: output goes to the pool's log
     # What exists now (torch, the first group) lives as long as the rank: the collections after each job skip
     # it. (Frozen objects are still freed when their last reference goes: a released group is.)
@@ -142,7 +144,7 @@ def main(folder: Path) -> int:
     return 0
 
 
-def dist_store():
+def dist_store() -> dist.Store:
     """The store of this rank's default group (a FileStore in the pool's private folder)."""
     return dist.distributed_c10d._get_default_store()
 
@@ -157,14 +159,14 @@ _stacks = None
 _state: WarmState | None = None
 
 
-def _interrupt_the_job(signum: int, frame) -> None:  # noqa: ANN001 - signal handler
+def _interrupt_the_job(signum: int, frame: FrameType | None) -> None:
     job = _in_job
     if job is not None:
         _heard(*job, frame)
         raise KeyboardInterrupt
 
 
-def _heard(pool: PoolDir, number: int, rank: int, frame) -> None:  # noqa: ANN001 - a frame
+def _heard(pool: PoolDir, number: int, rank: int, frame: FrameType | None) -> None:
     """Tell the kernel this rank heard the interrupt, and where: it is in Python (not stuck in C code),
     on its way out of the job. Best effort: a full disk must not turn an interrupt into another error."""
     frames = [[*_relocated(f.filename, f.lineno), f.name]
@@ -313,7 +315,7 @@ def _run(job: dict, pool: PoolDir, rank: int, size: int, number: int, state: War
 _script = ""
 
 
-def _agree(pool: PoolDir, number: int, rank: int, size: int):  # noqa: ANN202 - a Plan → Plan callable
+def _agree(pool: PoolDir, number: int, rank: int, size: int) -> Callable[[Plan], Plan]:
     """How the ranks agree on where job ``number``'s setup starts: each says where it would, all take the
     earliest (a setup's collectives must match), with the reason of the rank that needs it."""
     def agree(plan: Plan) -> Plan:
@@ -448,7 +450,7 @@ def _keep_setup(state: WarmState, pool: PoolDir, rank: int, number: int) -> None
     what the rank keeps written for ``%ddp_ranks``. Never costs the rank: a failure here keeps nothing."""
     try:
         state.after_job()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - it never costs the rank: a failure here keeps nothing
         print(f"[nbddp] setup: not kept: putting it back failed ({type(exc).__name__}: {exc})", flush=True)
         state.forget()
     _write_kept(state, pool, rank, number)
@@ -471,7 +473,8 @@ def _relocate(report: traceback.TracebackException) -> traceback.TracebackExcept
             filename, line = _relocated(frame.filename, frame.lineno)
             if (filename, line) != (frame.filename, frame.lineno):
                 current.stack[index] = traceback.FrameSummary(filename, line, frame.name)
-        pending.extend(e for e in (current.__cause__, current.__context__, *(getattr(current, "exceptions", None) or ()))
+        pending.extend(e for e in (current.__cause__, current.__context__,
+                                   *(getattr(current, "exceptions", None) or ()))
                        if e is not None)
     return report
 

@@ -106,7 +106,8 @@ def _never_kept_type(tp: type) -> bool:
 
     module = tp.__module__ or ""
     return (issubclass(tp, (threading.Thread, socket.socket, subprocess.Popen))
-            or (module.startswith("torch.distributed") and ("ProcessGroup" in tp.__name__ or tp.__name__ in ("Reducer", "Work", "Store", "TCPStore")))
+            or (module.startswith("torch.distributed")
+                and ("ProcessGroup" in tp.__name__ or tp.__name__ in ("Reducer", "Work", "Store", "TCPStore")))
             or (module.startswith("torch.cuda") and tp.__name__ == "CUDAGraph")
             or module.startswith("multiprocessing"))
 
@@ -210,7 +211,8 @@ def same(kind: int, then: Any, now: Any) -> bool:
     if kind in (MODULE, CLASS):
         return not changed_mapping(now, then)
     if kind == FUNCTION:
-        return (now[0] is then[0] or (now[0] is not None and then[0] is not None and not _changed_items(list(now[0]), list(then[0])))) \
+        return (now[0] is then[0] or (now[0] is not None and then[0] is not None
+                                      and not _changed_items(list(now[0]), list(then[0])))) \
             and not changed_mapping(now[1], then[1]) and not changed_mapping(now[2], then[2]) \
             and not _changed_items(list(now[3]), list(then[3])) and now[4] is then[4]
     if kind == TENSOR:
@@ -390,7 +392,7 @@ def _rng_equal(a: Any, b: Any) -> bool:
         return bool(a.equal(b))
     try:
         return pickle.dumps(a) == pickle.dumps(b)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - a generator's state that won't pickle: not known to be equal
         return False
 
 

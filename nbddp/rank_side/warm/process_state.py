@@ -93,7 +93,8 @@ def torch_settings() -> dict[str, Any]:
 
     return {"dtype": torch.get_default_dtype(), "threads": torch.get_num_threads(),
             "grad": torch.is_grad_enabled(), "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
             "cudnn_tf32": torch.backends.cudnn.allow_tf32, "matmul_precision": torch.get_float32_matmul_precision()}
 
 

@@ -85,7 +85,8 @@ def _imports(statements: list[ast.stmt]) -> tuple[tuple[str, str], ...]:
     found = []
     for node in (n for statement in statements for n in ast.walk(statement)):
         if isinstance(node, ast.Import):
-            found += [((a.asname or a.name).split(".")[0], a.name if a.asname else a.name.split(".")[0]) for a in node.names]
+            found += [((a.asname or a.name).split(".")[0], a.name if a.asname else a.name.split(".")[0])
+                      for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found += [(a.asname or a.name, node.module) for a in node.names if a.name != "*"]
     return tuple(found)

@@ -148,7 +148,7 @@ class WarmState:
                 values.append({})
                 continue
             before = dict(scratch)
-            exec(unit.code, scratch)  # noqa: S102
+            exec(unit.code, scratch)  # noqa: S102 - nbddp's lines and the literal parameters, the job's own code
             values.append({k: v for k, v in scratch.items() if before.get(k, GONE) is not v and k != "__builtins__"})
         return values
 
@@ -242,7 +242,7 @@ class WarmState:
         self.bindings = dict(namespace)
         return namespace
 
-    def _replay(self, units: list[Unit], start: int, literal_values: list[dict[str, Any]]):
+    def _replay(self, units: list[Unit], start: int, literal_values: list[dict[str, Any]]) -> dict[str, Any]:
         """The names as they were after cell ``start - 1``: this job's literal values where a literal unit bound
         them last (the kept object where the value didn't change), else the kept cell's."""
         names: dict[str, Any] = {}
@@ -311,7 +311,7 @@ class WarmState:
                 self.objects.seal(cell - 1)
             except NotKept as exc:
                 self.note = str(exc)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - nbddp's bookkeeping never costs the run: it keeps nothing
                 self.note = f"nbddp could not keep it ({type(exc).__name__}: {exc})"
         self.bindings = dict(namespace)
 

@@ -1,9 +1,13 @@
 """How an exported script is launched by hand: the header's command, and the sbatch script for Slurm.
 
+The launchers' own knowledge (torchrun's options, a Slurm job's script, the Ray driver's command), written for a
+person instead of run: ``nbddp export`` asks for it through the launchers' face (:func:`nbddp.launchers.export_launch`).
+
 ``nbddp export`` takes the same device, node, Slurm and Ray flags as ``nbddp run``, checked as a
 run's are (by :class:`~nbddp.plan.options.LaunchOptions`); instead of launching, it writes what a person
-types (the per-node torchrun command, or the Ray driver's, in the script's header) or submits (``train.sbatch`` beside ``train.py``, made by the same generator
-``nbddp run --slurm`` submits). Nothing here probes this machine's devices: the script runs elsewhere.
+types (the per-node torchrun command, or the Ray driver's, in the script's header) or submits (``train.sbatch``
+beside ``train.py``, made by the same generator ``nbddp run --slurm`` submits). Nothing here probes this machine's
+devices: the script runs elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from nbddp.contracts.devices import CPU_PROCESSES, Devices
 from nbddp.engines import detect_engine, spawns_its_own_ranks
 from nbddp.contracts.errors import UsageError
 from nbddp.notebook.reader import Notebook
-from nbddp.launchers.slurm import slurm_devices
 from nbddp.engines.torch import by_hand, torchrun_options
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.plan.options import DEFAULT_MAX_REQUEUES, DEFAULT_RDZV_TIMEOUT, LaunchOptions, Nodes
@@ -46,8 +49,9 @@ def export_launch(launch: LaunchOptions, notebook: Notebook, script_name: str) -
             raise UsageError("--requeue, --max-requeues: only for jobs nbddp submits and watches (nbddp run, batch, "
                              "%%ddp_train --slurm); a batch script exported to submit by hand runs --no-requeue.")
         # The interpreter that exported it (a venv the nodes share); PYTHON= in the file says which.
-        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name, python=sys.executable,
-                               rdzv_timeout=launch.rdzv_timeout, job_name=f"nbddp-{notebook.path.stem}")
+        sbatch = sbatch_script(engine, slurm, devices or Devices("cpu", CPU_PROCESSES), script_name,
+                               python=sys.executable, rdzv_timeout=launch.rdzv_timeout,
+                               job_name=f"nbddp-{notebook.path.stem}")
         sbatch_name = shlex.quote(script_name.rsplit('.', 1)[0] + ".sbatch")
         return ExportPlan(engine, f"sbatch {sbatch_name}  (Slurm; see that file)", sbatch)
     if nodes is None:
@@ -61,6 +65,8 @@ def _devices(launch: LaunchOptions) -> Devices | None:
     from nbddp.contracts.devices import requested_gpus
 
     if launch.slurm is not None:  # the script runs on the cluster: no Slurm commands needed here to write it
+        from nbddp.launchers.slurm import slurm_devices
+
         return slurm_devices(launch.slurm, launch.cpu, launch.nproc, require_commands=False)
     if launch.gpus is not None:
         return Devices("cuda", requested_gpus(launch.gpus))
