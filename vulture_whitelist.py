@@ -20,7 +20,7 @@ from nbddp.contracts.rank_env import RankEnv
 from nbddp.doors.jupyter.magics import DdpMagics
 from nbddp.doors.nbconvert import NbddpExporter
 from nbddp.doors.papermill import NbddpEngine
-from nbddp.engines.record import Engine
+from nbddp.engines.engine import Engine
 from nbddp.job.trackers import share_open_records
 from nbddp.launchers.ray import Ray
 from nbddp.launchers.slurm import Slurm

@@ -142,9 +142,9 @@ def test_a_run_the_supervisor_refuses_is_said_by_the_attacher(tmp_path):
 
 
 def test_the_request_and_the_error_cross_as_data_and_come_back_equal(tmp_path):
-    """``detached/request.json`` and ``error.json`` (nbddp/doors/detached_record.py): what the door asked and the
+    """``detached/request.json`` and ``error.json`` (nbddp/doors/detached_request.py): what the door asked and the
     run's judged error, written and read back as plain data (no pickle a planted file could make run code)."""
-    from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
+    from nbddp.doors.detached_request import read_error, read_request, write_error, write_request
     from nbddp.doors.notebook_run import RunOptions
     from nbddp.contracts.errors import RunTimeout
     from nbddp.job.orchestrator import RunRequest
@@ -181,7 +181,7 @@ def test_the_request_and_the_error_cross_as_data_and_come_back_equal(tmp_path):
 def test_a_planted_request_error_or_link_is_refused_and_another_users_run_is_named(tmp_path):
     """What the issue's attacker did: a symlink planted where the request is written (it overwrote the victim's
     file), a request or error file swapped in by another user, a detached run in a shared folder attached to."""
-    from nbddp.doors.detached_record import read_error, read_request, write_request
+    from nbddp.doors.detached_request import read_error, read_request, write_request
     from nbddp.doors.notebook_run import RunOptions
     from nbddp.contracts.owned import NotYours
 

@@ -10,7 +10,7 @@ import pytest
 
 import nbddp.engines as engines
 from nbddp.contracts.role_names import SETUP, TRAIN
-from nbddp.engines.record import CellFacts, CodeRequest, Engine, EngineCode
+from nbddp.engines.engine import CellFacts, CodeRequest, Engine, EngineCode
 from nbddp.plan.options import options_table
 
 

@@ -112,6 +112,7 @@ def test_nodes_started_with_different_parameters_refuse_to_train(tmp_path, cli_r
     assert not main.leftovers() and not other.leftovers()
 
 
+@pytest.mark.beside  # (61 s, asserting no timing: beside the rest in .ci/run, where the lanes even out)
 def test_catalyst_engine_across_two_nodes(tmp_path, cli_run):
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for folder in folders:

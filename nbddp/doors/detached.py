@@ -1,6 +1,6 @@
 """Detached runs (``--detach``): a supervisor process owns the job, so whoever started it may go.
 
-:func:`start` writes what to run into the run dir (as data: :mod:`nbddp.doors.detached_record`) and starts
+:func:`start` writes what to run into the run dir (as data: :mod:`nbddp.doors.detached_request`) and starts
 the supervisor, ``python -m
 nbddp.doors.detached RUN_DIR``, which forks once so that it is nobody's child: in a session of its own
 and without a terminal, no Ctrl-C, hang-up, kernel restart or closed SSH session reaches it, and the
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from nbddp.contracts.atomic import read_json, write_json
-from nbddp.doors.detached_record import read_error, read_request, write_error, write_request
+from nbddp.doors.detached_request import read_error, read_request, write_error, write_request
 from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, RunFailed, UsageError
 from nbddp.contracts.rundir import RunDir

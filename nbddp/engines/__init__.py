@@ -6,7 +6,7 @@ which spawns the processes itself. ``accelerate``, ``lightning``, ``transformers
 for those libraries run unchanged under torchrun, the library's notebook launcher or fork strategy
 replaced by the ranks torchrun started (:mod:`nbddp.engines.frameworks`).
 
-Each engine is one record (:class:`~nbddp.engines.record.Engine`) in its own module, registered here by name
+Each engine is one record (:class:`~nbddp.engines.engine.Engine`) in its own module, registered here by name
 (:data:`BUILTIN`), as launchers are; everything below asks the records. Nothing here imports torch or any of
 those libraries: this runs in the notebook kernel and the CLI, before any rank exists.
 """
@@ -18,7 +18,7 @@ from importlib import import_module
 from typing import Iterator, Sequence
 
 from nbddp.engines.reading import facts, imported_packages, name_of, parse
-from nbddp.engines.record import CodeCell, CodeRequest, Engine, EngineCode  # (the engines' face)
+from nbddp.engines.engine import CodeCell, CodeRequest, Engine, EngineCode  # (the engines' face)
 
 #: Every engine, by name: ``module:attribute`` of its record, loaded on first use. Detection asks them in this
 #: order (``torch``, which no notebook calls for by name, answers when none of the others does).
@@ -32,8 +32,6 @@ BUILTIN = {
 ENGINES = tuple(BUILTIN)
 #: What a run hands back unless ``--return`` says otherwise: ``model``, where a cell defines one.
 DEFAULT_RETURNS = ("model",)
-#: The cells the engines read (:class:`nbddp.notebook.roles.ExportedCell` is one).
-ExportedCell = CodeCell
 _loaded: dict[str, Engine] = {}
 
 
@@ -86,16 +84,16 @@ def engine_code(name: str, request: CodeRequest) -> EngineCode:
     return engine(name).code(request)
 
 
-def detect_engine(cells: Sequence[ExportedCell]) -> str:
+def detect_engine(cells: Sequence[CodeCell]) -> str:
     """The engine the training cells call for, from what the cells import and call.
 
-    Each engine's record says what calls for it (:attr:`~nbddp.engines.record.Engine.trains_with`), asked in
+    Each engine's record says what calls for it (:attr:`~nbddp.engines.engine.Engine.trains_with`), asked in
     :data:`BUILTIN`'s order: ``catalyst``, a runner's ``.train(..., loaders=...)`` in a training cell;
     ``accelerate``, ``notebook_launcher(...)``, ``debug_launcher(...)`` or ``Accelerator(...)`` in a training cell;
     ``lightning``, a ``Trainer(...)`` and, in a training cell, its ``.fit(...)``; ``transformers``, a
     ``...Trainer(...)`` and, in a training cell, its ``.train()`` (each also needs its package imported). The
     training cells decide first (a kernel's ``#| ddp`` cells may serve notebooks of several libraries); then what
-    a setup cell calls for (:attr:`~nbddp.engines.record.Engine.sets_up_with`: an ``Accelerator`` built in a setup
+    a setup cell calls for (:attr:`~nbddp.engines.engine.Engine.sets_up_with`: an ``Accelerator`` built in a setup
     cell must see the ranks too); else ``torch``.
     """
     read = facts(cells)
@@ -162,7 +160,7 @@ def _running_nodes(tree: ast.AST) -> Iterator[ast.AST]:
         yield from _running_nodes(node)
 
 
-def framework_packages(cells: Sequence[ExportedCell], name: str) -> tuple[str, ...]:
+def framework_packages(cells: Sequence[CodeCell], name: str) -> tuple[str, ...]:
     """Which of library ``name``'s packages the cells import (``lightning`` and/or ``pytorch_lightning``):
     the ranks adapt only those, so a rank never imports a package the notebook doesn't use."""
     imported = set().union(*(imported_packages(c.code) for c in cells))
@@ -175,7 +173,7 @@ def framework_packages(cells: Sequence[ExportedCell], name: str) -> tuple[str, .
 _SPAWN_COUNT = (("spawn", "start_processes"), "nprocs", 2)
 
 
-def processes_asked(cells: Sequence[ExportedCell], name: str) -> int | None:
+def processes_asked(cells: Sequence[CodeCell], name: str) -> int | None:
     """The process count the training cells ask their library for, when it is a literal:
     ``notebook_launcher(..., num_processes=N)``, ``Trainer(devices=N)``, or ``mp.spawn(fn, nprocs=N)`` (PyTorch's
     DDP tutorial). It becomes the run's process count unless a launch option (``--gpus``, ``--nproc``) says
@@ -216,7 +214,7 @@ def _is_torch_spawn(func: ast.expr) -> bool:
     return name_of(owner) in ("mp", "multiprocessing", "torch_mp", "tmp") if owner is not None else False
 
 
-def saves_checkpoints(cells: Sequence[ExportedCell]) -> bool:
+def saves_checkpoints(cells: Sequence[CodeCell]) -> bool:
     """The cells call ``nbddp.save_checkpoint`` on every rank: a Slurm job of them can stop at a save and
     resume (``--requeue``'s default). Not another library's ``save_checkpoint`` (Lightning's, DeepSpeed's),
     nor one under an ``if`` that asks which rank this is (``if nbddp.is_main():``): every rank must reach

@@ -18,7 +18,7 @@ from nbddp.contracts.devices import CPU_PROCESSES
 from nbddp.contracts.errors import NbddpError
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.engines.reading import parse
-from nbddp.engines.record import CellFacts, Engine, EngineCode
+from nbddp.engines.engine import CellFacts, Engine, EngineCode
 
 
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:

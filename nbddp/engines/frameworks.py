@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from nbddp.engines.record import CellFacts, CodeRequest, Engine, EngineCode
+from nbddp.engines.engine import CellFacts, CodeRequest, Engine, EngineCode
 from nbddp.engines.torch import default_hint
 
 #: Accelerate's calls that start a notebook's training (nbddp's ranks run their function in place), and with

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from nbddp.contracts.cell_tree import tree_or_none
 from nbddp.contracts.role_names import TRAIN
-from nbddp.engines.record import CellFacts, CodeCell
+from nbddp.engines.engine import CellFacts, CodeCell
 
 
 def facts(cells: Sequence[CodeCell]) -> CellFacts:

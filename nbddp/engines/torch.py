@@ -21,7 +21,7 @@ import shlex
 from typing import Sequence
 
 from nbddp.contracts.devices import CPU_PROCESSES
-from nbddp.engines.record import Engine, EngineCode
+from nbddp.engines.engine import Engine, EngineCode
 from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT
 
 #: A run on one machine: the address torchrun's agent names its node by (it listens on nothing), and its

@@ -105,7 +105,7 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Sc
 
 def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
                 packages: Sequence[str] = ()) -> EngineCode:
-    """The lines ``engine`` puts around the cells (its record's :attr:`~nbddp.engines.record.Engine.code`).
+    """The lines ``engine`` puts around the cells (its record's :attr:`~nbddp.engines.engine.Engine.code`).
     ``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (an engine that shards: torch). ``packages``:
     for a library's engine, the packages of it the cells import (:func:`nbddp.engines.framework_packages`).
 
