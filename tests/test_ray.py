@@ -132,6 +132,24 @@ def test_a_run_asking_for_more_than_the_cluster_has_fails_within_its_timeout_say
     assert "the run exceeded --timeout; every rank was stopped. Ray: the cluster never placed 1 node × 3 CPU" in timed.output
 
 
+
+def test_a_driver_stopped_while_it_connects_says_the_cluster_never_placed_the_ranks(tmp_path, ray_env):
+    """The stop lands while the driver imports Ray or connects (Ray's own SIGTERM handler is in place then): the
+    record still says what the cluster hadn't done, and the driver ends as a stopped run, not with a traceback."""
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    driver = subprocess.Popen([sys.executable, "-m", "nbddp.launchers.ray_main", "--address", ray_env.address,
+                               "--nodes", "1", "--nproc", "3", "--start-timeout", "30", str(tmp_path / "run"),
+                               str(tmp_path / "train.py")], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    job = tmp_path / "run" / "ray" / "job.json"
+    wait_until(job.exists, 60, "the driver wrote its record")
+    driver.send_signal(signal.SIGTERM)
+    output = driver.communicate(timeout=60)[0]
+    record = json.loads(job.read_text())
+    assert driver.returncode == 143 and "Traceback" not in output, output
+    assert record["state"] == "STOPPED", record
+    assert record["ended_by"].startswith("Ray: the cluster never placed 1 node × 3 CPU ranks in the "), record
+
 def test_no_cluster_at_the_address_is_said_at_once(tmp_path, cli_run, ray_env):
     from tests.slurm_cluster import free_port
 

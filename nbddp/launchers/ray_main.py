@@ -156,6 +156,7 @@ class Driver:
         self.args = args
         self.run_dir = RunDir(Path(args.run_dir).resolve())
         self.stopping: list[int] = []
+        self.started = time.monotonic()
         self.record: dict[str, Any] = {"address": args.address, "job_id": None, "state": "CONNECTING", "nodes": []}
         per_node = {"CPU": float(args.nproc)} | ({"GPU": float(args.nproc)} if args.gpus else {})
         self.bundles = [per_node] * args.nodes
@@ -176,12 +177,28 @@ class Driver:
         self.write(state=state, ended_by=f"Ray: {why}")
         return CLUSTER_FAILED
 
+    def stopped_unplaced(self, state: str, short: str) -> int:
+        """Stopped (``--timeout``, Ctrl-C, ``nbddp kill``) before the ranks were placed: what the cluster hadn't done
+        is the run's ending, whether it was still connecting, about to ask, or waiting for room."""
+        waited = time.monotonic() - self.started
+        why = short or ("the run was stopped while still connecting to the cluster" if state == "CONNECTING"
+                        else "its resources were in use")
+        self.write(ended_by=f"Ray: the cluster never placed {self.asked} in the {waited:.0f} s the run waited "
+                            f"({state}): {why}")
+        return self.stopped()
+
     def stopped(self) -> int:
         if self.record.get("state") != "WORKER_LOST":  # (what the cluster did stays the record's ending)
             self.write(state="STOPPED")
         return signal_exit_code(self.stopping[0])
 
+    def listen(self) -> None:
+        """A stop becomes ``self.stopping``, looked at between the driver's steps."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self.on_signal)
+
     def main(self) -> int:
+        self.listen()  # (a stop while Ray imports is kept, not a traceback)
         self.run_dir.ray_job.parent.mkdir(parents=True, exist_ok=True)
         self.write()
         try:
@@ -195,15 +212,19 @@ class Driver:
             found = f" (--ray alone: {cluster})" if self.args.address == RAY_AUTO else ""
             return self.fail(f"no Ray cluster answers at {host_port(target)}{found}: nothing listens there. {advice}",
                              "UNREACHABLE")
+        if self.stopping:
+            return self.stopped_unplaced("CONNECTING", "")
         try:
             ray.init(address=self.args.address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
+        except SystemExit as exc:  # Ray's own SIGTERM handler, while connecting: sys.exit(signum)
+            self.stopping.append(exc.code if isinstance(exc.code, int) and exc.code > 0 else signal.SIGTERM)
+            return self.stopped_unplaced("CONNECTING", "")
         except ConnectionError as exc:
             return self.fail(f"no Ray cluster to connect to ({cluster}): {first_line(exc)} {advice}", "UNREACHABLE")
         except Exception as exc:  # noqa: BLE001 - a version mismatch, a bad address: Ray's words, said as such
             return self.fail(f"connecting to {cluster} failed: {first_line(exc)} (Ray here is {ray.__version__}; it "
                              "must be the cluster's version, with the same Python.)", "UNREACHABLE")
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # after ray.init, which sets its own
-            signal.signal(sig, self.on_signal)
+        self.listen()  # again: ray.init sets its own
         try:
             return self.run(ray)
         except ray.exceptions.RayError as exc:  # the cluster went away under the run, or refused it
@@ -218,9 +239,9 @@ class Driver:
         job_id, address = context.get_job_id(), getattr(context, "gcs_address", None) or self.args.address
         self.write(job_id=job_id, address=address, state="PENDING")
         say(f"job {job_id} on the cluster at {address}: {self.asked}")
-        if self.stopping:
-            return self.stopped()
         short = self.shortfall(ray)
+        if self.stopping:
+            return self.stopped_unplaced("not yet asked for", short)
         if short:
             say(f"{short}: waiting up to {self.args.start_timeout:g} s (--rdzv-timeout) for the cluster to grow")
         group = placement_group(self.bundles, strategy="STRICT_SPREAD" if len(self.bundles) > 1 else "PACK")
@@ -255,12 +276,9 @@ class Driver:
             if line != shown:
                 say(line)
                 shown = line
-            waited = time.monotonic() - started
             if self.stopping:
-                self.write(ended_by=f"Ray: the cluster never placed {self.asked} in the {waited:.0f} s the run "
-                                    f"waited ({state}): " + (short or "its resources were in use"))
-                return self.stopped()
-            if waited > self.args.start_timeout:
+                return self.stopped_unplaced(state, short)
+            if time.monotonic() - started > self.args.start_timeout:
                 return self.fail(f"the cluster never placed {self.asked} within --rdzv-timeout "
                                  f"{self.args.start_timeout:g} s ({state}): "
                                  + (short or "its resources stayed in use by other work") + ". Nothing was trained.",
