@@ -310,13 +310,13 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
 
     from nbddp.contracts.devices import resolve
     from nbddp.contracts.pool_dir import PoolDir
-    from nbddp.launchers.warm.keepers import POOL_ENV, adopt_batch_pool
+    from nbddp.launchers.warm.keepers import POOL_ENV, batch_slot
     from nbddp.launchers.warm.rules import pool_key, why_not_warm
     from nbddp.plan.options import LaunchOptions, Nodes
 
     devices = resolve(cpu=True, nproc=2)
     monkeypatch.setenv(POOL_ENV, str(tmp_path / "gone"))
-    assert adopt_batch_pool(devices, tmp_path, LaunchOptions()) == (
+    assert batch_slot().pool_for(devices, tmp_path, LaunchOptions()) == (
         None, "not on the batch's warm ranks (they are gone): starting fresh ones")
 
     folder = tmp_path / "pool"
@@ -327,9 +327,9 @@ def test_a_run_refuses_a_batch_pool_it_cant_use_and_says_why(tmp_path, monkeypat
     PoolDir(folder).description.write_text(json.dumps({"key": asdict(key), "idle": 600.0, "pid": dead.pid,
                                                        "pgid": dead.pid}))
     monkeypatch.setenv(POOL_ENV, str(folder))
-    pool, said = adopt_batch_pool(resolve(cpu=True, nproc=1), tmp_path, LaunchOptions())
+    pool, said = batch_slot().pool_for(resolve(cpu=True, nproc=1), tmp_path, LaunchOptions())
     assert pool is None and "(the devices changed (2 cpu → 1 cpu))" in said
-    pool, said = adopt_batch_pool(devices, tmp_path, LaunchOptions())
+    pool, said = batch_slot().pool_for(devices, tmp_path, LaunchOptions())
     assert pool is None and "(the warm ranks had exited (idle, or stopped))" in said
     # The one rule: what warm ranks can't serve at all is never offered a pool (the batch sets none for it).
     assert "spawns its own ranks" in why_not_warm("catalyst", LaunchOptions())

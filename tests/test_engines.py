@@ -53,7 +53,7 @@ def test_an_engine_registered_by_one_line_is_detected_writes_its_code_and_is_des
     cells = [Cell(SETUP, "import toy\nmodel = toy.Model()"), Cell(TRAIN, "model.go(epochs=2)")]
     assert engines.detect_engine(cells) == "toy"
     assert engines.detect_engine([Cell(SETUP, "import toy"), Cell(TRAIN, "print(1)")]) == "torch"  # not its call
-    code = engines.engine_code("toy", CodeRequest(("model",), "train.py"))
+    code = engines.plan_engine(cells, "toy", ("model",), "train.py").code
     assert code.imports == ("import toy",) and code.launch_hint == "toy-run train.py"
     assert engines.spawns_its_own_ranks("toy") and not engines.shards("toy")
     assert "--shard needs the torch engine: the toy shards nothing." in engines.shard_refusal("toy")

@@ -5,7 +5,8 @@ import pytest
 from nbddp.contracts.errors import ParameterError
 from nbddp.notebook.reader import read_notebook
 from nbddp.notebook.literals import parse_value, to_literal
-from nbddp.notebook.parameters import check_overrides, declared_parameters, effective_parameters, type_notices
+from nbddp.notebook.parameters import check_overrides, declared_parameters, type_notices
+from nbddp.notebook.script import ExportOptions, generate
 from tests.conftest import code
 
 
@@ -17,7 +18,7 @@ def test_declared_defaults_keep_literals_and_name_expressions(notebook):
     ]))
     assert declared_parameters(nb) == {"lr": 0.1, "epochs": 3, "name": "x", "steps": {"expression": "epochs * 10"},
                                        "a": {"expression": "1, 2"}, "b": {"expression": "1, 2"}}
-    assert effective_parameters(declared_parameters(nb), {"lr": 0.5}) == {
+    assert generate(nb, ExportOptions(parameters={"lr": 0.5})).parameters == {
         "lr": 0.5, "epochs": 3, "name": "x", "steps": {"expression": "epochs * 10"},
         "a": {"expression": "1, 2"}, "b": {"expression": "1, 2"}}
 

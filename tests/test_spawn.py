@@ -21,7 +21,7 @@ from nbddp.engines import processes_asked
 from nbddp.contracts.errors import NbddpError
 from nbddp.notebook.cells import ExportedCell
 from nbddp.notebook.reader import Cell
-from nbddp.notebook.script import returned
+from nbddp.engines import returned
 from nbddp.rank_side.spawn import check_rank
 from tests.conftest import code, write_notebook
 from tests.extras import need

@@ -41,7 +41,7 @@ from nbddp.job.orchestrator import Kernel, KernelResult, Train
 from nbddp.job.outcome import JobOutcome, run_error
 from nbddp.contracts.status import Status
 from nbddp.contracts.process_groups import owned_temp_dir
-from nbddp.notebook.cells import INJECTED, PARAMETERS, cell_role
+from nbddp.notebook.cells import INJECTED, PARAMETERS
 from nbddp.notebook.literals import assignments
 from nbddp.notebook.reader import Notebook
 
@@ -68,7 +68,7 @@ def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]) -> tuple[Not
     insert_at = 0
     for number, cell in enumerate(nb.cells, start=1):
         numbers.append(number)
-        if cell_role(notebook.cells[number - 1], notebook.path) in (PARAMETERS, INJECTED):
+        if notebook.cells[number - 1].role in (PARAMETERS, INJECTED):
             insert_at = number
     if parameters:
         injected = new_code_cell("# Parameters (nbddp -p)\n" + "\n".join(assignments(parameters)),

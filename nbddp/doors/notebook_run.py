@@ -23,10 +23,8 @@ from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
 from nbddp.launchers import batch_slot
 from nbddp.contracts.status import Status
-from nbddp.contracts.freevars import check_defined
-from nbddp.notebook.parameters import declared_parameters, effective_parameters
 from nbddp.notebook.reader import Notebook, read_notebook
-from nbddp.notebook.script import Script, generate
+from nbddp.notebook.script import generate
 from nbddp.plan.options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -63,20 +61,20 @@ def run_notebook(options: RunOptions, sinks: Sequence[Sink] | None = None, say: 
     ``on_start(job)``: once the ranks are starting (a detached run's supervisor tells its attachers).
     The result's ``extra`` holds ``output`` (the executed notebook's path) and ``executed`` (the node).
     """
-    say = say or _stderr
-    launch = options.launch
-    notebook = notebook or read_notebook(options.notebook)
-    script = _script(notebook, launch)
-    request = orchestrator.RunRequest(
-        script, launch, notebook.path, notebook.path.resolve().parent,
-        effective_parameters(declared_parameters(notebook), launch.parameters), dict(launch.parameters),
-        options.command, owner=options.owner, warm=batch_slot(),
-        console=options.console, debug_on_failure=options.debug_on_failure)
     terminal = TerminalSink(raw=options.raw_output) if sinks is None else None
     shown = list(sinks) if terminal is None else [terminal]
+    say = say or _stderr
     if terminal is not None:
         say = terminal.above(say)  # nbddp's lines above the epoch bar, never through it
     try:
+        launch = options.launch
+        export = launch.export_options()
+        notebook = notebook or read_notebook(options.notebook)
+        script = generate(notebook, export, to_run=True)  # everything that can be checked, before anything starts
+        request = orchestrator.RunRequest(
+            script, launch, notebook.path, notebook.path.resolve().parent, script.parameters, dict(launch.parameters),
+            options.command, owner=options.owner, warm=batch_slot(),
+            console=options.console, debug_on_failure=options.debug_on_failure)
         if launch.nodes is not None and launch.nodes.rank != 0:
             return _other_node(request, shown, say, terminal, on_start)
         return _node_zero(request, notebook, options.output, shown, say, terminal, on_start)
@@ -94,14 +92,9 @@ def check_notebook(options: RunOptions) -> None:
     """
     from nbddp.launchers import devices_for
 
-    script = _script(read_notebook(options.notebook), options.launch)
+    export = options.launch.export_options()
+    script = generate(read_notebook(options.notebook), export, to_run=True)
     devices_for(options.launch, asked=script.processes)
-
-
-def _script(notebook: Notebook, launch: LaunchOptions) -> Script:
-    script = generate(notebook, launch.export_options())
-    check_defined(script)
-    return script
 
 
 def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Path | None, sinks: list[Sink],
@@ -128,10 +121,11 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
                             echo=terminal.line if terminal is not None else None)  # above the epoch bar
     result = orchestrator.run(request, kernel, [collector, *sinks], _prefixed(say), on_start=on_start)
     out = where.get("output", Path(output or result.paths.output))
+    ending = summary(result, out)
     write_notebook(executed, out)
     result.extra.update(output=out, executed=executed)
     _end_bar(terminal)
-    say(summary(result, out))
+    say(ending)
     return result
 
 

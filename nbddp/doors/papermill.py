@@ -60,10 +60,9 @@ from nbddp.job import orchestrator
 from nbddp.job.orchestrator import KernelResult
 from nbddp.contracts.status import Status
 from nbddp.notebook.cells import INJECTED, PARAMETERS, directive, training_cells
-from nbddp.notebook.parameters import closest_parameter, declared_parameters, effective_parameters, type_notices
+from nbddp.notebook.parameters import closest_parameter, declared_parameters, type_notices
 from nbddp.notebook.reader import Notebook, from_nbformat
 from nbddp.notebook.script import Script, generate
-from nbddp.contracts.freevars import check_defined
 from nbddp.plan.options import PAPERMILL, ArgumentParser, LaunchOptions, add_launch_arguments, launch_options
 
 if TYPE_CHECKING:
@@ -274,17 +273,16 @@ def _plan(nb: NotebookNode, input_path: Any) -> _Plan:
             raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
                              "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
         notebook = from_nbformat(nb, path)
-        script = generate(notebook, launch.export_options())
+        script = generate(notebook, launch.export_options(), to_run=True)
         injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell
         _warn_unknown(notebook, injected)
-        check_defined(script)
     except CellSyntaxError:
         raise
     except NbddpError as exc:
         raise NbddpEngineError(str(exc)) from None
     overrides = {**injected, **launch.parameters}
     request = orchestrator.RunRequest(
-        script, launch, path, Path.cwd(), effective_parameters(declared_parameters(notebook), overrides), overrides,
+        script, launch, path, Path.cwd(), script.parameters, overrides,
         f"papermill --engine nbddp {name}" + "".join(f" -p {k} {v!r}" for k, v in overrides.items()),
         owner="kernel")
     return _Plan(notebook, launch, script, request)

@@ -14,9 +14,11 @@ those libraries: this runs in the notebook kernel and the CLI, before any rank e
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from importlib import import_module
 from typing import Iterator, Sequence
 
+from nbddp.contracts.errors import NbddpError, UsageError
 from nbddp.engines.reading import facts, imported_packages, name_of, parse
 from nbddp.engines.engine import CodeCell, CodeRequest, Engine, EngineCode  # (the engines' face)
 
@@ -75,13 +77,64 @@ def spawns_its_own_ranks(name: str | None) -> bool:
     return name in BUILTIN and engine(name).spawns_its_own_ranks
 
 
-def engine_code(name: str, request: CodeRequest) -> EngineCode:
-    """The lines engine ``name`` puts around the cells.
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the engine makes of a script's cells, read once (:func:`plan_engine`): which engine, the lines it puts
+    around them, and the facts about the run its cells state."""
+
+    engine: str
+    code: EngineCode
+    returns: tuple[str, ...]
+    """The variables rank 0 saves for the kernel; ``()`` when no cell defines the default ``model``."""
+    returns_note: str
+    """Why nothing comes back, when :attr:`returns` is empty."""
+    processes: int | None
+    """The process count the cells ask their library for (:func:`processes_asked`)."""
+    saves_checkpoints: bool
+
+
+def plan_engine(cells: Sequence[CodeCell], name: str | None, returns: tuple[str, ...], script_name: str,
+                shard: bool = False) -> EnginePlan:
+    """Engine ``name`` (``None``: the one the cells call for, :func:`detect_engine`) with ``cells``: its code (the
+    packages of its library the cells import, what comes back) and what the cells ask of the run.
 
     Raises:
-        KeyError: no engine has that name.
+        NbddpError: no engine has that name. UsageError: ``shard`` with an engine that doesn't shard.
     """
-    return engine(name).code(request)
+    name = name or detect_engine(cells)
+    if name not in BUILTIN:
+        raise NbddpError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}.")
+    if shard and not shards(name):
+        raise UsageError(shard_refusal(name))
+    record, packages = engine(name), framework_packages(cells, name)
+    processes, saves = processes_asked(cells, name), saves_checkpoints(cells)
+    returns, returns_note = returned(cells, returns, name)
+    code = record.code(CodeRequest(tuple(returns), script_name, shard, packages))
+    return EnginePlan(name, code, returns, returns_note, processes, saves)
+
+
+def returned(cells: Sequence[CodeCell], returns: tuple[str, ...], name: str) -> tuple[tuple[str, ...], str]:
+    """The variables the script hands back, and why none when none: the default ``model`` where no cell defines
+    one at module level (PyTorch's DDP tutorial builds its model inside the function ``mp.spawn`` runs, and
+    saves it there) comes back as nothing, said, rather than as a NameError after a finished training.
+    Asked for by name (``--return``), a missing variable stays an error."""
+    if returns != DEFAULT_RETURNS or spawns_its_own_ranks(name):
+        return returns, ""
+    from nbddp.contracts.freevars import cell_names
+
+    defined: set[str] = set()
+    for cell in cells:
+        try:
+            names = cell_names(cell.code)
+        except SyntaxError:
+            return returns, ""
+        if names.star_import:
+            return returns, ""
+        defined |= names.defines
+    if set(returns) <= defined:
+        return returns, ""
+    missing = ", ".join(name for name in returns if name not in defined)
+    return (), f"nothing to return: no cell defines {missing} (the training function keeps its own)"
 
 
 def detect_engine(cells: Sequence[CodeCell]) -> str:

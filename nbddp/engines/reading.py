@@ -19,10 +19,11 @@ from nbddp.engines.engine import CellFacts, CodeCell
 def facts(cells: Sequence[CodeCell]) -> CellFacts:
     """What detection reads of ``cells``: the packages they import, the names they call, those the training
     cells call, and the training cells' code."""
-    train = [c.code for c in cells if c.role == TRAIN]
-    return CellFacts(frozenset().union(*(imported_packages(c.code) for c in cells)),
-                     frozenset().union(*(called_names(c.code) for c in cells)),
-                     frozenset().union(*(called_names(code) for code in train)), tuple(train))
+    read = [(c.role, c.code, *_cell_facts(c.code)) for c in cells]
+    train = [(code, called) for role, code, _, called in read if role == TRAIN]
+    return CellFacts(frozenset().union(*(imported for _, _, imported, _ in read)),
+                     frozenset().union(*(called for _, _, _, called in read)),
+                     frozenset().union(*(called for _, called in train)), tuple(code for code, _ in train))
 
 
 def parse(code: str) -> ast.AST | None:
@@ -50,9 +51,6 @@ def _cell_facts(code: str) -> tuple[frozenset[str], frozenset[str]]:
 def imported_packages(code: str) -> frozenset[str]:
     return _cell_facts(code)[0]
 
-
-def called_names(code: str) -> frozenset[str]:
-    return _cell_facts(code)[1]
 
 
 def name_of(func: ast.expr) -> str:

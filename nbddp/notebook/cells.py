@@ -1,19 +1,20 @@
 """Which cells a notebook's script is made of: the marked ones (tags, ``#|`` directives, ``%%ddp_train``),
 or, where no cell is marked, those nbddp chooses (:mod:`nbddp.notebook.unmarked`).
 
-A cell's role and its exported code are :mod:`nbddp.notebook.roles`'; its names are imported here too,
-where the callers of this module have always found them.
+A cell's mark is read with the notebook (:attr:`nbddp.notebook.reader.Cell.role`), its exported code is
+:mod:`nbddp.notebook.roles`'; their names are imported here too, where the callers of this module have always
+found them.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from nbddp.contracts.errors import NotebookError
-from nbddp.notebook.reader import Notebook
+from nbddp.contracts.errors import CellError, NotebookError
+from nbddp.notebook.reader import Notebook, cell_role, directive  # noqa: F401 - handed on (see above)
 from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, TRAIN_MAGIC,  # noqa: F401 - handed on (see above)
-                                  ExportedCell, Selection, cell_role, directive, export_cell, no_training_cell)
-from nbddp.notebook.unmarked import choose, launching_cell
+                                  ExportedCell, Exports, Selection, export_cell)
+from nbddp.notebook.unmarked import choose, launching_cell, no_training_cell
 
 
 def select_cells(notebook: Notebook, returns: Sequence[str] = ()) -> list[ExportedCell]:
@@ -31,10 +32,12 @@ def selection(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
         NotebookError: no training cell (saying what to mark), or no safe choice of an unmarked one's setup.
         CellError: a syntax error, or IPython syntax that can't be exported.
     """
-    roles = [(cell, cell_role(cell, notebook.path)) for cell in notebook.code_cells]
-    if not any(role in (SETUP, TRAIN) for _, role in roles):
-        return choose(notebook, returns)
-    exported = [export_cell(cell, role, notebook.path) for cell, role in roles if role is not None]
+    exports = Exports(notebook)
+    if not any(cell.role in (SETUP, TRAIN) for cell in notebook.code_cells):
+        return choose(notebook, exports, returns)
+    exported = [exports[cell] for cell in notebook.code_cells if cell.role is not None]
+    if (error := next((e for e in exported if isinstance(e, CellError)), None)) is not None:
+        raise error
     if not any(e.role == TRAIN for e in exported):
         raise NotebookError(no_training_cell(notebook))
     return Selection(tuple(exported))
@@ -43,8 +46,7 @@ def selection(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
 def training_cells(notebook: Notebook) -> tuple[int, ...]:
     """The numbers of the cells that train, marked or (no cell marked) chosen; ``()`` for none. Cheaper
     than :func:`selection`: the setup isn't chosen (papermill's engine asks it of every notebook)."""
-    roles = [(cell, cell_role(cell, notebook.path)) for cell in notebook.code_cells]
-    if any(role in (SETUP, TRAIN) for _, role in roles):
-        return tuple(cell.number for cell, role in roles if role == TRAIN)
+    if any(cell.role in (SETUP, TRAIN) for cell in notebook.code_cells):
+        return tuple(cell.number for cell in notebook.code_cells if cell.role == TRAIN)
     found = launching_cell(notebook)
     return () if found is None else (found[0].number,)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import ast
 import difflib
+from dataclasses import dataclass
 from typing import Any
 
 from nbddp.contracts.cell_tree import tree as cell_tree
-from nbddp.notebook.roles import INJECTED, PARAMETERS, cell_role
+from nbddp.contracts.role_names import INJECTED, PARAMETERS
 from nbddp.notebook.literals import Unquoted
 from nbddp.contracts.errors import ParameterError, see
 from nbddp.notebook.reader import Notebook
@@ -29,7 +30,7 @@ def declared_parameters(notebook: Notebook, roles: tuple[str, ...] = (PARAMETERS
     """
     declared: dict[str, Any] = {}
     for cell in notebook.code_cells:
-        if cell_role(cell, notebook.path) not in roles:
+        if cell.role not in roles:
             continue
         try:
             tree = cell_tree(cell.source)
@@ -65,6 +66,26 @@ def _default(value: ast.expr, source: str) -> Any:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return {"expression": ast.get_source_segment(source, value)}
+
+
+@dataclass(frozen=True)
+class Applied:
+    """A run's overrides (``-p``), checked against the notebook's parameters cells and applied to their defaults."""
+
+    values: dict[str, Any]
+    """Every parameter value the run uses: the declared defaults, then the overrides over them."""
+    notices: tuple[str, ...]
+    """What the user must hear before anything runs (:func:`type_notices`)."""
+
+
+def apply_overrides(notebook: Notebook, overrides: dict[str, Any]) -> Applied:
+    """``overrides`` checked (:func:`check_overrides`, :func:`type_notices`) and applied to the declared defaults.
+
+    Raises:
+        ParameterError: a name the parameters cells don't declare, or text that reads as no literal.
+    """
+    declared = check_overrides(notebook, overrides)
+    return Applied({**declared, **overrides}, type_notices(declared, overrides))
 
 
 def check_overrides(notebook: Notebook, names: list[str] | set[str] | dict[str, Any],
@@ -143,7 +164,3 @@ def _kind(value: Any) -> str:
         return "a number"
     return "text" if isinstance(value, str) else f"a {type(value).__name__}"
 
-
-def effective_parameters(declared: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Every parameter value a run uses: the declared defaults, then the overrides over them."""
-    return {**declared, **overrides}

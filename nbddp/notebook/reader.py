@@ -1,25 +1,33 @@
-"""Read and validate a notebook: the first stage of the pipeline.
+"""Read and validate a notebook, and each code cell's mark: the first stage of the pipeline.
 
 Cells are numbered from 1 in notebook order, markdown and raw cells included,
 because that is what a person counts when scrolling the notebook; every later
 stage (script comments, source map, error messages) uses this same number.
+
+A code cell's mark (:attr:`Cell.role`) is decided here, once: its tags or, equally, a directive on its
+first line (``#| ddp``), for editors without a tag UI, or a ``%%ddp_train`` first line. Every later stage
+reads it from the cell (which cells the script is made of, the parameters, the kernel's injected cell).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import reprlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nbddp.contracts.errors import NotebookError
+from nbddp.contracts.errors import CellError, NotebookError
+from nbddp.contracts.role_names import DIRECTIVE_ROLES, ROLES, TRAIN, TRAIN_MAGIC
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode, ValidationError
 
 #: nbformat major versions we can read (v4 is what every current front end writes).
 SUPPORTED_NBFORMAT = (4,)
+
+_DIRECTIVE = re.compile(r"^#\|\s*([A-Za-z][\w-]*)\s*$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class Cell:
     cell_id: str | None = None
     label: str | None = None
     """How messages name the cell when it has no notebook position (``In [5]`` in a live kernel)."""
+    role: str | None = None
+    """Its mark (:func:`cell_role`), decided when the notebook is read; ``None``: unmarked."""
 
     @property
     def name(self) -> str:
@@ -131,7 +141,12 @@ def _check_cells(path: Path, cells: object) -> None:
 
 
 def from_nbformat(nb: NotebookNode, path: str | Path) -> Notebook:
-    """Wrap an already-loaded nbformat v4 node (used by the nbconvert exporter)."""
+    """Wrap an already-loaded nbformat v4 node (papermill's and nbconvert's doors have one), each code cell's
+    mark decided.
+
+    Raises:
+        CellError: a cell with two marks, or an unknown ``#| ddp…`` directive (a typo would leave it unmarked).
+    """
     cells = tuple(
         Cell(
             number=i,
@@ -142,5 +157,37 @@ def from_nbformat(nb: NotebookNode, path: str | Path) -> Notebook:
         )
         for i, c in enumerate(nb.cells, start=1)
     )
+    cells = tuple(replace(cell, role=cell_role(cell, path)) if cell.cell_type == "code" else cell for cell in cells)
     kernel = nb.get("metadata", {}).get("kernelspec", {}).get("name")
     return Notebook(path=Path(path), cells=cells, kernel_name=kernel, nb=nb)
+
+
+def cell_role(cell: Cell, notebook_path: Path | str = "notebook") -> str | None:
+    """The cell's role from its tags or first-line directive; ``None`` if untagged."""
+    if cell.cell_type != "code":
+        return None
+    roles = [t for t in cell.tags if t in ROLES]
+    first = cell.source.lstrip("\n").split("\n", 1)[0].strip()
+    word = directive(cell.source)
+    if word in DIRECTIVE_ROLES:
+        roles.append(word)
+    elif word is not None and (word.startswith("ddp") or word.startswith("param")):
+        raise CellError(
+            f"{notebook_path}: cell {cell.number}, line 1: unknown directive {first!r}. "
+            f"Use one of: {', '.join('#| ' + r for r in DIRECTIVE_ROLES)}."
+        )
+    if first.startswith("%%" + TRAIN_MAGIC) and first[2:].split()[0] == TRAIN_MAGIC:
+        roles.append(TRAIN)
+    distinct = sorted(set(roles), key=ROLES.index)
+    if len(distinct) > 1:
+        raise CellError(
+            f"{notebook_path}: cell {cell.number} has conflicting roles {distinct}. "
+            "Give it one of the tags/directives, or split it into two cells."
+        )
+    return distinct[0] if distinct else None
+
+
+def directive(source: str) -> str | None:
+    """The word of a cell's first-line ``#| word`` directive (any word), or ``None``."""
+    match = _DIRECTIVE.match(source.lstrip("\n").split("\n", 1)[0].strip())
+    return match.group(1) if match else None

@@ -1,8 +1,8 @@
 """One cell as the script holds it: its role, and its code with the IPython syntax translated.
 
-A code cell's role comes from its tags or, equally, from a directive on its
-first line (``#| ddp``), for editors without a tag UI; in a notebook with no
-cell marked, from :mod:`nbddp.notebook.unmarked`'s choice. IPython-only syntax is
+A code cell's role is its mark, decided once when the notebook is read (:attr:`nbddp.notebook.reader.Cell.role`:
+a tag or, equally, a first-line directive such as ``#| ddp``); in a notebook with no cell marked, it is
+:mod:`nbddp.notebook.unmarked`'s choice. IPython-only syntax is
 found with IPython's own input transformers (the ones the kernel runs), so
 nbddp agrees with the kernel on what is a magic and what is Python; each use is
 then either dropped with a note (it has no meaning in a script), translated
@@ -15,16 +15,12 @@ Which cells a script is made of is :mod:`nbddp.notebook.cells`' (marked, or chos
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbddp.contracts.errors import CellError, CellSyntaxError, see
+from nbddp.contracts.errors import CellError, CellSyntaxError
 from nbddp.notebook.reader import Cell, Notebook
-from nbddp.contracts.role_names import (DIRECTIVE_ROLES, INJECTED, PARAMETERS, ROLES, SETUP,  # noqa: F401 - handed on
-                                       TRAIN, TRAIN_MAGIC)
-
-_DIRECTIVE = re.compile(r"^#\|\s*([A-Za-z][\w-]*)\s*$")
+from nbddp.contracts.role_names import INJECTED, PARAMETERS, SETUP, TRAIN, TRAIN_MAGIC  # noqa: F401 - handed on
 
 #: Line magics that mean nothing in a training script: commented out with a note.
 _INERT_MAGICS = frozenset(
@@ -53,37 +49,6 @@ class ExportedCell:
     """Arguments of a ``%%ddp_train`` line, when the cell is one."""
 
 
-def cell_role(cell: Cell, notebook_path: Path | str = "notebook") -> str | None:
-    """The cell's role from its tags or first-line directive; ``None`` if untagged."""
-    if cell.cell_type != "code":
-        return None
-    roles = [t for t in cell.tags if t in ROLES]
-    first = cell.source.lstrip("\n").split("\n", 1)[0].strip()
-    word = directive(cell.source)
-    if word in DIRECTIVE_ROLES:
-        roles.append(word)
-    elif word is not None and (word.startswith("ddp") or word.startswith("param")):
-        raise CellError(
-            f"{notebook_path}: cell {cell.number}, line 1: unknown directive {first!r}. "
-            f"Use one of: {', '.join('#| ' + r for r in DIRECTIVE_ROLES)}."
-        )
-    if first.startswith("%%" + TRAIN_MAGIC) and first[2:].split()[0] == TRAIN_MAGIC:
-        roles.append(TRAIN)
-    distinct = sorted(set(roles), key=ROLES.index)
-    if len(distinct) > 1:
-        raise CellError(
-            f"{notebook_path}: cell {cell.number} has conflicting roles {distinct}. "
-            "Give it one of the tags/directives, or split it into two cells."
-        )
-    return distinct[0] if distinct else None
-
-
-def directive(source: str) -> str | None:
-    """The word of a cell's first-line ``#| word`` directive (any word), or ``None``."""
-    match = _DIRECTIVE.match(source.lstrip("\n").split("\n", 1)[0].strip())
-    return match.group(1) if match else None
-
-
 @dataclass(frozen=True)
 class Selection:
     """The cells a notebook's script is made of, and how they were chosen."""
@@ -96,19 +61,23 @@ class Selection:
     script's header."""
 
 
-def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
-    """What to mark, when nothing trains: the cell that trains, and the cells it needs. ``unmarked``: no cell
-    is marked, so also what nbddp would have recognised, and a cell that looks like a training loop."""
-    text = (f"{notebook.path}: no training cell. Mark the cell that trains: start it with '#| ddp-train' "
-            "(or tag it 'ddp-train', or make it a '%%ddp_train' cell), and mark the cells it needs (imports, data, "
-            "model) with '#| ddp' (or tag them 'ddp'); cells without a mark run only in the kernel.")
-    if not unmarked:
-        return text + see("no-training-cell")
-    loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
-    hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
-    return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
-            "unmarked: Accelerate's notebook_launcher(...), a Lightning Trainer's .fit(...), a Hugging Face "
-            "Trainer's .train().)" + see("no-training-cell"))
+class Exports:
+    """A notebook's code cells, each exported on demand and at most once (:func:`export_cell`): as its mark's role,
+    setup where it has none; or the :class:`~nbddp.contracts.errors.CellError` saying why it can't be. Which cells
+    are chosen asks it (:mod:`nbddp.notebook.cells`, :mod:`nbddp.notebook.unmarked`): a cell is read once, and a
+    kernel-only cell of a marked notebook never."""
+
+    def __init__(self, notebook: Notebook) -> None:
+        self.notebook = notebook
+        self._done: dict[int, ExportedCell | CellError] = {}
+
+    def __getitem__(self, cell: Cell) -> ExportedCell | CellError:
+        if cell.number not in self._done:
+            try:
+                self._done[cell.number] = export_cell(cell, cell.role or SETUP, self.notebook.path)
+            except CellError as error:
+                self._done[cell.number] = error
+        return self._done[cell.number]
 
 
 def export_cell(cell: Cell, role: str, notebook_path: Path | str) -> ExportedCell:

@@ -20,13 +20,12 @@ from typing import Any, Sequence
 from nbddp._version import __version__
 from nbddp.notebook.cells import select_cells, selection
 from nbddp.notebook.roles import INJECTED, PARAMETERS, TRAIN, ExportedCell
-from nbddp.engines import (DEFAULT_RETURNS, ENGINES, CodeRequest, EngineCode, detect_engine, framework_packages,
-                           processes_asked, saves_checkpoints, shard_refusal, shards, spawns_its_own_ranks)
-from nbddp.engines import engine_code as _engine_code
-from nbddp.contracts.errors import NbddpError, UsageError
+from nbddp.engines import DEFAULT_RETURNS, ENGINES, detect_engine, plan_engine
+from nbddp.contracts.errors import NbddpError
 from nbddp.notebook.reader import Notebook
-from nbddp.notebook.parameters import check_overrides, type_notices
+from nbddp.notebook.parameters import apply_overrides
 from nbddp.notebook.literals import assignments, check_name
+from nbddp.contracts.freevars import check_defined
 from nbddp.contracts.sourcemap import Segment, SourceMap
 from nbddp.contracts.rundir import SCRIPT_NAME
 
@@ -82,6 +81,9 @@ class Script:
     notices: tuple[str, ...] = ()
     """What the user must hear before anything runs (a ``-p`` value whose type differs from its default):
     said by every door that runs or writes the script."""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """Every parameter value the run uses: the parameters cells' defaults (papermill's injected cell's after
+    them), then the overrides (``-p``) over them, as ``result.json`` records them."""
 
     @property
     def training(self) -> tuple[int, ...]:
@@ -89,34 +91,23 @@ class Script:
         return tuple(c.cell.number for c in self.cells if c.role == TRAIN)
 
 
-def generate(notebook: Notebook, options: ExportOptions = ExportOptions()) -> Script:
-    """Notebook → script text + source map.
+def generate(notebook: Notebook, options: ExportOptions = ExportOptions(), *, to_run: bool = False) -> Script:
+    """Notebook → script text + source map. ``to_run``: the script is about to run, so a name its running code
+    reads that nothing defines is refused now (:func:`~nbddp.contracts.freevars.check_defined`), not met as a
+    NameError in every rank; an export is written all the same (the user may be about to edit it).
 
     Raises:
         NotebookError, CellError: bad input. ParameterError: an override the parameters cell
             doesn't declare.
     """
     chosen = selection(notebook, options.returns)  # a cell that isn't valid Python is the error to report first
-    declared = check_overrides(notebook, options.parameters)
+    applied = apply_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
-    script = render(chosen.cells, notebook.path, options, markdown, chosen.note)
-    return replace(script, notices=type_notices(declared, options.parameters))
-
-
-def engine_code(engine: str, returns: Sequence[str], script_name: str, shard: bool = False,
-                packages: Sequence[str] = ()) -> EngineCode:
-    """The lines ``engine`` puts around the cells (its record's :attr:`~nbddp.engines.engine.Engine.code`).
-    ``shard``: every ``nbddp.prepare(model)`` shards with FSDP2 (an engine that shards: torch). ``packages``:
-    for a library's engine, the packages of it the cells import (:func:`nbddp.engines.framework_packages`).
-
-    Raises:
-        UsageError: ``shard`` with another engine.
-    """
-    if engine not in ENGINES:
-        raise NbddpError(f"unknown engine {engine!r}; choose one of: {', '.join(ENGINES)}.")
-    if shard and not shards(engine):
-        raise UsageError(shard_refusal(engine))
-    return _engine_code(engine, CodeRequest(tuple(returns), script_name, shard, tuple(packages)))
+    script = replace(render(chosen.cells, notebook.path, options, markdown, chosen.note), notices=applied.notices,
+                     parameters=applied.values)
+    if to_run:
+        check_defined(script)
+    return script
 
 
 def engine_of(notebook: Notebook, engine: str | None = None) -> str:
@@ -130,10 +121,8 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     they were chosen when no cell was marked."""
     source = Path(source)
     markdown = markdown or {}
-    engine = options.engine or detect_engine(cells)
-    returns, returns_note = returned(cells, options.returns, engine)
-    engine_lines = engine_code(engine, returns, options.script_name, options.shard,
-                               framework_packages(cells, engine))
+    planned = plan_engine(cells, options.engine, options.returns, options.script_name, options.shard)
+    engine, engine_lines, returns, returns_note = planned.engine, planned.code, planned.returns, planned.returns_note
     writer = _Writer()
     if any(c.cell.label for c in cells):
         numbers = ", ".join(c.cell.name for c in cells)
@@ -182,32 +171,8 @@ def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOpt
     for line in engine_lines.train_epilogue:
         writer.line(INDENT + line)
     source_map = SourceMap(str(source), options.script_name, tuple(writer.segments))
-    return Script(writer.text(), source_map, engine, tuple(cells), processes_asked(cells, engine),
-                  saves_checkpoints(cells), note, returns, returns_note)
-
-
-def returned(cells: Sequence[ExportedCell], returns: tuple[str, ...], engine: str) -> tuple[tuple[str, ...], str]:
-    """The variables the script hands back, and why none when none: the default ``model`` where no cell defines
-    one at module level (PyTorch's DDP tutorial builds its model inside the function ``mp.spawn`` runs, and
-    saves it there) comes back as nothing, said, rather than as a NameError after a finished training.
-    Asked for by name (``--return``), a missing variable stays an error."""
-    if returns != DEFAULT_RETURNS or spawns_its_own_ranks(engine):
-        return returns, ""
-    from nbddp.contracts.freevars import cell_names
-
-    defined: set[str] = set()
-    for cell in cells:
-        try:
-            names = cell_names(cell.code)
-        except SyntaxError:
-            return returns, ""
-        if names.star_import:
-            return returns, ""
-        defined |= names.defines
-    if set(returns) <= defined:
-        return returns, ""
-    missing = ", ".join(name for name in returns if name not in defined)
-    return (), f"nothing to return: no cell defines {missing} (the training function keeps its own)"
+    return Script(writer.text(), source_map, engine, tuple(cells), planned.processes, planned.saves_checkpoints, note,
+                  returns, returns_note)
 
 
 def _notebook_ref(notebook: Path, script_dir: Path | None) -> str:

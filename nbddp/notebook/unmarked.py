@@ -21,25 +21,26 @@ in one line (:attr:`nbddp.notebook.cells.Selection.note`): at a run's start, and
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Sequence
 
 from nbddp.engines import training_launch
-from nbddp.contracts.errors import CellError, CellSyntaxError, NotebookError
-from nbddp.notebook.roles import (INJECTED, PARAMETERS, SETUP, TRAIN, ExportedCell, Selection, cell_role,
-                                 export_cell, no_training_cell)
+from nbddp.contracts.errors import CellError, CellSyntaxError, NotebookError, see
+from nbddp.notebook.roles import INJECTED, PARAMETERS, TRAIN, ExportedCell, Exports, Selection
 from nbddp.contracts.freevars import KERNEL_ONLY, CellNames, cell_names
 from nbddp.notebook.reader import Cell, Notebook
 
 
 def launching_cell(notebook: Notebook) -> tuple[Cell, str] | None:
     """The first unmarked code cell that launches a library's training, and the call (``trainer.fit``)."""
-    return _launching(notebook, _read(notebook))
+    return _launching(notebook, _read(Exports(notebook), notebook))
 
 
-def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
+def choose(notebook: Notebook, exports: Exports, returns: Sequence[str] = ()) -> Selection:
     """The cells of an unmarked notebook's script: its launching cell as training, what it needs as setup.
 
-    ``returns``: the variables the run hands back (``--return``), which the script must define too.
+    ``exports``: its cells, exported on demand. ``returns``: the variables the run hands back (``--return``),
+    which the script must define too.
 
     Raises:
         NotebookError: nothing launches a library's training (what to mark), or the setup can't be chosen
@@ -47,7 +48,8 @@ def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
         CellError: the training cell can't be exported; with nothing found to train, the first cell that isn't
             valid Python (the kernel stops there too).
     """
-    read = _read(notebook)
+    read = _read(exports, notebook)
+    names = {number: _names(exported) for number, exported in read.items()}  # every cell's, read once
     found = _launching(notebook, read)
     if found is None:
         invalid = next((e for e in read.values() if isinstance(e, CellSyntaxError)), None)
@@ -55,12 +57,12 @@ def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
             raise invalid
         raise NotebookError(no_training_cell(notebook, unmarked=True))
     training, launch = found
-    trained = export_cell(training, TRAIN, notebook.path)
-    trained_names = cell_names(trained.code)
+    trained = replace(read[training.number], role=TRAIN)  # (exported as any cell is: its role aside, the same)
+    trained_names = names[training.number]
     before = [cell for cell in notebook.code_cells if cell.number < training.number]
-    chosen = _Closure(notebook, before, read, training, launch)
+    chosen = _Closure(notebook, before, read, names, training, launch)
     for cell in before:
-        if _role(cell, notebook) in (PARAMETERS, INJECTED):
+        if cell.role in (PARAMETERS, INJECTED):
             chosen.include(cell, "it is a parameters cell")
     chosen.need(training.number, [*trained_names.needs, *(r for r in returns if r not in trained_names.defines)])
     for cell in before:  # a seed changes what every later cell draws, the training's setup included
@@ -78,19 +80,13 @@ def choose(notebook: Notebook, returns: Sequence[str] = ()) -> Selection:
     return Selection((*cells, trained), _note(training.number, launch, [c.number for c in setup], kernel_only))
 
 
-def _read(notebook: Notebook) -> dict[int, ExportedCell | CellError]:
+def _read(exports: Exports, notebook: Notebook) -> dict[int, ExportedCell | CellError]:
     """Every code cell exported as setup (its own role for a parameters cell), or why it can't be."""
-    read: dict[int, ExportedCell | CellError] = {}
-    for cell in notebook.code_cells:
-        try:
-            read[cell.number] = export_cell(cell, _role(cell, notebook) or SETUP, notebook.path)
-        except CellError as error:
-            read[cell.number] = error
-    return read
+    return {cell.number: exports[cell] for cell in notebook.code_cells}
 
 
 def _launching(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> tuple[Cell, str] | None:
-    candidates = [cell for cell in notebook.code_cells if _role(cell, notebook) is None]
+    candidates = [cell for cell in notebook.code_cells if cell.role is None]
     codes = [e.code if isinstance(e := read[cell.number], ExportedCell) else None for cell in candidates]
     found = training_launch(codes)
     return None if found is None else (candidates[found[0]], found[1])
@@ -100,10 +96,10 @@ class _Closure:
     """The setup cells chosen so far, and the names still to resolve."""
 
     def __init__(self, notebook: Notebook, before: list[Cell], read: dict[int, ExportedCell | CellError],
-                 training: Cell, launch: str) -> None:
+                 names: dict[int, CellNames | None], training: Cell, launch: str) -> None:
         self.notebook, self.before, self.training, self.launch = notebook, before, training, launch
         self.read = read
-        self.names = {cell.number: _names(read[cell.number]) for cell in before}
+        self.names = names
         self.numbers: set[int] = set()
         self.why: dict[int, str] = {}
         """Why each cell was chosen (for a refusal that names it)."""
@@ -185,12 +181,23 @@ class _Closure:
                 "needs) with '#| ddp', or tag them 'ddp-train' / 'ddp'; cells without a mark run only in the kernel.")
 
 
+def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
+    """What to mark, when nothing trains: the cell that trains, and the cells it needs. ``unmarked``: no cell
+    is marked, so also what nbddp would have recognised, and a cell that looks like a training loop."""
+    text = (f"{notebook.path}: no training cell. Mark the cell that trains: start it with '#| ddp-train' "
+            "(or tag it 'ddp-train', or make it a '%%ddp_train' cell), and mark the cells it needs (imports, data, "
+            "model) with '#| ddp' (or tag them 'ddp'); cells without a mark run only in the kernel.")
+    if not unmarked:
+        return text + see("no-training-cell")
+    loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
+    hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
+    return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
+            "unmarked: Accelerate's notebook_launcher(...), a Lightning Trainer's .fit(...), a Hugging Face "
+            "Trainer's .train().)" + see("no-training-cell"))
+
+
 def _names(exported: ExportedCell | CellError) -> CellNames | None:
     return cell_names(exported.code) if isinstance(exported, ExportedCell) else None
-
-
-def _role(cell: Cell, notebook: Notebook) -> str | None:
-    return cell_role(cell, notebook.path)
 
 
 def _note(training: int, launch: str, setup: list[int], kernel_only: list[int]) -> str:

@@ -272,7 +272,7 @@ class Batch:
         self.free_slots.append(state.slot)
         code = state.process.returncode
         state.status = _status_of(state.paths, code)
-        self.warm.after_run(state.slot, Status(state.status.value))
+        self.warm.slot_run_ended(state.slot, Status(state.status.value))
 
     def _stop_all(self, running: Sequence[RunState], sig: int = signal.SIGTERM) -> None:
         """Pass ``sig``, what stopped the batch, on to every running run (each stops its ranks and kernel, and

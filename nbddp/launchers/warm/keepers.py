@@ -1,8 +1,8 @@
 """Keeping a pool of warm ranks between runs: whether *this* pool can take a run, a batch slot's pool that its
-runs adopt, and the keepers (one pool each, and the one rule for keeping it after a run that didn't succeed).
+runs borrow, and the keepers (one pool each, and the one rule for keeping it after a run that didn't succeed).
 
-``nbddp batch`` keeps a :class:`PoolKeeper` per device slot (:class:`BatchSlots`), and each of its runs adopts its
-slot's (:class:`BatchSlot`); ``%%ddp_train`` a :class:`KernelPool` per kernel, which the Jupyter door owns
+``nbddp batch`` keeps a :class:`PoolKeeper` per device slot (:class:`BatchSlots`), and each of its runs borrows its
+slot's (:func:`batch_slot`); ``%%ddp_train`` a :class:`KernelPool` per kernel, which the Jupyter door owns
 (:data:`nbddp.doors.jupyter.kernel_pool.kernel_pool`). The doors reach them through the launchers' face
 (:mod:`nbddp.launchers`).
 """
@@ -36,47 +36,12 @@ def why_fresh(pool: WarmPool, key: PoolKey, idle: float) -> str:
             or ("their idle limit changed" if pool.idle != idle else ""))
 
 
-def adopt_batch_pool(devices: Devices, cwd: Path, launch: LaunchOptions,
-                     environ: Mapping[str, str] | None = None) -> tuple[WarmPool | None, str]:
-    """The pool ``nbddp batch`` keeps for this run's device slot (:data:`POOL_ENV`), and a line when
-    it can't be used; ``(None, "")`` outside a batch."""
-    folder = (os.environ if environ is None else environ).get(POOL_ENV)
-    if not folder:
-        return None, ""
-    try:
-        pool = WarmPool.adopt(Path(folder), devices)
-    except ValueError:
-        why = "they are gone"
-    else:
-        why = why_fresh(pool, pool_key(devices, cwd, launch, environ), pool.idle)
-    if why:
-        return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
-    return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
-
-
-class BatchSlot:
-    """A batch run's warm ranks (a :class:`nbddp.job.orchestrator.WarmSource`): the pool its device slot keeps
-    (:data:`POOL_ENV`), adopted for this run."""
-
-    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool | None, str]:
-        return adopt_batch_pool(devices, cwd, launch)
-
-    def after_run(self, pool: WarmPool, status: Status) -> None:
-        """The batch, which owns the pool, replaces it after a run that did not succeed
-        (:meth:`BatchSlots.after_run`)."""
-
-    def held_gpus(self) -> tuple[str, ...]:
-        """None by name: a batch run gets its slot's GPUs as numbers (``--gpus N``), never ``--gpus free``."""
-        return ()
-
-
-def batch_slot(environ: Mapping[str, str] | None = None) -> BatchSlot | None:
-    """This run's slot's warm ranks when ``nbddp batch`` started it with some (:data:`POOL_ENV`), else ``None``."""
-    return BatchSlot() if POOL_ENV in (os.environ if environ is None else environ) else None
-
-
 class PoolKeeper:
-    """One pool of warm ranks kept between runs, and the one rule for keeping it after a run.
+    """One pool of warm ranks kept between runs (a :class:`nbddp.job.orchestrator.WarmSource`), and the one rule
+    for keeping it after a run.
+
+    A keeper that ``borrows`` a pool (a batch run's: the folder of the pool its device slot keeps, :func:`batch_slot`)
+    takes it for a run when it can serve it, and neither starts, replaces nor stops it: the batch owns it.
 
     After a run that didn't succeed (keyed by its :class:`~nbddp.contracts.status.Status`), the ranks are kept
     when each of them left the job or is on its way out (they rebuild their process group before the
@@ -86,8 +51,13 @@ class PoolKeeper:
     """
 
     def __init__(self, idle: float = DEFAULT_WARM_IDLE, environ: Mapping[str, str] | None = None,
-                 replace_at_once: bool = True) -> None:
+                 replace_at_once: bool = True, borrows: Path | None = None) -> None:
         self.pool: WarmPool | None = None
+        self.borrows = borrows
+        self.launch: LaunchOptions | None = None
+        """The launch options of the last run the ranks served (``%%ddp_exec`` runs on the same ranks with them)."""
+        self.notes: list[str] = []
+        """What else the run about to start is told of its ranks (a starter started ahead that couldn't serve it)."""
         self.idle = idle
         """How long idle ranks wait for the next run before exiting (``%ddp_ranks --idle``)."""
         self.environ = environ
@@ -96,6 +66,33 @@ class PoolKeeper:
         """How the last run ended, when it didn't succeed (the next run says what that meant for its ranks)."""
         self.replaced = ""
         """Why its ranks could not be kept, when they couldn't."""
+
+    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool | None, str]:
+        """The warm ranks for this run (``None``: a borrowed pool that can't serve it), and a line to say how it got
+        them, when there is something to say."""
+        environ = {**os.environ, **devices.environment()} if devices.gpu_ids else self.environ  # (--gpus free, --wait)
+        key = pool_key(devices, cwd, launch, environ)
+        self.launch, self.notes = launch, []
+        if self.borrows is not None:
+            return self._borrow(key, devices)
+        pool, said = self.pool_with(key, devices, environ)
+        return pool, "; ".join(line for line in (said, *self.notes) if line)
+
+    def _borrow(self, key: PoolKey, devices: Devices) -> tuple[WarmPool | None, str]:
+        try:
+            pool = WarmPool.adopt(self.borrows, devices)
+        except ValueError:
+            why = "they are gone"
+        else:
+            why = why_fresh(pool, key, pool.idle)
+        if why:
+            return None, f"not on the batch's warm ranks ({why}): starting fresh ones"
+        return pool, f"on the batch's warm ranks (this slot's run {pool.runs + 1} on them)"
+
+    def held_gpus(self) -> tuple[str, ...]:
+        """The GPUs the live warm ranks this keeper started hold, where a run chose them by name (``--gpus free``);
+        none for a borrowed pool, whose runs get their slot's GPUs as numbers."""
+        return self.pool.devices.gpu_ids if self.pool is not None and self.pool.alive() else ()
 
     def pool_with(self, key: PoolKey, devices: Devices,
                   environ: Mapping[str, str] | None = None) -> tuple[WarmPool, str]:
@@ -134,7 +131,7 @@ class PoolKeeper:
         """The run on ``pool`` ended with ``status``: after one that didn't succeed, keep the ranks if each
         left the job (or is on its way out), else stop them (and start fresh ones, ``replace_at_once``)."""
         note = ending_note(status)
-        if not note or pool is not self.pool:
+        if not note or pool is not self.pool:  # (a borrowed pool: the batch that owns it decides)
             return
         self.last_run, self.replaced = note, pool.why_not_kept()
         if self.replaced:
@@ -164,12 +161,8 @@ class KernelPool(PoolKeeper):
     def __init__(self) -> None:
         super().__init__(DEFAULT_WARM_IDLE)
         self._at_exit = False
-        self.launch: LaunchOptions | None = None
-        """The launch options of the last run the ranks served (``%%ddp_exec`` runs on the same ranks with them)."""
         self.preload: Preload | None = None
         """The next pool's starter, started ahead of its first run."""
-        self.preload_note = ""
-        """Why the last run's ranks couldn't come from that starter, when they couldn't."""
 
     def prepare(self) -> str:
         """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``), unless
@@ -196,14 +189,6 @@ class KernelPool(PoolKeeper):
             self.preload = None
             self.prepare()
 
-    def pool_for(self, devices: Devices, cwd: Path, launch: LaunchOptions) -> tuple[WarmPool, str]:
-        """The warm ranks for this run, and a line to say how it got them, when there is something to say."""
-        environ = {**os.environ, **devices.environment()} if devices.gpu_ids else None  # (--gpus free, --wait)
-        self.preload_note = ""
-        pool, said = self.pool_with(pool_key(devices, cwd, launch, environ), devices, environ)
-        self.launch = launch
-        return pool, "; ".join(line for line in (said, self.preload_note) if line)
-
     def live(self) -> WarmPool | None:
         """The warm ranks, when they are running (``None``: none, or gone: idle too long, or stopped)."""
         return self.pool if self.pool is not None and self.pool.alive() else None
@@ -214,7 +199,7 @@ class KernelPool(PoolKeeper):
         return pool
 
     def _take_preload(self, key: PoolKey, devices: Devices, environ: Mapping[str, str] | None) -> Preload | None:
-        """The starter started ahead, where it can serve these ranks (else it goes, said in :attr:`preload_note`, and
+        """The starter started ahead, where it can serve these ranks (else it goes, said in :attr:`notes`, and
         fresh ones start). Taken either way: should the pool fail to start, it stops the starter with it."""
         preload, self.preload = self.preload, None
         if preload is None:
@@ -225,8 +210,8 @@ class KernelPool(PoolKeeper):
         if not why:
             return preload
         preload.stop()
-        self.preload_note = (f"the warm ranks' starter loaded with the extension could not serve this run ({why}): "
-                             f"started a fresh one")
+        self.notes.append(f"the warm ranks' starter loaded with the extension could not serve this run ({why}): "
+                          f"started a fresh one")
         return None
 
     def _stop_at_exit(self) -> None:
@@ -243,10 +228,6 @@ class KernelPool(PoolKeeper):
         if preload is not None:
             preload.stop()
         return self._stop_pool() or waiting
-
-    def held_gpus(self) -> tuple[str, ...]:
-        """The GPUs this kernel's live warm ranks hold, where a run chose them by name (``--gpus free``)."""
-        return self.pool.devices.gpu_ids if self.pool is not None and self.pool.alive() else ()
 
     def describe(self) -> str:
         """What ``%ddp_ranks`` says about the warm ranks, and what each keeps of the setup."""
@@ -289,6 +270,13 @@ class KernelPool(PoolKeeper):
         if not self.pool.forget():
             return "the warm ranks did not answer: nothing was dropped (%ddp_ranks restart starts fresh ones)"
         return "the warm ranks dropped the setup they kept: the next %%ddp_train runs every setup cell"
+
+
+def batch_slot(environ: Mapping[str, str] | None = None) -> PoolKeeper | None:
+    """This run's warm ranks when ``nbddp batch`` started it with some: the pool its device slot keeps
+    (:data:`POOL_ENV`), borrowed; else ``None``."""
+    folder = (os.environ if environ is None else environ).get(POOL_ENV)
+    return PoolKeeper(borrows=Path(folder)) if folder else None
 
 
 def kept_summary(report: dict, limit: int = 8) -> str:
@@ -340,7 +328,7 @@ class BatchSlots:
             log.flush()
         env[POOL_ENV] = str(pool.folder)
 
-    def after_run(self, slot: int, status: Status) -> None:
+    def slot_run_ended(self, slot: int, status: Status) -> None:
         """Slot ``slot``'s run ended with ``status``: keep its ranks, or replace them (:meth:`PoolKeeper.after_run`)."""
         keeper = self.keepers.get(slot)
         if keeper is not None and keeper.pool is not None:
