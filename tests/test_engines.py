@@ -61,3 +61,41 @@ def test_an_engine_registered_by_one_line_is_detected_writes_its_code_and_is_des
     with pytest.raises(KeyError):
         engines.engine("no-such-engine")
 
+
+
+SPIED_TORCH = '''
+from dataclasses import replace
+from nbddp.engines.torch import ENGINE as TORCH
+
+def _code(request):
+    code = TORCH.code(request)
+    return replace(code, notes=(*code.notes, "the torch engine of nbddp-spy-engine"))
+
+def _launches(call):
+    return "my_launch" if call.name == "my_launch" else TORCH.launches(call)
+
+ENGINE = replace(TORCH, code=_code, launches=_launches)
+'''
+
+
+def test_an_installed_package_replaces_a_builtin_engine_through_its_entry_point(tmp_path):
+    """A record registered under ``nbddp.engines`` (a real distribution's entry point) replaces the built-in one of
+    that name: its code is written, and its own launch call picks an unmarked notebook's training cell."""
+    import subprocess
+    import sys
+
+    from tests.conftest import code, write_notebook
+    from tests.plugin_site import plugin_environment
+
+    env = plugin_environment(tmp_path / "site", "nbddp_spy_engine", SPIED_TORCH,
+                             {"nbddp.engines": {"torch": "nbddp_spy_engine:ENGINE"}})
+    write_notebook(tmp_path / "fit.ipynb", [code("import torch\nmodel = torch.nn.Linear(2, 1)"),
+                                            code("def my_launch():\n    pass"), code("my_launch()")])
+    done = subprocess.run([sys.executable, "-m", "nbddp", "export", "fit.ipynb", "-o", "-"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "# the torch engine of nbddp-spy-engine" in done.stdout
+    assert "No cell is marked: cell 3 (my_launch) is the training cell, cells 1, 2 its setup" in done.stdout
+    bare = subprocess.run([sys.executable, "-m", "nbddp", "export", "fit.ipynb", "-o", "-"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert bare.returncode == 2 and "no training cell" in bare.stderr  # without the package: nothing launches

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 
 from tests.conftest import code, write_notebook
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
+from tests.plugin_site import plugin_environment
 
 SPY = '''
 import json, os, traceback
@@ -54,17 +54,9 @@ class SpyWarm(WarmRanks):
 @pytest.fixture
 def spy(tmp_path):
     """``(env, seen)``: the environment every door runs with, and what the spy recorded so far."""
-    site = tmp_path / "site"
-    info = site / "nbddp_spy-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nbddp-spy\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[nbddp.launchers]\ndirect = nbddp_spy:SpyDirect\nwarm = nbddp_spy:SpyWarm\n")
-    (site / "nbddp_spy.py").write_text(SPY)
     log = tmp_path / "spy.jsonl"
-    path = os.pathsep.join(filter(None, [str(site), str(Path(__file__).resolve().parent.parent),
-                                         os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "NBDDP_SPY_LOG": str(log), "PYTHONUNBUFFERED": "1"}
+    env = {**plugin_environment(tmp_path / "site", "nbddp_spy", SPY, {
+        "nbddp.launchers": {"direct": "nbddp_spy:SpyDirect", "warm": "nbddp_spy:SpyWarm"}}), "NBDDP_SPY_LOG": str(log)}
 
     def seen() -> list[dict]:
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

@@ -7,8 +7,11 @@ for those libraries run unchanged under torchrun, the library's notebook launche
 replaced by the ranks torchrun started (:mod:`nbddp.engines.frameworks`).
 
 Each engine is one record (:class:`~nbddp.engines.engine.Engine`) in its own module, registered here by name
-(:data:`BUILTIN`), as launchers are; everything below asks the records. Nothing here imports torch or any of
-those libraries: this runs in the notebook kernel and the CLI, before any rank exists.
+(:data:`BUILTIN`); everything below asks the records, down to which call launches an unmarked notebook's training.
+As with launchers, another package may register a record under a built-in engine's name through the
+``nbddp.engines`` entry point group: it replaces the built-in one (read when a run first asks for an engine; the
+``--engine`` help describes the built-in ones). Nothing here imports torch or any of those libraries: this runs in
+the notebook kernel and the CLI, before any rank exists.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from importlib import import_module
 from typing import Iterator, Sequence
 
 from nbddp.contracts.errors import NbddpError, UsageError
-from nbddp.engines.reading import facts, imported_packages, name_of, parse
-from nbddp.engines.engine import CodeCell, CodeRequest, Engine, EngineCode  # (the engines' face)
+from nbddp.contracts.plugins import registered
+from nbddp.engines.reading import SPAWN_COUNT, facts, imported_packages, is_torch_spawn, name_of, parse, spawns_ranks
+from nbddp.engines.engine import CodeCell, CodeRequest, Engine, EngineCode, LaunchCall  # (the engines' face)
 
 #: Every engine, by name: ``module:attribute`` of its record, loaded on first use. Detection asks them in this
 #: order (``torch``, which no notebook calls for by name, answers when none of the others does).
@@ -32,21 +36,26 @@ BUILTIN = {
     "transformers": "nbddp.engines.frameworks:TRANSFORMERS",
 }
 ENGINES = tuple(BUILTIN)
+ENTRY_POINTS = "nbddp.engines"
 #: What a run hands back unless ``--return`` says otherwise: ``model``, where a cell defines one.
 DEFAULT_RETURNS = ("model",)
 _loaded: dict[str, Engine] = {}
 
 
 def engine(name: str) -> Engine:
-    """The record registered under ``name``.
+    """The record registered under ``name``: an ``nbddp.engines`` entry point, else the built-in one.
 
     Raises:
         KeyError: no engine has that name.
     """
     if name not in _loaded:
-        module, _, attribute = BUILTIN[name].partition(":")
-        _loaded[name] = getattr(import_module(module), attribute)
+        _loaded[name] = _record(registered(ENTRY_POINTS).get(name) or BUILTIN[name])
     return _loaded[name]
+
+
+def _record(target: str) -> Engine:
+    module, _, attribute = target.partition(":")
+    return getattr(import_module(module), attribute)
 
 
 def engines() -> list[Engine]:
@@ -55,8 +64,9 @@ def engines() -> list[Engine]:
 
 
 def engine_help() -> str:
-    """``--engine``'s help, from the records: how each engine's notebooks are told apart."""
-    told = ", ".join(f"{e.name} for {e.detected_by}" for e in engines() if e.detected_by)
+    """``--engine``'s help, from the built-in records (every command builds it: no entry point is read for it):
+    how each engine's notebooks are told apart."""
+    told = ", ".join(f"{e.name} for {e.detected_by}" for e in map(_record, BUILTIN.values()) if e.detected_by)
     return f"DDP engine (default: from the training cells: {told}, else torch)"
 
 
@@ -158,10 +168,11 @@ def detect_engine(cells: Sequence[CodeCell]) -> str:
 
 
 def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
-    """Which of a notebook's cells launches a library's training, with no cell marked: the first whose
-    running code (not a ``def`` body) calls Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``),
-    a Lightning ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, or torch's
-    ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP tutorial's
+    """Which of a notebook's cells launches a library's training, with no cell marked: the first whose running
+    code (not a ``def`` body) makes a call some engine's record says starts its training
+    (:attr:`~nbddp.engines.engine.Engine.launches`): Accelerate's ``notebook_launcher(...)`` (or
+    ``debug_launcher``), a Lightning ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, or
+    torch's ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP tutorial's
     ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer``
     was assigned a Trainer (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)``
     don't.
@@ -169,39 +180,35 @@ def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
     ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns the index of that
     cell in ``codes`` and the call as the user wrote it (``trainer.fit``, ``notebook_launcher``), or ``None``.
     """
-    imported = set().union(*(imported_packages(c) for c in codes if c is not None))
-    lightning = bool(imported & set(engine("lightning").packages))
-    trainers: dict[str, str] = {}  # variable → the Trainer class it holds
+    imported = frozenset().union(*(imported_packages(c) for c in codes if c is not None))
+    asked = [e.launches for e in engines() if e.launches is not None]
+    trainers: dict[str, str] = {}  # variable → the class it was built from
     spawners: set[str] = set()  # the notebook's functions that start ranks with mp.spawn (the tutorial's run_demo)
     for index, code in enumerate(codes):
         tree = parse(code) if code is not None else None
-        calls = [node for node in _running_nodes(tree) if isinstance(node, ast.Call)] if tree else []
-        for node in _running_nodes(tree) if tree else ():
+        running = list(_running_nodes(tree)) if tree else []
+        for node in running:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 trainers.update({t.id: name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
         if "torch" in imported and tree is not None:
             spawners |= {node.name for node in ast.walk(tree)
                          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                         and any(_spawns_ranks(sub) for sub in ast.walk(node))}
-        for call in calls:
-            name = name_of(call.func)
-            if "accelerate" in imported and name in engine("accelerate").launched_by:
-                return index, name
-            if "torch" in imported and _spawns_ranks(call):
-                return index, f"{ast.unparse(call.func)}"
-            if isinstance(call.func, ast.Name) and call.func.id in spawners:
-                return index, f"{call.func.id} → mp.spawn"
-            if not isinstance(call.func, ast.Attribute) or name not in ("fit", "train"):
-                continue
-            receiver = call.func.value
-            made_by = (trainers.get(receiver.id, "") if isinstance(receiver, ast.Name)
-                       else name_of(receiver.func) + "(...)" if isinstance(receiver, ast.Call) else "")
-            shown = f"{receiver.id if isinstance(receiver, ast.Name) else made_by}.{name}"
-            if name == "fit" and lightning and made_by.removesuffix("(...)") == "Trainer":
-                return index, shown
-            if name == "train" and "transformers" in imported and made_by.removesuffix("(...)").endswith("Trainer"):
-                return index, shown
+                         and any(spawns_ranks(sub) for sub in ast.walk(node))}
+        for call in (node for node in running if isinstance(node, ast.Call)):
+            found = next(filter(None, (launches(_launch_call(call, imported, trainers, spawners))
+                                       for launches in asked)), None)
+            if found is not None:
+                return index, found
     return None
+
+
+def _launch_call(call: ast.Call, imported: frozenset[str], trainers: dict[str, str],
+                 spawners: set[str]) -> LaunchCall:
+    receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
+    made_by = (trainers.get(receiver.id, "") if isinstance(receiver, ast.Name)
+               else name_of(receiver.func) + "(...)" if isinstance(receiver, ast.Call) else "")
+    shown = f"{receiver.id if isinstance(receiver, ast.Name) else made_by}.{name_of(call.func)}" if receiver else ""
+    return LaunchCall(call, name_of(call.func), imported, made_by, shown, frozenset(spawners))
 
 
 def _running_nodes(tree: ast.AST) -> Iterator[ast.AST]:
@@ -221,11 +228,6 @@ def framework_packages(cells: Sequence[CodeCell], name: str) -> tuple[str, ...]:
     return tuple(p for p in packages if p in imported) or packages[:1]
 
 
-#: ``mp.spawn(fn, args, nprocs)`` and ``start_processes``: their count counts with any engine torchrun starts
-#: (a library may call them).
-_SPAWN_COUNT = (("spawn", "start_processes"), "nprocs", 2)
-
-
 def processes_asked(cells: Sequence[CodeCell], name: str) -> int | None:
     """The process count the training cells ask their library for, when it is a literal:
     ``notebook_launcher(..., num_processes=N)``, ``Trainer(devices=N)``, or ``mp.spawn(fn, nprocs=N)`` (PyTorch's
@@ -234,14 +236,14 @@ def processes_asked(cells: Sequence[CodeCell], name: str) -> int | None:
     counted = engine(name).process_count if name in BUILTIN else None
     asked = [counted] if counted else []
     if not spawns_its_own_ranks(name):
-        asked.append(_SPAWN_COUNT)
+        asked.append(SPAWN_COUNT)
     for names, keyword, position in asked:
         for cell in cells:
             tree = parse(cell.code)
             for node in ast.walk(tree) if tree else ():
                 if not (isinstance(node, ast.Call) and name_of(node.func) in names):
                     continue
-                if names is _SPAWN_COUNT[0] and not _is_torch_spawn(node.func):
+                if names is SPAWN_COUNT[0] and not is_torch_spawn(node.func):
                     continue
                 values = [k.value for k in node.keywords if k.arg == keyword]
                 if position is not None and len(node.args) > position:
@@ -250,21 +252,6 @@ def processes_asked(cells: Sequence[CodeCell], name: str) -> int | None:
                     if isinstance(value, ast.Constant) and type(value.value) is int and value.value > 0:
                         return value.value
     return None
-
-
-def _spawns_ranks(node: ast.AST) -> bool:
-    """``mp.spawn(...)`` / ``start_processes(...)`` of torch.multiprocessing: PyTorch's DDP tutorial starting its
-    ranks."""
-    return (isinstance(node, ast.Call) and name_of(node.func) in _SPAWN_COUNT[0] and _is_torch_spawn(node.func))
-
-
-def _is_torch_spawn(func: ast.expr) -> bool:
-    """``mp.spawn``, ``torch.multiprocessing.spawn``, ``multiprocessing.start_processes`` or a bare ``spawn``
-    (imported from torch.multiprocessing): not another library's ``spawn`` (``pexpect.spawn``)."""
-    if isinstance(func, ast.Name):
-        return True
-    owner = func.value if isinstance(func, ast.Attribute) else None
-    return name_of(owner) in ("mp", "multiprocessing", "torch_mp", "tmp") if owner is not None else False
 
 
 def saves_checkpoints(cells: Sequence[CodeCell]) -> bool:

@@ -9,6 +9,7 @@ launchers are. Adding an engine is its module and one registry line; nothing els
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -71,6 +72,24 @@ ProcessCount = tuple[tuple[str, ...], str, "int | None"]
 
 
 @dataclass(frozen=True)
+class LaunchCall:
+    """One call of a cell's running code (not a ``def`` body), with what the notebook so far says about it."""
+
+    call: ast.Call
+    name: str
+    """What it calls (``fit`` for ``trainer.fit(...)``, ``notebook_launcher``)."""
+    imported: frozenset[str]
+    """The packages the notebook's cells import."""
+    made_by: str
+    """For ``x.method(...)``: the class ``x`` was built from (``Trainer``, ``Trainer(...)`` when built in the call
+    itself), where a cell assigned it; else ``""``."""
+    shown: str
+    """``x.method`` as the user wrote it (``trainer.fit``)."""
+    spawners: frozenset[str]
+    """The notebook's functions that start ranks with ``mp.spawn`` (the DDP tutorial's ``run_demo``)."""
+
+
+@dataclass(frozen=True)
 class Engine:
     """One engine, every fact about it."""
 
@@ -94,5 +113,7 @@ class Engine:
     """Why ``--shard`` doesn't go with it, and what shards there; ``None``: ``nbddp.prepare(model)`` shards."""
     process_count: ProcessCount | None = None
     """The call whose literal process count the run takes, when the cells write one."""
-    launched_by: tuple[str, ...] = ()
-    """Calls that start its training in a notebook no cell of which is marked (``notebook_launcher``)."""
+    launches: Callable[[LaunchCall], str | None] | None = None
+    """Whether a call in a notebook no cell of which is marked starts its training: the call as the user wrote it
+    (``notebook_launcher``, ``trainer.fit``), else ``None`` (:func:`nbddp.engines.training_launch` asks each
+    engine of every call of the cells' running code)."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from nbddp.engines.engine import CellFacts, CodeRequest, Engine, EngineCode
+from nbddp.engines.engine import CellFacts, CodeRequest, Engine, EngineCode, LaunchCall
 from nbddp.engines.torch import default_hint
 
 #: Accelerate's calls that start a notebook's training (nbddp's ranks run their function in place), and with
 #: ``Accelerator(...)`` those that make a notebook Accelerate's.
 ACCELERATE_LAUNCHERS = ("notebook_launcher", "debug_launcher")
 _ACCELERATE_CALLS = frozenset({*ACCELERATE_LAUNCHERS, "Accelerator"})
+LIGHTNING_PACKAGES = ("lightning", "pytorch_lightning")
 
 #: What each library's adaptation does, for the script's header: the code the user would otherwise write.
 ADAPTATIONS = {
@@ -67,8 +68,26 @@ def _library(name: str, packages: tuple[str, ...], trains_with: Callable[[CellFa
                   detected_by=detected_by, shard_instead=shard_instead, **more)
 
 
-def _imports(facts: CellFacts, packages: tuple[str, ...]) -> bool:
+def _imports(facts: CellFacts | LaunchCall, packages: tuple[str, ...]) -> bool:
     return bool(facts.imported & set(packages))
+
+
+def _accelerate_launches(call: LaunchCall) -> str | None:
+    """``notebook_launcher(...)`` / ``debug_launcher(...)``."""
+    return call.name if _imports(call, ("accelerate",)) and call.name in ACCELERATE_LAUNCHERS else None
+
+
+def _lightning_launches(call: LaunchCall) -> str | None:
+    """``trainer.fit(...)`` of a ``Trainer``, not scikit-learn's ``model.fit(X, y)``."""
+    trainer = call.made_by.removesuffix("(...)") == "Trainer"
+    return call.shown if call.name == "fit" and trainer and _imports(call, LIGHTNING_PACKAGES) else None
+
+
+def _transformers_launches(call: LaunchCall) -> str | None:
+    """``trainer.train()`` of a Hugging Face ``...Trainer``, not ``model.train()``."""
+    trainer = call.made_by.removesuffix("(...)").endswith("Trainer")
+    return call.shown if call.name == "train" and trainer and _imports(call, ("transformers",)) else None
+
 
 
 ACCELERATE = _library(
@@ -79,17 +98,17 @@ ACCELERATE = _library(
     # An Accelerator built in a setup cell: the ranks must see it too.
     sets_up_with=lambda facts: _imports(facts, ("accelerate",)) and bool(facts.called & _ACCELERATE_CALLS),
     process_count=(("notebook_launcher",), "num_processes", 2),  # notebook_launcher(function, args, num_processes)
-    launched_by=ACCELERATE_LAUNCHERS)
+    launches=_accelerate_launches)
 LIGHTNING = _library(
-    "lightning", ("lightning", "pytorch_lightning"),
-    lambda facts: (_imports(facts, ("lightning", "pytorch_lightning")) and "fit" in facts.trained
-                   and "Trainer" in facts.called),
+    "lightning", LIGHTNING_PACKAGES,
+    lambda facts: _imports(facts, LIGHTNING_PACKAGES) and "fit" in facts.trained and "Trainer" in facts.called,
     "Trainer.fit",
     "with Lightning, shard with its own strategy (Trainer(strategy=\"fsdp\") on GPUs)",
-    process_count=(("Trainer",), "devices", None))
+    process_count=(("Trainer",), "devices", None), launches=_lightning_launches)
 TRANSFORMERS = _library(
     "transformers", ("transformers",),
     lambda facts: (_imports(facts, ("transformers",)) and "train" in facts.trained
                    and any(name.endswith("Trainer") for name in facts.called)),
     "a Hugging Face Trainer's train()",
-    "with the Hugging Face Trainer, shard with its own option (TrainingArguments(fsdp=...))")
+    "with the Hugging Face Trainer, shard with its own option (TrainingArguments(fsdp=...))",
+    launches=_transformers_launches)

@@ -53,6 +53,26 @@ def imported_packages(code: str) -> frozenset[str]:
 
 
 
+#: ``mp.spawn(fn, args, nprocs)`` and ``start_processes``: their count counts with any engine torchrun starts
+#: (a library may call them).
+SPAWN_COUNT = (("spawn", "start_processes"), "nprocs", 2)
+
+
+def spawns_ranks(node: ast.AST) -> bool:
+    """``mp.spawn(...)`` / ``start_processes(...)`` of torch.multiprocessing: PyTorch's DDP tutorial starting its
+    ranks."""
+    return isinstance(node, ast.Call) and name_of(node.func) in SPAWN_COUNT[0] and is_torch_spawn(node.func)
+
+
+def is_torch_spawn(func: ast.expr) -> bool:
+    """``mp.spawn``, ``torch.multiprocessing.spawn``, ``multiprocessing.start_processes`` or a bare ``spawn``
+    (imported from torch.multiprocessing): not another library's ``spawn`` (``pexpect.spawn``)."""
+    if isinstance(func, ast.Name):
+        return True
+    owner = func.value if isinstance(func, ast.Attribute) else None
+    return name_of(owner) in ("mp", "multiprocessing", "torch_mp", "tmp") if owner is not None else False
+
+
 def name_of(func: ast.expr) -> str:
     """``f`` for ``f(...)`` and ``x.f(...)``."""
     return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""

@@ -15,13 +15,15 @@ the launchers, because the script's header needs it before any launcher is chose
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 import shlex
 from typing import Sequence
 
 from nbddp.contracts.devices import CPU_PROCESSES
-from nbddp.engines.engine import Engine, EngineCode
+from nbddp.engines.engine import Engine, EngineCode, LaunchCall
+from nbddp.engines.reading import spawns_ranks
 from nbddp.contracts.rank_env import DEFAULT_RDZV_TIMEOUT
 
 #: A run on one machine: the address torchrun's agent names its node by (it listens on nothing), and its
@@ -130,4 +132,14 @@ def _shell_word(option: str) -> str:
 
 
 #: Plain PyTorch: what no other engine's notebook is (detection's answer when none calls for its own).
-ENGINE = Engine("torch", lambda request: code(request.returns, request.script_name, request.shard))
+def _launches(call: LaunchCall) -> str | None:
+    """PyTorch's DDP tutorial: ``mp.spawn(...)`` in the running code, or a call of a notebook function that makes it."""
+    if "torch" in call.imported and spawns_ranks(call.call):
+        return ast.unparse(call.call.func)
+    if isinstance(call.call.func, ast.Name) and call.call.func.id in call.spawners:
+        return f"{call.call.func.id} → mp.spawn"
+    return None
+
+
+ENGINE = Engine("torch", lambda request: code(request.returns, request.script_name, request.shard),
+                launches=_launches)

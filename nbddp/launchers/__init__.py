@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable
 from nbddp.contracts.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
+from nbddp.contracts.plugins import registered
 from nbddp.contracts.process_groups import RECORD_SECONDS
 
 if TYPE_CHECKING:
@@ -152,16 +153,9 @@ def launcher_for(spec: "JobSpec") -> Launcher:
     return launcher_class(launcher_name(spec)).for_job(spec)
 
 
-_registered: dict[str, str] | None = None
-
-
 def launcher_class(name: str) -> type[Launcher]:
-    """The class registered under ``name``: an ``nbddp.launchers`` entry point, else the built-in one."""
-    global _registered
-    if _registered is None:  # read once, on the first launch (never at import)
-        from importlib.metadata import entry_points
-
-        _registered = {entry.name: entry.value for entry in entry_points(group=ENTRY_POINTS)}
-    target = _registered.get(name) or BUILTIN[name]
+    """The class registered under ``name``: an ``nbddp.launchers`` entry point (read on the first launch), else the
+    built-in one."""
+    target = registered(ENTRY_POINTS).get(name) or BUILTIN[name]
     module, _, attribute = target.partition(":")
     return getattr(import_module(module), attribute)
