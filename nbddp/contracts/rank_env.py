@@ -36,7 +36,6 @@ VARIABLES = {
     "rdzv_timeout": "NBDDP_RDZV_TIMEOUT",
     "warm": "NBDDP_WARM",
     "warm_idle": "NBDDP_WARM_IDLE",
-    "pool_owner": "NBDDP_POOL_OWNER",
     "requeue": "NBDDP_REQUEUE",
     "requeues": "NBDDP_REQUEUES",
     "store": "NBDDP_STORE",
@@ -110,8 +109,6 @@ class RankEnv:
     """``NBDDP_WARM``: the rank is a warm rank, running job after job in one process group."""
     warm_idle: float | None = None
     """``NBDDP_WARM_IDLE``: seconds a warm rank waits for its next job before exiting."""
-    pool_owner: int | None = None
-    """``NBDDP_POOL_OWNER``: the pid of the process that started a warm pool (its kernel, or a batch)."""
     requeue: bool = False
     """``NBDDP_REQUEUE``: a Slurm job that requeues itself: when Slurm signals it (time limit near,
     preemption), every rank stops at its next ``nbddp.save_checkpoint``."""
@@ -183,7 +180,6 @@ class RankEnv:
             rdzv_timeout=float(get["rdzv_timeout"]) if get["rdzv_timeout"] else None,
             warm=get["warm"] == "1",
             warm_idle=float(get["warm_idle"]) if get["warm_idle"] else None,
-            pool_owner=int(get["pool_owner"]) if get["pool_owner"] else None,
             requeue=get["requeue"] == "1",
             requeues=int(get["requeues"]) if get["requeues"].isdigit() else None,
             store=Path(get["store"]) if get["store"] else None,

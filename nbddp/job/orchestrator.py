@@ -106,6 +106,13 @@ class RunRequest:
         """Where the code came from, as ``result.json`` and the trackers name it (:attr:`source`, else the notebook)."""
         return self.source or str(self.notebook)
 
+    @property
+    def relayed_console(self) -> Console | None:
+        """Where a rank's debugger is relayed: from this machine's run dir only. Ranks on other machines (Slurm, Ray,
+        ``--nnodes``) skip their breakpoints, as a run nobody can type into does."""
+        launch = self.launch
+        return None if launch.slurm or launch.ray or launch.nodes is not None else self.console
+
 
 @dataclass
 class KernelResult:
@@ -300,20 +307,13 @@ def _devices(request: RunRequest, say: Say) -> Devices:
     return devices
 
 
-def _console(request: RunRequest) -> Console | None:
-    """Where a rank's debugger is relayed: from this machine's run dir only. Ranks on other machines (Slurm, Ray,
-    ``--nnodes``) skip their breakpoints, as a run nobody can type into does."""
-    launch = request.launch
-    return None if launch.slurm or launch.ray or launch.nodes is not None else request.console
-
-
 def _job_spec(request: RunRequest, kernel: Kernel, devices: Devices, pool: WarmHandle | None,
               say: Say) -> tuple[JobSpec, dict[str, str]]:
     """The job's spec (its run dir made) and the experiment records open as it starts (rank 0 writes into them)."""
     records, names = kernel.records_now(request) if request.tracked else ({}, [])
     if names:
         say(trackers.start_line(names))
-    console = _console(request)
+    console = request.relayed_console
     ranks = RankEnv(debugger=console is not None, debug_on_failure=request.debug_on_failure and console is not None)
     spec = JobSpec(request.script, devices, create_run_dir(request.notebook, request.launch.run_dir, say), request.cwd,
                    launch=request.launch, owner=request.owner, pool=pool,
@@ -326,7 +326,7 @@ class _Following:
 
     def __init__(self, request: RunRequest, sinks: Sequence[Sink], heartbeat: Callable[[], Any] | None) -> None:
         self.request, self.sinks, self.heartbeat = request, sinks, heartbeat
-        self.console = _console(request)
+        self.console = request.relayed_console
         timeout = request.launch.timeout
         self.deadline = time.monotonic() + timeout if timeout else None
         self.judged: list[JobOutcome] = []

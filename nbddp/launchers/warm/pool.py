@@ -61,8 +61,7 @@ class WarmPool:
             starter = [*starter_options(devices.nproc, self.dir.launch_report), "-m", "nbddp.rank_side.warm.loop",
                        str(self.dir)]
             env = ranks_environment(RankEnv(device=devices.kind, nproc=devices.nproc,
-                                            collective_timeout=key.collective_timeout, warm=True, warm_idle=idle,
-                                            pool_owner=os.getpid()),
+                                            collective_timeout=key.collective_timeout, warm=True, warm_idle=idle),
                                     private_rendezvous.prepare(self.dir.store),
                                     os.environ if environ is None else environ)
             if preload is None:

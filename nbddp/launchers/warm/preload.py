@@ -58,7 +58,7 @@ class Preload:
         self.started = time.monotonic()
         try:
             self.nproc = resolve().nproc  # a run with no options gets this many ranks: OMP_NUM_THREADS as theirs
-            env = ranks_environment(RankEnv(warm=True, pool_owner=os.getpid()),
+            env = ranks_environment(RankEnv(warm=True),
                                     private_rendezvous.prepare(self.dir.store),
                                     os.environ if environ is None else environ)
             self.imported = agent.as_imported(env, self.nproc)
