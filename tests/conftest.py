@@ -156,6 +156,16 @@ def wait_until(condition: Callable[[], T], timeout: float, what: str, every: flo
         time.sleep(every)
 
 
+def settled(condition: Callable[[], object], grace: float, every: float = 0.05) -> bool:
+    """Whether ``condition()`` came true within ``grace`` seconds, for a helper whose caller asserts on what is left
+    after the grace (the processes still alive): there, not settling is the answer, not the failure."""
+    try:
+        wait_until(condition, grace, "settled", every)
+    except AssertionError:
+        return False
+    return True
+
+
 def group_members(pgid: int) -> set[int]:
     """Live processes in process group ``pgid``."""
     members = set()
@@ -174,10 +184,7 @@ def group_members(pgid: int) -> set[int]:
 def survivors(pgid: int, grace: float = 3.0) -> set[int]:
     """Members of ``pgid`` still alive after ``grace`` seconds (helpers like
     multiprocessing's resource tracker exit a moment after their parent)."""
-    try:
-        wait_until(lambda: not group_members(pgid), grace, f"process group {pgid} ended", every=0.05)
-    except AssertionError:  # (what is left is the answer: the caller asserts on it)
-        pass
+    settled(lambda: not group_members(pgid), grace)
     return group_members(pgid)
 
 
@@ -253,10 +260,7 @@ class CliRun:
 
     def leftovers(self, grace: float = 3.0) -> set[int]:
         """Descendants seen during the run that are still alive ``grace`` seconds after it ended."""
-        try:
-            wait_until(lambda: not any(alive(p) for p in self.seen), grace, "the run's processes ended", every=0.05)
-        except AssertionError:  # (what is left is the answer: the caller asserts on it)
-            pass
+        settled(lambda: not any(alive(p) for p in self.seen), grace)
         left = {p for p in self.seen if alive(p)}
         for pid in left:  # don't let one failed test poison the next
             try:

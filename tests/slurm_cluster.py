@@ -15,7 +15,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from tests.conftest import wait_until
+from tests.conftest import settled, wait_until
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
 
@@ -112,9 +112,7 @@ class SlurmCluster:
                     os.kill(pid, signal.SIGTERM)
                 except (OSError, ValueError):
                     continue
-                try:
-                    wait_until(lambda: not _alive(pid), 15, f"{pid_file.name}'s daemon ended on SIGTERM")
-                except AssertionError:  # (its grace is over: it is stopped all the same)
+                if not settled(lambda: not _alive(pid), 15):  # (its grace is over: it is stopped all the same)
                     os.kill(pid, signal.SIGKILL)
 
     def _run(self, argv: list[str]) -> None:

@@ -27,7 +27,7 @@ from nbddp.contracts.pool_dir import PoolDir
 from nbddp.launchers.warm.departure import Departure, main_thread_frames, where
 from nbddp.launchers.warm import pool as warm_pool
 from nbddp.launchers.warm.pool import WarmPool
-from tests.conftest import wait_until
+from tests.conftest import settled, wait_until
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 BLOCKED = ["sleep", "60"]
@@ -93,11 +93,7 @@ def answer_within(departure: Departure, seconds: float) -> str | None:
         answers.append(departure.check())
         return answers[-1] is not None
 
-    try:
-        wait_until(answered, seconds, "a verdict on the ranks' departure", every=0.02)
-    except AssertionError:  # (no verdict within ``seconds``: what a caller asserting ``is None`` expects)
-        return None
-    return answers[-1]
+    return answers[-1] if settled(answered, seconds, every=0.02) else None  # (none: what a caller asserting it expects)
 
 
 def test_ranks_that_make_progress_are_waited_for_and_a_stall_names_the_ranks(tmp_path, ranks):

@@ -154,10 +154,10 @@ class NbddpEngine(Engine):
     @classmethod
     def execute_notebook(cls, nb: NotebookNode, kernel_name: str, **kwargs: Any) -> NotebookNode:
         """Check everything first (a refusal writes nothing), then let papermill run the notebook."""
-        notebook = from_nbformat(nb, _notebook_name(kwargs.get("input_path")))
-        try:
-            training = training_cells(notebook)
-        except NbddpError as exc:  # a directive nbddp doesn't know (#| ddp-trian)
+        try:  # a directive nbddp doesn't know (#| ddp-trian), NBDDP_OPTIONS it can't honour
+            notebook = from_nbformat(nb, _notebook_name(kwargs.get("input_path")))
+            training = training_cells(notebook, _asked_options().train_cell)
+        except NbddpError as exc:
             raise NbddpEngineError(str(exc)) from None
         if not training:
             return NBClientEngine.execute_notebook(nb, kernel_name, **kwargs)  # nothing to train: papermill's own
@@ -257,6 +257,20 @@ def options_parser() -> ArgumentParser:
     return parser
 
 
+def _asked_options() -> LaunchOptions:
+    """The launch options ``NBDDP_OPTIONS`` holds.
+
+    Raises:
+        UsageError: it holds what ``nbddp run`` wouldn't take, said as about ``NBDDP_OPTIONS``.
+    """
+    text = os.environ.get(OPTIONS_VARIABLE, "")
+    try:
+        return launch_options(options_parser().parse_args(shlex.split(text)))
+    except UsageError as exc:
+        raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
+                         "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
+
+
 def _plan(nb: NotebookNode, input_path: Any) -> _Plan:
     """The DDP run of papermill's parameterized notebook, checked: its options, names and script.
 
@@ -265,13 +279,8 @@ def _plan(nb: NotebookNode, input_path: Any) -> _Plan:
     """
     path = _notebook_name(input_path)  # in papermill's working folder (--cwd): the run dir goes beside it
     name = path.name
-    text = os.environ.get(OPTIONS_VARIABLE, "")
     try:
-        try:
-            launch = launch_options(options_parser().parse_args(shlex.split(text)))
-        except UsageError as exc:
-            raise UsageError(f"{OPTIONS_VARIABLE}={text!r}: {_without_help_hint(str(exc))} {OPTIONS_VARIABLE} "
-                             "takes the launch options of `nbddp run` (`nbddp run --help` lists them).") from None
+        launch = _asked_options()
         notebook = from_nbformat(nb, path)
         script = generate(notebook, launch.export_options(), to_run=True)
         injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell

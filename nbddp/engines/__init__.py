@@ -23,6 +23,7 @@ from typing import Iterator, Sequence
 
 from nbddp.contracts.errors import NbddpError, UsageError
 from nbddp.contracts.plugins import registered
+from nbddp.contracts.role_names import TRAIN
 from nbddp.engines.reading import SPAWN_COUNT, facts, imported_packages, is_torch_spawn, name_of, parse, spawns_ranks
 from nbddp.engines.engine import CodeCell, CodeRequest, Engine, EngineCode, LaunchCall  # (the engines' face)
 
@@ -167,48 +168,78 @@ def detect_engine(cells: Sequence[CodeCell]) -> str:
     return "torch"
 
 
-def training_launch(codes: Sequence[str | None]) -> tuple[int, str] | None:
-    """Which of a notebook's cells launches a library's training, with no cell marked: the first whose running
-    code (not a ``def`` body) makes a call some engine's record says starts its training
-    (:attr:`~nbddp.engines.engine.Engine.launches`): Accelerate's ``notebook_launcher(...)`` (or
-    ``debug_launcher``), a Lightning ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, or
-    torch's ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP tutorial's
-    ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when ``trainer``
-    was assigned a Trainer (in that cell or an earlier one): ``model.train()`` and scikit-learn's ``model.fit(X, y)``
-    don't.
+def training_launches(codes: Sequence[str | None]) -> list[tuple[int, str]]:
+    """The cells of a notebook with no cell marked whose running code (not a ``def`` body) makes a call some
+    engine's record says starts its training (:attr:`~nbddp.engines.engine.Engine.launches`), each with the first
+    such call as the user wrote it: Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``), a Lightning
+    ``Trainer``'s ``.fit(...)``, a Hugging Face ``...Trainer``'s ``.train()``, a Catalyst runner's ``.train(...)``
+    that asks for DDP (``ddp=True``, a ``DistributedDataParallelEngine``, or a runner whose ``get_engine`` returns
+    one), or torch's ``mp.spawn(...)`` — directly or through a function of the notebook that calls it (the DDP
+    tutorial's ``run_demo``) —, the library imported by some cell. ``trainer.fit``/``trainer.train`` count when
+    ``trainer`` was assigned a Trainer (in that cell or an earlier one): ``model.train()`` and scikit-learn's
+    ``model.fit(X, y)`` don't.
 
-    ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns the index of that
-    cell in ``codes`` and the call as the user wrote it (``trainer.fit``, ``notebook_launcher``), or ``None``.
+    ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns ``(index in codes, call)``
+    for each such cell, in order.
     """
     imported = frozenset().union(*(imported_packages(c) for c in codes if c is not None))
     asked = [e.launches for e in engines() if e.launches is not None]
-    trainers: dict[str, str] = {}  # variable → the class it was built from
+    built: dict[str, str] = {}  # variable → what was called to make it
+    classes: dict[str, ast.ClassDef] = {}
     spawners: set[str] = set()  # the notebook's functions that start ranks with mp.spawn (the tutorial's run_demo)
+    found: list[tuple[int, str]] = []
     for index, code in enumerate(codes):
         tree = parse(code) if code is not None else None
         running = list(_running_nodes(tree)) if tree else []
         for node in running:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-                trainers.update({t.id: name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
+                built.update({t.id: name_of(node.value.func) for t in node.targets if isinstance(t, ast.Name)})
+            elif isinstance(node, ast.ClassDef):
+                classes[node.name] = node
         if "torch" in imported and tree is not None:
             spawners |= {node.name for node in ast.walk(tree)
                          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                          and any(spawns_ranks(sub) for sub in ast.walk(node))}
         for call in (node for node in running if isinstance(node, ast.Call)):
-            found = next(filter(None, (launches(_launch_call(call, imported, trainers, spawners))
-                                       for launches in asked)), None)
-            if found is not None:
-                return index, found
-    return None
+            seen = LaunchCall(call, name_of(call.func), imported, *_receiver(call, built), frozenset(spawners),
+                              dict(built), dict(classes))
+            launch = next(filter(None, (launches(seen) for launches in asked)), None)
+            if launch is not None:
+                found.append((index, launch))
+                break
+    return found
 
 
-def _launch_call(call: ast.Call, imported: frozenset[str], trainers: dict[str, str],
-                 spawners: set[str]) -> LaunchCall:
+def unlaunched_hints(codes: Sequence[str | None]) -> list[str]:
+    """What to add to "no training cell" for a notebook some engine recognises (read as if every cell trained) though
+    no call of it launches the training (:attr:`~nbddp.engines.engine.Engine.unlaunched_hint`)."""
+    read = facts([_AsTraining(code) for code in codes if code is not None])
+    return [e.unlaunched_hint for e in engines()
+            if e.unlaunched_hint and e.trains_with is not None and e.trains_with(read)]
+
+
+class _AsTraining:
+    """A cell's code read as a training cell's (a :class:`~nbddp.engines.engine.CodeCell`)."""
+
+    role = TRAIN
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+
+def launch_texts() -> list[str]:
+    """Every engine's launching call as a message names it (:attr:`~nbddp.engines.engine.Engine.launch_text`)."""
+    return [e.launch_text for e in engines() if e.launch_text]
+
+
+def _receiver(call: ast.Call, built: dict[str, str]) -> tuple[str, str]:
+    """For ``x.method(...)``: what ``x`` was built from (``Trainer``; ``Trainer(...)`` when built in the call), and
+    ``x.method`` as written; ``("", "")`` for a plain call."""
     receiver = call.func.value if isinstance(call.func, ast.Attribute) else None
-    made_by = (trainers.get(receiver.id, "") if isinstance(receiver, ast.Name)
+    made_by = (built.get(receiver.id, "") if isinstance(receiver, ast.Name)
                else name_of(receiver.func) + "(...)" if isinstance(receiver, ast.Call) else "")
     shown = f"{receiver.id if isinstance(receiver, ast.Name) else made_by}.{name_of(call.func)}" if receiver else ""
-    return LaunchCall(call, name_of(call.func), imported, made_by, shown, frozenset(spawners))
+    return made_by, shown
 
 
 def _running_nodes(tree: ast.AST) -> Iterator[ast.AST]:

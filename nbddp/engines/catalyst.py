@@ -17,8 +17,11 @@ import ast
 from nbddp.contracts.devices import CPU_PROCESSES
 from nbddp.contracts.errors import NbddpError
 from nbddp.contracts.rank_env import RankEnv
-from nbddp.engines.reading import parse
-from nbddp.engines.engine import CellFacts, Engine, EngineCode
+from nbddp.engines.reading import name_of, parse
+from nbddp.engines.engine import CellFacts, Engine, EngineCode, LaunchCall
+
+#: Catalyst's engines that run a training as DDP ranks (Catalyst 22.4's ``dl.DistributedDataParallelEngine``).
+DDP_ENGINES = ("DistributedDataParallelEngine",)
 
 
 def code(returns: tuple[str, ...], script_name: str) -> EngineCode:
@@ -64,7 +67,43 @@ def _calls_runner_train(code: str) -> bool:
     return False
 
 
+def _launches(call: LaunchCall) -> str | None:
+    """A runner's ``.train(...)`` that asks for DDP as Catalyst's tutorial writes it: ``ddp=True``,
+    ``engine=dl.DistributedDataParallelEngine()`` (or a variable assigned one), or a runner of the notebook's own
+    class whose ``get_engine`` returns one. A ``.train(...)`` that doesn't ask trains on one process: not a launch."""
+    if call.name != "train" or not call.shown or "catalyst" not in call.imported:
+        return None
+    keywords = {k.arg: k.value for k in call.call.keywords}
+    ddp = keywords.get("ddp")
+    if isinstance(ddp, ast.Constant) and ddp.value is True:
+        return f"{call.shown}(ddp=True)"
+    if _is_ddp_engine(keywords.get("engine"), call):
+        return f"{call.shown}(engine=DistributedDataParallelEngine)"
+    runner = call.classes.get(call.made_by.removesuffix("(...)"))
+    if runner is not None and _gets_ddp_engine(runner, call):
+        return f"{call.shown} ({runner.name}.get_engine: DistributedDataParallelEngine)"
+    return None
+
+
+def _is_ddp_engine(value: ast.expr | None, call: LaunchCall) -> bool:
+    """``DistributedDataParallelEngine(...)``, or a variable the notebook assigned one."""
+    if isinstance(value, ast.Call):
+        return name_of(value.func) in DDP_ENGINES
+    return isinstance(value, ast.Name) and call.built.get(value.id) in DDP_ENGINES
+
+
+def _gets_ddp_engine(runner: ast.ClassDef, call: LaunchCall) -> bool:
+    """The runner class defines ``get_engine`` and it returns a DDP engine."""
+    return any(isinstance(method, ast.FunctionDef) and method.name == "get_engine"
+               and any(isinstance(node, ast.Return) and _is_ddp_engine(node.value, call) for node in ast.walk(method))
+               for method in runner.body)
+
+
 ENGINE = Engine(
     "catalyst", lambda request: code(request.returns, request.script_name), packages=("catalyst",),
     trains_with=_trains_with, detected_by="runner.train(loaders=...)", spawns_its_own_ranks=True,
-    shard_instead="Catalyst 22.4, its last release, has no FSDP2 engine")
+    shard_instead="Catalyst 22.4, its last release, has no FSDP2 engine",
+    launch_text="a Catalyst runner's .train(..., ddp=True) (or a DistributedDataParallelEngine)",
+    unlaunched_hint="A Catalyst runner's .train(...) here asks for no DDP: pass ddp=True to it (or "
+                    "engine=dl.DistributedDataParallelEngine()), or mark the cells.",
+    launches=_launches)

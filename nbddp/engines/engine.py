@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 
 class CodeCell(Protocol):
@@ -87,6 +87,11 @@ class LaunchCall:
     """``x.method`` as the user wrote it (``trainer.fit``)."""
     spawners: frozenset[str]
     """The notebook's functions that start ranks with ``mp.spawn`` (the DDP tutorial's ``run_demo``)."""
+    built: Mapping[str, str]
+    """Each variable the notebook's running code assigned a call to, so far: the called name (``engine`` →
+    ``DistributedDataParallelEngine``)."""
+    classes: Mapping[str, ast.ClassDef]
+    """The classes the notebook's running code defined, so far, by name (a runner whose ``get_engine`` is its own)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,12 @@ class Engine:
     """Why ``--shard`` doesn't go with it, and what shards there; ``None``: ``nbddp.prepare(model)`` shards."""
     process_count: ProcessCount | None = None
     """The call whose literal process count the run takes, when the cells write one."""
+    launch_text: str = ""
+    """Its launching call as a message names it (``a Lightning Trainer's .fit(...)``): what nbddp recognises in a
+    notebook no cell of which is marked."""
+    unlaunched_hint: str = ""
+    """Said when its notebook (its :attr:`trains_with` read in any cell) has no call :attr:`launches` takes."""
     launches: Callable[[LaunchCall], str | None] | None = None
     """Whether a call in a notebook no cell of which is marked starts its training: the call as the user wrote it
-    (``notebook_launcher``, ``trainer.fit``), else ``None`` (:func:`nbddp.engines.training_launch` asks each
+    (``notebook_launcher``, ``trainer.fit``), else ``None`` (:func:`nbddp.engines.training_launches` asks each
     engine of every call of the cells' running code)."""

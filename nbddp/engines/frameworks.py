@@ -98,17 +98,18 @@ ACCELERATE = _library(
     # An Accelerator built in a setup cell: the ranks must see it too.
     sets_up_with=lambda facts: _imports(facts, ("accelerate",)) and bool(facts.called & _ACCELERATE_CALLS),
     process_count=(("notebook_launcher",), "num_processes", 2),  # notebook_launcher(function, args, num_processes)
-    launches=_accelerate_launches)
+    launch_text="Accelerate's notebook_launcher(...)", launches=_accelerate_launches)
 LIGHTNING = _library(
     "lightning", LIGHTNING_PACKAGES,
     lambda facts: _imports(facts, LIGHTNING_PACKAGES) and "fit" in facts.trained and "Trainer" in facts.called,
     "Trainer.fit",
     "with Lightning, shard with its own strategy (Trainer(strategy=\"fsdp\") on GPUs)",
-    process_count=(("Trainer",), "devices", None), launches=_lightning_launches)
+    process_count=(("Trainer",), "devices", None), launch_text="a Lightning Trainer's .fit(...)",
+    launches=_lightning_launches)
 TRANSFORMERS = _library(
     "transformers", ("transformers",),
     lambda facts: (_imports(facts, ("transformers",)) and "train" in facts.trained
                    and any(name.endswith("Trainer") for name in facts.called)),
     "a Hugging Face Trainer's train()",
     "with the Hugging Face Trainer, shard with its own option (TrainingArguments(fsdp=...))",
-    launches=_transformers_launches)
+    launch_text="a Hugging Face Trainer's .train()", launches=_transformers_launches)

@@ -142,4 +142,4 @@ def _launches(call: LaunchCall) -> str | None:
 
 
 ENGINE = Engine("torch", lambda request: code(request.returns, request.script_name, request.shard),
-                launches=_launches)
+                launch_text="torch's mp.spawn(...)", launches=_launches)

@@ -37,7 +37,7 @@ class ExportPlan:
 
 def export_launch(launch: LaunchOptions, notebook: Notebook, script_name: str) -> ExportPlan:
     """The launch plan of an export, from ``nbddp export``'s launch options (checked as a run's are)."""
-    engine = launch.engine or detect_engine(select_cells(notebook))
+    engine = launch.engine or detect_engine(select_cells(notebook, train_cell=launch.train_cell))
     if launch.ray is not None:
         return ExportPlan(engine, ray_hint(replace(launch, engine=engine), script_name))
     devices = _devices(launch)

@@ -43,6 +43,8 @@ class ExportOptions:
     """The variables rank 0 saves for the kernel; ``()``: none (``%%ddp_exec``; ``--return`` takes one at least)."""
     shard: bool = False
     """Every ``nbddp.prepare(model)`` shards with FSDP2 (``--shard``); the torch engine only."""
+    train_cell: int | None = None
+    """With no cell marked, the training cell (``--train-cell``); ``None``: the one that launches a training."""
     keep_markdown: bool = False
     script_name: str = SCRIPT_NAME
     parameters_source: str = "the command line (nbddp -p)"
@@ -100,7 +102,7 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions(), *, to
         NotebookError, CellError: bad input. ParameterError: an override the parameters cell
             doesn't declare.
     """
-    chosen = selection(notebook, options.returns)  # a cell that isn't valid Python is the error to report first
+    chosen = selection(notebook, options.returns, options.train_cell)  # a cell that isn't valid Python: reported first
     applied = apply_overrides(notebook, options.parameters)
     markdown = _markdown_before(notebook) if options.keep_markdown else {}
     script = replace(render(chosen.cells, notebook.path, options, markdown, chosen.note), notices=applied.notices,
@@ -110,9 +112,10 @@ def generate(notebook: Notebook, options: ExportOptions = ExportOptions(), *, to
     return script
 
 
-def engine_of(notebook: Notebook, engine: str | None = None) -> str:
-    """The engine the notebook's script runs on: ``engine`` if given, else the one its training cells call for."""
-    return engine or detect_engine(select_cells(notebook))
+def engine_of(notebook: Notebook, engine: str | None = None, train_cell: int | None = None) -> str:
+    """The engine the notebook's script runs on: ``engine`` if given, else the one its training cells (with no cell
+    marked, cell ``train_cell`` if given) call for."""
+    return engine or detect_engine(select_cells(notebook, train_cell=train_cell))
 
 
 def render(cells: Sequence[ExportedCell], source: Path | str, options: ExportOptions,

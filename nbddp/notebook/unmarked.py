@@ -2,7 +2,7 @@
 
 A notebook written for Accelerate, Lightning or the Hugging Face Trainer says where its training starts:
 the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)`` or ``trainer.train()``
-(:func:`nbddp.engines.training_launch`). With no cell marked (a papermill ``parameters`` cell aside),
+(:func:`nbddp.engines.training_launches`). With no cell marked (a papermill ``parameters`` cell aside),
 that cell is the training cell, and the earlier cells it depends on are its setup, found from the names
 each cell reads and binds (:func:`nbddp.contracts.freevars.cell_names`), transitively:
 
@@ -24,7 +24,7 @@ import re
 from dataclasses import replace
 from typing import Sequence
 
-from nbddp.engines import training_launch
+from nbddp.engines import launch_texts, training_launches, unlaunched_hints
 from nbddp.contracts.errors import CellError, CellSyntaxError, NotebookError, see
 from nbddp.notebook.roles import INJECTED, PARAMETERS, TRAIN, ExportedCell, Exports, Selection
 from nbddp.contracts.freevars import KERNEL_ONLY, CellNames, cell_names
@@ -33,30 +33,29 @@ from nbddp.notebook.reader import Cell, Notebook
 
 def launching_cell(notebook: Notebook) -> tuple[Cell, str] | None:
     """The first unmarked code cell that launches a library's training, and the call (``trainer.fit``)."""
-    return _launching(notebook, _read(Exports(notebook), notebook))
+    found = _launchings(notebook, _read(Exports(notebook), notebook))
+    return found[0] if found else None
 
 
-def choose(notebook: Notebook, exports: Exports, returns: Sequence[str] = ()) -> Selection:
-    """The cells of an unmarked notebook's script: its launching cell as training, what it needs as setup.
+def choose(notebook: Notebook, exports: Exports, returns: Sequence[str] = (), train_cell: int | None = None
+           ) -> Selection:
+    """The cells of an unmarked notebook's script: its launching cell (or cell ``train_cell``: ``--train-cell``, for
+    a library that launches its training in a call nbddp can't recognise, such as a wrapper of Catalyst's) as
+    training, what it needs as setup.
 
     ``exports``: its cells, exported on demand. ``returns``: the variables the run hands back (``--return``),
     which the script must define too.
 
     Raises:
-        NotebookError: nothing launches a library's training (what to mark), or the setup can't be chosen
-            safely (which cell, and what to mark).
+        NotebookError: nothing launches a library's training (what to mark), several cells do (which, and how to
+            name the one meant), ``train_cell`` is no code cell, or the setup can't be chosen safely (which cell,
+            and what to mark).
         CellError: the training cell can't be exported; with nothing found to train, the first cell that isn't
             valid Python (the kernel stops there too).
     """
     read = _read(exports, notebook)
     names = {number: _names(exported) for number, exported in read.items()}  # every cell's, read once
-    found = _launching(notebook, read)
-    if found is None:
-        invalid = next((e for e in read.values() if isinstance(e, CellSyntaxError)), None)
-        if invalid is not None:
-            raise invalid
-        raise NotebookError(no_training_cell(notebook, unmarked=True))
-    training, launch = found
+    training, launch = _training_cell(notebook, read, train_cell)
     trained = replace(read[training.number], role=TRAIN)  # (exported as any cell is: its role aside, the same)
     trained_names = names[training.number]
     before = [cell for cell in notebook.code_cells if cell.number < training.number]
@@ -85,11 +84,37 @@ def _read(exports: Exports, notebook: Notebook) -> dict[int, ExportedCell | Cell
     return {cell.number: exports[cell] for cell in notebook.code_cells}
 
 
-def _launching(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> tuple[Cell, str] | None:
+def _training_cell(notebook: Notebook, read: dict[int, ExportedCell | CellError],
+                   train_cell: int | None) -> tuple[Cell, str]:
+    """The training cell and how it was found: ``train_cell``, else the one cell that launches a training."""
+    if train_cell is not None:
+        cell = next((c for c in notebook.code_cells if c.number == train_cell), None)
+        if cell is None:
+            raise NotebookError(f"{notebook.path}: --train-cell {train_cell}: cell {train_cell} is not a code cell "
+                                f"(the code cells: {_numbers([c.number for c in notebook.code_cells])}).")
+        if isinstance(error := read[cell.number], CellError):
+            raise error
+        return cell, f"--train-cell {train_cell}"
+    found = _launchings(notebook, read)
+    if len(found) > 1:
+        each = ", ".join(f"cell {cell.number} ({call})" for cell, call in found)
+        raise NotebookError(
+            f"{notebook.path}: no cell is marked, and {len(found)} cells launch a training: {each}; nbddp can't tell "
+            f"which is meant. Name it with --train-cell N (nbddp still chooses its setup), or start it with "
+            f"'#| ddp-train' and the cells it needs with '#| ddp'." + see("no-training-cell"))
+    if not found:
+        invalid = next((e for e in read.values() if isinstance(e, CellSyntaxError)), None)
+        if invalid is not None:
+            raise invalid
+        raise NotebookError(no_training_cell(notebook, unmarked=True))
+    return found[0]
+
+
+def _launchings(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> list[tuple[Cell, str]]:
+    """Every unmarked cell that launches a library's training, with the call, in order."""
     candidates = [cell for cell in notebook.code_cells if cell.role is None]
     codes = [e.code if isinstance(e := read[cell.number], ExportedCell) else None for cell in candidates]
-    found = training_launch(codes)
-    return None if found is None else (candidates[found[0]], found[1])
+    return [(candidates[index], call) for index, call in training_launches(codes)]
 
 
 class _Closure:
@@ -191,9 +216,10 @@ def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
         return text + see("no-training-cell")
     loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
     hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
+    libraries = " ".join(unlaunched_hints([cell.source for cell in notebook.code_cells]))
     return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
-            "unmarked: Accelerate's notebook_launcher(...), a Lightning Trainer's .fit(...), a Hugging Face "
-            "Trainer's .train().)" + see("no-training-cell"))
+            f"unmarked: {', '.join(launch_texts())}.)" + (f" {libraries}" if libraries else "")
+            + see("no-training-cell"))
 
 
 def _names(exported: ExportedCell | CellError) -> CellNames | None:

@@ -136,6 +136,11 @@ def _gpus(value: str, flag: str) -> None:
     requested_gpus(value)  # (it names --gpus itself: devices.py reads the count)
 
 
+def _cell_number(value: int | None, flag: str) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"{flag} {value}: cells are numbered from 1, as the notebook shows them.")
+
+
 def _a_name(value: str, flag: str) -> None:
     if not value.strip() or any(c.isspace() for c in value):
         raise UsageError(f"{flag} {value!r}: give a name without spaces.")
@@ -377,6 +382,12 @@ class LaunchOptions:
     shard: bool = option("--shard", group=_SCRIPT, default=False, action="store_true",
                          help="shard models with FSDP2: every nbddp.prepare(model) applies fully_shard instead of DDP "
                               "(torch engine)")
+    train_cell: int | None = option(
+        "--train-cell", group=_SCRIPT, doors=_EVERY - {MAGIC}, default=None, type=int, metavar="N", example=("5",),
+        check=_cell_number,
+        help="with no cell marked, cell N is the training cell (one that launches its training through a library "
+             "nbddp doesn't read, such as a wrapper of Catalyst's); nbddp still chooses its setup")
+    """``None``: the cell that launches a library's training, or the marked ones."""
     gpus: str | None = option("--gpus", group=_DEVICES, default=None, metavar="N|all|free", example=("2",),
                               help="GPUs to use (default: all visible; free: those no other process is using)",
                               coerce=_text, accepts="int | str | None", check=_gpus)
@@ -496,7 +507,7 @@ class LaunchOptions:
         from nbddp.notebook.script import ExportOptions
 
         return ExportOptions(**{"engine": self.engine, "parameters": self.parameters, "returns": self.returns,
-                                "shard": self.shard, **more})
+                                "shard": self.shard, "train_cell": self.train_cell, **more})
 
     def to_argv(self) -> list[str]:
         """The same options as arguments :func:`add_launch_arguments` parses back (a batch's runs)."""

@@ -52,8 +52,21 @@ def requested_processes() -> tuple[int, bool]:
     return env.nproc or (2 if cpu else torch.cuda.device_count()), cpu
 
 
+#: What torchrun sets in each process it starts (its agent's run id).
+TORCHRUN_VARIABLE = "TORCHELASTIC_RUN_ID"
+
+
 def start() -> None:
-    """Called by the catalyst engine's script at import time (and so in every spawned rank)."""
+    """Called by the catalyst engine's script at import time (and so in every spawned rank).
+
+    Under torchrun each of its N processes would spawn N ranks of its own (N×N, each group training alone): the
+    script refuses at once, in one line, saying how it is started instead."""
+    if TORCHRUN_VARIABLE in os.environ:
+        print(f"nbddp: this script runs on Catalyst's DDP engine, which starts one rank per device itself: under "
+              f"torchrun each of its processes would start as many. Run it with python ({RankEnv.shell(nproc='N')} "
+              f"python {os.path.basename(sys.argv[0]) or 'train.py'}; nbddp run starts it so).", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2)
     rank_process.use_notebook_folder()
     apply_catalyst_shims()
 
@@ -276,8 +289,10 @@ def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
     original = Runner.train
 
     def train(self: Runner, *args: Any, **kwargs: Any) -> None:
-        kwargs["engine"] = make_engine()
+        kwargs["engine"] = engine = make_engine()
         kwargs["callbacks"] = _with_return_callback(kwargs.get("callbacks"), returns[0])
+        if type(self).get_engine is not Runner.get_engine:  # a runner of the notebook's whose get_engine is its own:
+            self.get_engine = _GivenEngine(engine)  # Catalyst asks it, not train's engine=, for the ranks to spawn
         result = original(self, *args, **kwargs)
         _state["trained"] = True
         return result
@@ -285,6 +300,17 @@ def patch_runner_train(returns: Sequence[str] = ("model",)) -> None:
     train.__wrapped__ = original
     Runner.train = train
     _state["patched"] = True
+
+
+class _GivenEngine:
+    """A runner's ``get_engine`` that returns nbddp's engine: an object, not a closure, as the runner goes to every
+    spawned rank pickled (its bound ``_run_local``)."""
+
+    def __init__(self, engine: dl.DistributedDataParallelEngine) -> None:
+        self.engine = engine
+
+    def __call__(self) -> dl.DistributedDataParallelEngine:
+        return self.engine
 
 
 def _with_return_callback(callbacks: dict[str, Callback] | Sequence[Callback] | None,

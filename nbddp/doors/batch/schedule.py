@@ -354,7 +354,7 @@ def run_batch(options: BatchOptions, progress: Callable[[Batch], None] | None = 
         raise NbddpError(f"--resume: {out} does not exist; give the --out of the batch to resume.")
     private_folder(out, "--out", parents=True, say=lambda text: say(f"nbddp: {text}"))
     say(f"nbddp: batch of {len(runs)} runs, {min(len(slots), len(runs))} at a time, in {out}")
-    engine = engine_of(notebook, options.launch.engine)
+    engine = engine_of(notebook, options.launch.engine, options.launch.train_cell)
     batch = Batch(options, out, runs, slots, nproc, kind, progress, engine)
     try:
         states = batch.run()
