@@ -191,3 +191,16 @@ def test_the_catalyst_engines_script_refuses_torchrun_in_one_line(tmp_path):
         "each of its processes would start as many. Run it with python (NBDDP_NPROC=N python train.py; nbddp run "
         "starts it so).")
     assert "Epoch" not in done.stdout + done.stderr and not (tmp_path / "logs").exists()  # nothing trained
+
+
+def test_every_door_asks_the_same_choice_papermills_engine_and_a_batch_too(tmp_path):
+    """papermill's engine asks which cells train before it runs anything, a batch which engine its runs use (warm
+    ranks can't serve Catalyst's): both get the unmarked choice, ``--train-cell`` included."""
+    from nbddp.notebook.cells import training_cells
+    from nbddp.notebook.script import engine_of
+
+    notebook = read_notebook(_unmarked(tmp_path, TRAIN.format(asks=", ddp=True")))
+    assert training_cells(notebook) == (4,) and engine_of(notebook) == "catalyst"
+    wrapped = read_notebook(_unmarked(tmp_path, "model = train_somehow(model)", name="w.ipynb"))
+    assert training_cells(wrapped) == () and training_cells(wrapped, train_cell=4) == (4,)
+    assert engine_of(wrapped, "catalyst", train_cell=4) == "catalyst"
