@@ -23,7 +23,7 @@ import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
 from nbddp.contracts.devices import Devices
-from nbddp.engines import detect_engine, processes_asked, shard_refusal, training_launches
+from nbddp.engines import detect_engine, processes_asked, shard_refusal, read_launches
 from nbddp.contracts.errors import DeviceError, NbddpError, UsageError
 from nbddp.launchers import devices_for
 from nbddp.notebook.cells import select_cells
@@ -83,16 +83,16 @@ def test_detection_needs_the_import_and_the_call_and_engine_overrides_it(tmp_pat
 
 
 def test_the_cell_that_launches_a_librarys_training_is_found_without_marks():
-    assert training_launches(["from accelerate import notebook_launcher\ndef main():\n    notebook_launcher(f)",
-                              "notebook_launcher(f, num_processes=2)"]) == [(1, "notebook_launcher")]  # not a def body
-    assert training_launches(["import lightning as L\nfrom sklearn.linear_model import Ridge\nRidge().fit(X, y)",
-                              "model.fit(X, y)", "trainer = L.Trainer(devices=2)", None,  # (a cell that isn't Python)
-                              "trainer.fit(model, loader)"]) == [(4, "trainer.fit")]
-    assert training_launches(["import pytorch_lightning as pl", "pl.Trainer().fit(m)"]) == [(1, "Trainer(...).fit")]
-    assert training_launches(["from transformers import Seq2SeqTrainer\nmodel.train()",
-                              "t = Seq2SeqTrainer(model=model)\nt.train()"]) == [(1, "t.train")]
-    assert training_launches(["import torch\nmodel.train()", "trainer = Trainer()\ntrainer.fit(m)"]) == []  # no library
-    assert training_launches(["from accelerate import Accelerator\nacc = Accelerator()"]) == []  # a loop, not a launch
+    assert read_launches(["from accelerate import notebook_launcher\ndef main():\n    notebook_launcher(f)",
+                          "notebook_launcher(f, num_processes=2)"]).found == [(1, "notebook_launcher")]  # not a def body
+    assert read_launches(["import lightning as L\nfrom sklearn.linear_model import Ridge\nRidge().fit(X, y)",
+                          "model.fit(X, y)", "trainer = L.Trainer(devices=2)", None,  # (a cell that isn't Python)
+                          "trainer.fit(model, loader)"]).found == [(4, "trainer.fit")]
+    assert read_launches(["import pytorch_lightning as pl", "pl.Trainer().fit(m)"]).found == [(1, "Trainer(...).fit")]
+    assert read_launches(["from transformers import Seq2SeqTrainer\nmodel.train()",
+                          "t = Seq2SeqTrainer(model=model)\nt.train()"]).found == [(1, "t.train")]
+    assert read_launches(["import torch\nmodel.train()", "trainer = Trainer()\ntrainer.fit(m)"]).found == []  # no library
+    assert read_launches(["from accelerate import Accelerator\nacc = Accelerator()"]).found == []  # a loop, not a launch
 
 
 def test_lightning_packages_are_the_ones_the_notebook_imports(tmp_path):

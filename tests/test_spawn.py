@@ -132,12 +132,12 @@ def test_a_literal_nprocs_is_the_runs_process_count(call, asked):
 
 
 def test_an_unmarked_notebook_trains_the_cell_that_spawns_its_ranks():
-    from nbddp.engines import training_launches
+    from nbddp.engines import read_launches
 
     setup = TUTORIAL.format(backend="gloo").replace("#| ddp\n", "")
-    assert training_launches([setup, "print(model)", "run_demo(demo_basic, 2)"]) == [(2, "run_demo → mp.spawn")]
-    assert training_launches(["import torch.multiprocessing as mp", "mp.spawn(f, nprocs=2)"]) == [(1, "mp.spawn")]
-    assert training_launches(["import pexpect", "pexpect.spawn('ls')"]) == []
+    assert read_launches([setup, "print(model)", "run_demo(demo_basic, 2)"]).found == [(2, "run_demo → mp.spawn")]
+    assert read_launches(["import torch.multiprocessing as mp", "mp.spawn(f, nprocs=2)"]).found == [(1, "mp.spawn")]
+    assert read_launches(["import pexpect", "pexpect.spawn('ls')"]).found == []
 
 
 def test_the_codes_rank_and_world_size_must_name_this_rank():

@@ -168,7 +168,17 @@ def detect_engine(cells: Sequence[CodeCell]) -> str:
     return "torch"
 
 
-def training_launches(codes: Sequence[str | None]) -> list[tuple[int, str]]:
+@dataclass(frozen=True)
+class Launches:
+    """What the engines read of an unmarked notebook's launches (:func:`read_launches`)."""
+
+    found: list[tuple[int, str]]
+    """``(index in codes, the call as written)`` of each cell that launches a training, in order."""
+    hints: list[str]
+    """What to add to "no training cell" where none does (:attr:`~nbddp.engines.engine.Engine.unlaunched_hint`)."""
+
+
+def read_launches(codes: Sequence[str | None]) -> Launches:
     """The cells of a notebook with no cell marked whose running code (not a ``def`` body) makes a call some
     engine's record says starts its training (:attr:`~nbddp.engines.engine.Engine.launches`), each with the first
     such call as the user wrote it: Accelerate's ``notebook_launcher(...)`` (or ``debug_launcher``), a Lightning
@@ -180,7 +190,8 @@ def training_launches(codes: Sequence[str | None]) -> list[tuple[int, str]]:
     ``model.fit(X, y)`` don't.
 
     ``codes``: the cells' Python in notebook order (``None`` for one that isn't). Returns ``(index in codes, call)``
-    for each such cell, in order.
+    for each such cell, in order, and, for a notebook some engine recognises though none of its calls launches,
+    what that engine says to do (:func:`unlaunched_hints`).
     """
     imported = frozenset().union(*(imported_packages(c) for c in codes if c is not None))
     asked = [e.launches for e in engines() if e.launches is not None]
@@ -207,7 +218,7 @@ def training_launches(codes: Sequence[str | None]) -> list[tuple[int, str]]:
             if launch is not None:
                 found.append((index, launch))
                 break
-    return found
+    return Launches(found, [] if found else unlaunched_hints(codes))
 
 
 def unlaunched_hints(codes: Sequence[str | None]) -> list[str]:

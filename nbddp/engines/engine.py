@@ -125,5 +125,5 @@ class Engine:
     """Said when its notebook (its :attr:`trains_with` read in any cell) has no call :attr:`launches` takes."""
     launches: Callable[[LaunchCall], str | None] | None = None
     """Whether a call in a notebook no cell of which is marked starts its training: the call as the user wrote it
-    (``notebook_launcher``, ``trainer.fit``), else ``None`` (:func:`nbddp.engines.training_launches` asks each
+    (``notebook_launcher``, ``trainer.fit``), else ``None`` (:func:`nbddp.engines.read_launches` asks each
     engine of every call of the cells' running code)."""

@@ -2,7 +2,7 @@
 
 A notebook written for Accelerate, Lightning or the Hugging Face Trainer says where its training starts:
 the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)`` or ``trainer.train()``
-(:func:`nbddp.engines.training_launches`). With no cell marked (a papermill ``parameters`` cell aside),
+(:func:`nbddp.engines.read_launches`). With no cell marked (a papermill ``parameters`` cell aside),
 that cell is the training cell, and the earlier cells it depends on are its setup, found from the names
 each cell reads and binds (:func:`nbddp.contracts.freevars.cell_names`), transitively:
 
@@ -21,10 +21,10 @@ in one line (:attr:`nbddp.notebook.cells.Selection.note`): at a run's start, and
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
-from nbddp.engines import launch_texts, training_launches, unlaunched_hints
+from nbddp.engines import launch_texts, read_launches
 from nbddp.contracts.errors import CellError, CellSyntaxError, NotebookError, see
 from nbddp.notebook.roles import INJECTED, PARAMETERS, TRAIN, ExportedCell, Exports, Selection
 from nbddp.contracts.freevars import KERNEL_ONLY, CellNames, cell_names
@@ -33,7 +33,7 @@ from nbddp.notebook.reader import Cell, Notebook
 
 def launching_cell(notebook: Notebook) -> tuple[Cell, str] | None:
     """The first unmarked code cell that launches a library's training, and the call (``trainer.fit``)."""
-    found = _launchings(notebook, _read(Exports(notebook), notebook))
+    found = _launchings(notebook, _read(Exports(notebook), notebook)).found
     return found[0] if found else None
 
 
@@ -95,7 +95,8 @@ def _training_cell(notebook: Notebook, read: dict[int, ExportedCell | CellError]
         if isinstance(error := read[cell.number], CellError):
             raise error
         return cell, f"--train-cell {train_cell}"
-    found = _launchings(notebook, read)
+    launches = _launchings(notebook, read)
+    found = launches.found
     if len(found) > 1:
         each = ", ".join(f"cell {cell.number} ({call})" for cell, call in found)
         raise NotebookError(
@@ -106,15 +107,23 @@ def _training_cell(notebook: Notebook, read: dict[int, ExportedCell | CellError]
         invalid = next((e for e in read.values() if isinstance(e, CellSyntaxError)), None)
         if invalid is not None:
             raise invalid
-        raise NotebookError(no_training_cell(notebook, unmarked=True))
+        raise NotebookError(no_training_cell(notebook, hints=launches.hints))
     return found[0]
 
 
-def _launchings(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> list[tuple[Cell, str]]:
+@dataclass(frozen=True)
+class _Launches:
+    found: list[tuple[Cell, str]]
     """Every unmarked cell that launches a library's training, with the call, in order."""
+    hints: list[str]
+    """What the engines say to do where none does."""
+
+
+def _launchings(notebook: Notebook, read: dict[int, ExportedCell | CellError]) -> _Launches:
     candidates = [cell for cell in notebook.code_cells if cell.role is None]
     codes = [e.code if isinstance(e := read[cell.number], ExportedCell) else None for cell in candidates]
-    return [(candidates[index], call) for index, call in training_launches(codes)]
+    launches = read_launches(codes)
+    return _Launches([(candidates[index], call) for index, call in launches.found], launches.hints)
 
 
 class _Closure:
@@ -206,19 +215,19 @@ class _Closure:
                 "needs) with '#| ddp', or tag them 'ddp-train' / 'ddp'; cells without a mark run only in the kernel.")
 
 
-def no_training_cell(notebook: Notebook, unmarked: bool = False) -> str:
-    """What to mark, when nothing trains: the cell that trains, and the cells it needs. ``unmarked``: no cell
-    is marked, so also what nbddp would have recognised, and a cell that looks like a training loop."""
+def no_training_cell(notebook: Notebook, hints: Sequence[str] | None = None) -> str:
+    """What to mark, when nothing trains: the cell that trains, and the cells it needs. ``hints`` (no cell is
+    marked): what the engines say to do, so also what nbddp would have recognised, and a cell that looks like a
+    training loop."""
     text = (f"{notebook.path}: no training cell. Mark the cell that trains: start it with '#| ddp-train' "
             "(or tag it 'ddp-train', or make it a '%%ddp_train' cell), and mark the cells it needs (imports, data, "
             "model) with '#| ddp' (or tag them 'ddp'); cells without a mark run only in the kernel.")
-    if not unmarked:
+    if hints is None:
         return text + see("no-training-cell")
     loop = next((cell for cell in notebook.code_cells if re.search(r"\.backward\(|\.step\(\)", cell.source)), None)
     hint = f" Cell {loop.number} calls .backward() or .step(): if it is the training, mark it so." if loop else ""
-    libraries = " ".join(unlaunched_hints([cell.source for cell in notebook.code_cells]))
     return (text + hint + " (No cell is marked, and none launches a library's training that nbddp recognises "
-            f"unmarked: {', '.join(launch_texts())}.)" + (f" {libraries}" if libraries else "")
+            f"unmarked: {', '.join(launch_texts())}.)" + "".join(f" {line}" for line in hints)
             + see("no-training-cell"))
 
 
