@@ -204,3 +204,15 @@ def test_every_door_asks_the_same_choice_papermills_engine_and_a_batch_too(tmp_p
     wrapped = read_notebook(_unmarked(tmp_path, "model = train_somehow(model)", name="w.ipynb"))
     assert training_cells(wrapped) == () and training_cells(wrapped, train_cell=4) == (4,)
     assert engine_of(wrapped, "catalyst", train_cell=4) == "catalyst"
+
+
+def test_train_cell_names_a_cell_that_trains_not_the_parameters_or_one_past_the_end(tmp_path):
+    path = write_notebook(tmp_path / "p.ipynb", [code("lr = 0.1", "parameters"), code(SETUP), code(RUNNER),
+                                                 code(TRAIN.format(asks=""))])
+    with pytest.raises(NotebookError, match="--train-cell 1: cell 1 is the notebook's parameters cell, which sets the "
+                                            "run's values: name the cell that trains"):
+        _export(path, train_cell=1)
+    with pytest.raises(NotebookError, match=r"--train-cell 9: the notebook has 4 cells \(the code cells: 1-4\)"):
+        _export(path, train_cell=9)
+    assert "cell 4 (--train-cell 4) is the training cell, cells 1-3 its setup" in generate(
+        read_notebook(path), ExportOptions(train_cell=4)).note

@@ -62,7 +62,6 @@ def test_an_engine_registered_by_one_line_is_detected_writes_its_code_and_is_des
         engines.engine("no-such-engine")
 
 
-
 SPIED_TORCH = '''
 from dataclasses import replace
 from nbddp.engines.torch import ENGINE as TORCH

@@ -132,7 +132,6 @@ def test_a_run_asking_for_more_than_the_cluster_has_fails_within_its_timeout_say
     assert "the run exceeded --timeout; every rank was stopped. Ray: the cluster never placed 1 node × 3 CPU" in timed.output
 
 
-
 def test_a_driver_stopped_while_it_connects_says_the_cluster_never_placed_the_ranks(tmp_path, ray_env):
     """The stop lands while the driver imports Ray or connects (Ray's own SIGTERM handler is in place then): the
     record still says what the cluster hadn't done, and the driver ends as a stopped run, not with a traceback."""
@@ -149,6 +148,7 @@ def test_a_driver_stopped_while_it_connects_says_the_cluster_never_placed_the_ra
     assert driver.returncode == 143 and "Traceback" not in output, output
     assert record["state"] == "STOPPED", record
     assert record["ended_by"].startswith("Ray: the cluster never placed 1 node × 3 CPU ranks in the "), record
+
 
 def test_no_cluster_at_the_address_is_said_at_once(tmp_path, cli_run, ray_env):
     from tests.slurm_cluster import free_port

@@ -282,9 +282,9 @@ def _plan(nb: NotebookNode, input_path: Any) -> _Plan:
     try:
         launch = _asked_options()
         notebook = from_nbformat(nb, path)
-        script = generate(notebook, launch.export_options(), to_run=True)
         injected = declared_parameters(notebook, roles=(INJECTED,))  # what papermill's -p put in its cell
-        _warn_unknown(notebook, injected)
+        _warn_unknown(notebook, injected)  # (first: a misspelt -p may be why a name is undefined below)
+        script = generate(notebook, launch.export_options(), to_run=True)
     except CellSyntaxError:
         raise
     except NbddpError as exc:

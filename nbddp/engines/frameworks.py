@@ -89,7 +89,6 @@ def _transformers_launches(call: LaunchCall) -> str | None:
     return call.shown if call.name == "train" and trainer and _imports(call, ("transformers",)) else None
 
 
-
 ACCELERATE = _library(
     "accelerate", ("accelerate",),
     lambda facts: _imports(facts, ("accelerate",)) and bool(facts.trained & _ACCELERATE_CALLS),

@@ -52,7 +52,6 @@ def imported_packages(code: str) -> frozenset[str]:
     return _cell_facts(code)[0]
 
 
-
 #: ``mp.spawn(fn, args, nprocs)`` and ``start_processes``: their count counts with any engine torchrun starts
 #: (a library may call them).
 SPAWN_COUNT = (("spawn", "start_processes"), "nprocs", 2)

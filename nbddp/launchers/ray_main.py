@@ -218,6 +218,8 @@ class Driver:
             ray.init(address=self.args.address, log_to_driver=False, logging_level="ERROR", configure_logging=False)
         except SystemExit as exc:  # Ray's own SIGTERM handler, while connecting: sys.exit(signum)
             self.stopping.append(exc.code if isinstance(exc.code, int) and exc.code > 0 else signal.SIGTERM)
+            self.listen()
+            ray.shutdown()  # (whatever ray.init had connected)
             return self.stopped_unplaced("CONNECTING", "")
         except ConnectionError as exc:
             return self.fail(f"no Ray cluster to connect to ({cluster}): {first_line(exc)} {advice}", "UNREACHABLE")

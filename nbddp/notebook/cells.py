@@ -51,9 +51,9 @@ def selection(notebook: Notebook, returns: Sequence[str] = (), train_cell: int |
 
 
 def training_cells(notebook: Notebook, train_cell: int | None = None) -> tuple[int, ...]:
-    """The numbers of the cells that train, marked or (no cell marked) chosen (``train_cell``, if given); ``()``
-    for none. Cheaper than :func:`selection`: the setup isn't chosen (papermill's engine asks it of every
-    notebook)."""
+    """The numbers of the cells that train, marked or (no cell marked) chosen (``train_cell``, if given, else the
+    first that launches a training: :func:`selection` refuses several); ``()`` for none. Cheaper than
+    :func:`selection`: the setup isn't chosen (papermill's engine asks it of every notebook)."""
     if any(cell.role in (SETUP, TRAIN) for cell in notebook.code_cells):
         return tuple(cell.number for cell in notebook.code_cells if cell.role == TRAIN)
     if train_cell is not None:

@@ -71,6 +71,7 @@ def read_notebook(path: str | Path) -> Notebook:
     Raises:
         NotebookError: the file is missing, is not JSON, is not a notebook, or
             uses an nbformat version we can't read. Nothing has been written.
+        CellError: a cell with two marks, or an unknown ``#| ddp…`` directive (:func:`from_nbformat`).
     """
     import nbformat  # deferred: keeps `import nbddp` light
 

@@ -1,9 +1,11 @@
 """The training cell and its setup of a notebook with no cell marked, chosen as a careful reader would.
 
-A notebook written for Accelerate, Lightning or the Hugging Face Trainer says where its training starts:
-the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)`` or ``trainer.train()``
-(:func:`nbddp.engines.read_launches`). With no cell marked (a papermill ``parameters`` cell aside),
-that cell is the training cell, and the earlier cells it depends on are its setup, found from the names
+A notebook written for Accelerate, Lightning, the Hugging Face Trainer, Catalyst or PyTorch's DDP tutorial says
+where its training starts: the cell that calls ``notebook_launcher(...)``, ``trainer.fit(...)``, ``trainer.train()``,
+a Catalyst runner's ``.train(..., ddp=True)`` or ``mp.spawn(...)`` (what each engine's record recognises:
+:func:`nbddp.engines.read_launches`). With no cell marked (a papermill ``parameters`` cell aside), that cell is the
+training cell (two such cells are refused, naming each; ``--train-cell N`` names one where the launch is a library's
+own), and the earlier cells it depends on are its setup, found from the names
 each cell reads and binds (:func:`nbddp.contracts.freevars.cell_names`), transitively:
 
 - a name a chosen cell reads comes from the last cell before it that binds it, and from earlier ones
@@ -65,7 +67,7 @@ def choose(notebook: Notebook, exports: Exports, returns: Sequence[str] = (), tr
             chosen.include(cell, "it is a parameters cell")
     chosen.need(training.number, [*trained_names.needs, *(r for r in returns if r not in trained_names.defines)])
     for cell in before:  # a seed changes what every later cell draws, the training's setup included
-        if (names := chosen.names[cell.number]) is not None and names.seeds:
+        if (read_names := chosen.names[cell.number]) is not None and read_names.seeds:
             chosen.include(cell, "it seeds a random generator")
     chosen.settle()
     setup = [c for c in before if c.number in chosen.numbers]
@@ -89,9 +91,16 @@ def _training_cell(notebook: Notebook, read: dict[int, ExportedCell | CellError]
     """The training cell and how it was found: ``train_cell``, else the one cell that launches a training."""
     if train_cell is not None:
         cell = next((c for c in notebook.code_cells if c.number == train_cell), None)
+        code_cells = f"the code cells: {_numbers([c.number for c in notebook.code_cells]) or 'none'}"
+        if train_cell > len(notebook.cells):
+            raise NotebookError(f"{notebook.path}: --train-cell {train_cell}: the notebook has {len(notebook.cells)} "
+                                f"cells ({code_cells}).")
         if cell is None:
             raise NotebookError(f"{notebook.path}: --train-cell {train_cell}: cell {train_cell} is not a code cell "
-                                f"(the code cells: {_numbers([c.number for c in notebook.code_cells])}).")
+                                f"({code_cells}).")
+        if cell.role is not None:
+            raise NotebookError(f"{notebook.path}: --train-cell {train_cell}: cell {train_cell} is the notebook's "
+                                f"{cell.role} cell, which sets the run's values: name the cell that trains.")
         if isinstance(error := read[cell.number], CellError):
             raise error
         return cell, f"--train-cell {train_cell}"

@@ -72,10 +72,11 @@ class PoolKeeper:
         them, when there is something to say."""
         environ = {**os.environ, **devices.environment()} if devices.gpu_ids else self.environ  # (--gpus free, --wait)
         key = pool_key(devices, cwd, launch, environ)
-        self.launch, self.notes = launch, []
+        self.notes = []
         if self.borrows is not None:
             return self._borrow(key, devices)
         pool, said = self.pool_with(key, devices, environ)
+        self.launch = launch
         return pool, "; ".join(line for line in (said, *self.notes) if line)
 
     def _borrow(self, key: PoolKey, devices: Devices) -> tuple[WarmPool | None, str]:
