@@ -28,6 +28,7 @@ from catalyst import dl
 from catalyst.core.callback import Callback, CallbackOrder
 
 from nbddp.contracts.ports import free_port
+from nbddp.contracts.rundir import SCRIPT_NAME
 from nbddp.rank_side import process as rank_process
 from nbddp.rank_side import torch_engine as runtime
 from nbddp.contracts.status import Status
@@ -64,7 +65,7 @@ def start() -> None:
     if TORCHRUN_VARIABLE in os.environ:
         print(f"nbddp: this script runs on Catalyst's DDP engine, which starts one rank per device itself: under "
               f"torchrun each of its processes would start as many. Run it with python ({RankEnv.shell(nproc='N')} "
-              f"python {os.path.basename(sys.argv[0]) or 'train.py'}; nbddp run starts it so).", file=sys.stderr,
+              f"python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}; nbddp run starts it so).", file=sys.stderr,
               flush=True)
         raise SystemExit(2)
     rank_process.use_notebook_folder()
@@ -148,7 +149,6 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         """``local_rank``'s GPU; a rank spawned beyond the GPUs (``NBDDP_NPROC`` set by hand) ends in one line."""
         from nbddp.contracts.devices import rank_gpu
         from nbddp.contracts.errors import DeviceError
-        from nbddp.contracts.rundir import SCRIPT_NAME
 
         how = f"{RankEnv.shell(nproc='{n}')} python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}"
         try:
