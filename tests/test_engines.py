@@ -4,7 +4,7 @@ is described in --engine's help, with nothing else restating it. A toy engine, d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -98,3 +98,28 @@ def test_an_installed_package_replaces_a_builtin_engine_through_its_entry_point(
     bare = subprocess.run([sys.executable, "-m", "nbddp", "export", "fit.ipynb", "-o", "-"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2 and "no training cell" in bare.stderr  # without the package: nothing launches
+
+
+TOY_TORCH = replace(engines.engine("torch"), code=_toy_code)
+
+
+def test_register_replaces_a_builtin_record_in_this_process_and_refuses_a_name_none_has(monkeypatch):
+    """``register()`` does in one process what an entry point does in every one (a plugin tried from a notebook)."""
+    import nbddp.launchers as launchers
+    from nbddp.contracts.errors import UsageError
+    from nbddp.contracts.plugins import registered
+    from nbddp.launchers.torchrun import Torchrun
+
+    monkeypatch.setattr(engines, "_loaded", {})
+    monkeypatch.setitem(registered(engines.ENTRY_POINTS), "torch", engines.BUILTIN["torch"])  # (put back after)
+    engines.register("torch", f"{__name__}:TOY_TORCH")
+    assert engines.engine("torch") is TOY_TORCH
+    cells = [Cell(SETUP, "import torch\nmodel = torch.nn.Linear(1, 1)"), Cell(TRAIN, "print(model)")]
+    assert engines.plan_engine(cells, None, ("model",), "train.py").code.launch_hint == "toy-run train.py"
+    monkeypatch.setitem(registered(launchers.ENTRY_POINTS), "direct", launchers.BUILTIN["direct"])
+    launchers.register("direct", "nbddp.launchers.torchrun:Torchrun")
+    assert launchers.launcher_class("direct") is Torchrun
+    with pytest.raises(UsageError, match="no engine is named 'jax': register"):
+        engines.register("jax", "x:y")
+    with pytest.raises(UsageError, match="no launcher is named 'mpirun': register"):
+        launchers.register("mpirun", "x:y")

@@ -22,6 +22,7 @@ from importlib import import_module
 from typing import Iterator, Sequence
 
 from nbddp.contracts.errors import NbddpError, UsageError
+from nbddp.contracts import plugins
 from nbddp.contracts.plugins import registered
 from nbddp.contracts.role_names import TRAIN
 from nbddp.engines.reading import SPAWN_COUNT, facts, imported_packages, is_torch_spawn, name_of, parse, spawns_ranks
@@ -52,6 +53,20 @@ def engine(name: str) -> Engine:
     if name not in _loaded:
         _loaded[name] = _record(registered(ENTRY_POINTS).get(name) or BUILTIN[name])
     return _loaded[name]
+
+
+def register(name: str, target: str) -> None:
+    """Replace the built-in engine ``name`` in this process with the record at ``target`` (``module:attribute``), as
+    an ``nbddp.engines`` entry point does for every process. (Ranks re-read nothing: the script holds what the record
+    wrote.)
+
+    Raises:
+        UsageError: ``name`` is no engine's.
+    """
+    if name not in BUILTIN:
+        raise UsageError(f"no engine is named {name!r}: register() replaces one of {', '.join(ENGINES)}.")
+    plugins.register(ENTRY_POINTS, name, target)
+    _loaded.pop(name, None)
 
 
 def _record(target: str) -> Engine:

@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Callable
 from nbddp.contracts.devices import Devices, notebook_devices, requested_gpus, resolve, wait_for_free
 from nbddp.engines import spawns_its_own_ranks
 from nbddp.launchers.base import Launcher
+from nbddp.contracts import plugins
+from nbddp.contracts.errors import UsageError
 from nbddp.contracts.plugins import registered
 from nbddp.contracts.process_groups import RECORD_SECONDS
 
@@ -151,6 +153,19 @@ def launcher_name(spec: "JobSpec") -> str:
 def launcher_for(spec: "JobSpec") -> Launcher:
     """The launcher of ``spec``'s job: here, as one node of several, as a Slurm job, or on warm ranks."""
     return launcher_class(launcher_name(spec)).for_job(spec)
+
+
+def register(name: str, target: str) -> None:
+    """Replace the built-in launcher ``name`` in this process with the class at ``target`` (``module:attribute``), as
+    an ``nbddp.launchers`` entry point does for every process (a batch's runs and a detached run's supervisor are
+    processes of their own: they read entry points).
+
+    Raises:
+        UsageError: ``name`` is no launcher's.
+    """
+    if name not in BUILTIN:
+        raise UsageError(f"no launcher is named {name!r}: register() replaces one of {', '.join(BUILTIN)}.")
+    plugins.register(ENTRY_POINTS, name, target)
 
 
 def launcher_class(name: str) -> type[Launcher]:
