@@ -2,6 +2,7 @@
 
 import json
 import os
+import queue
 import re
 import signal
 import tempfile
@@ -250,15 +251,35 @@ class ProtocolKernel:
         content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": True}
         self.msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id} if cell_id else {})
+        self.read: list[dict] = []
+        """The cell's messages read before :meth:`finish_execute` (:meth:`wait_for_display`)."""
         self.kc.shell_channel.send(self.msg)
+
+    def _next(self, timeout: float) -> dict | None:
+        """The running cell's next message (``None``: another request's)."""
+        reply = self.kc.get_iopub_msg(timeout=timeout)
+        return reply if reply["parent_header"].get("msg_id") == self.msg["header"]["msg_id"] else None
+
+    def wait_for_display(self, timeout: float = 60):
+        """Until the running cell displays something (the live view, once the kernel follows the job): an event of the
+        kernel's, where the ranks' own files say only that the job runs."""
+        def displayed():
+            try:
+                reply = self._next(1)
+            except queue.Empty:
+                return False
+            if reply is not None:
+                self.read.append(reply)
+            return reply is not None and reply["msg_type"] in ("display_data", "update_display_data")
+
+        wait_until(displayed, timeout, "the cell displayed its view", every=0)
 
     def finish_execute(self):
         """Everything the cell printed, displayed (its final text copy) or raised, once it is done."""
-        msg = self.msg
         text, displays = [], {}
         while True:
-            reply = self.kc.get_iopub_msg(timeout=self.timeout)
-            if reply["parent_header"].get("msg_id") != msg["header"]["msg_id"]:
+            reply = self.read.pop(0) if getattr(self, "read", None) else self._next(self.timeout)
+            if reply is None:
                 continue
             kind, content = reply["msg_type"], reply["content"]
             if kind == "execute_input":

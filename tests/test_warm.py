@@ -274,6 +274,7 @@ def test_a_rank_that_cannot_leave_is_replaced_and_named_with_where_it_was(kernel
     kernel.start_execute(TRAIN.format(flags="", extra=extra), "train")
     ranks_in_the_job(tmp_path, [0], before, printed="to the all-reduce")  # rank 0 in the all-reduce,
     ranks_in_the_job(tmp_path, [1], before, printed="waiting")  # rank 1 in its sleep (or its loop), SIGINT blocked
+    kernel.wait_for_display()  # (the kernel follows the job: under load it may lag the ranks the pool handed it to)
     out, took = interrupt(kernel)
     assert "KeyboardInterrupt\x1b[0m: the run was interrupted after" in out, out
     assert took < limit, took  # spinning: judged by its stack, not its CPU time (that took LEAVE_SECONDS, 30 s)
