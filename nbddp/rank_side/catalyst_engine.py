@@ -57,6 +57,11 @@ def requested_processes() -> tuple[int, bool]:
 TORCHRUN_VARIABLE = "TORCHELASTIC_RUN_ID"
 
 
+def _by_hand(nproc: str) -> str:
+    """How this script is started by hand with ``nproc`` ranks (a placeholder): ``NBDDP_NPROC=N python train.py``."""
+    return f"{RankEnv.shell(nproc=nproc)} python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}"
+
+
 def start() -> None:
     """Called by the catalyst engine's script at import time (and so in every spawned rank).
 
@@ -64,9 +69,8 @@ def start() -> None:
     script refuses at once, in one line, saying how it is started instead."""
     if TORCHRUN_VARIABLE in os.environ:
         print(f"nbddp: this script runs on Catalyst's DDP engine, which starts one rank per device itself: under "
-              f"torchrun each of its processes would start as many. Run it with python ({RankEnv.shell(nproc='N')} "
-              f"python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}; nbddp run starts it so).", file=sys.stderr,
-              flush=True)
+              f"torchrun each of its processes would start as many. Run it with python ({_by_hand('N')}; nbddp run "
+              f"starts it so).", file=sys.stderr, flush=True)
         raise SystemExit(2)
     rank_process.use_notebook_folder()
     apply_catalyst_shims()
@@ -150,7 +154,7 @@ class NbddpDistributedDataParallelEngine(dl.DistributedDataParallelEngine):
         from nbddp.contracts.devices import rank_gpu
         from nbddp.contracts.errors import DeviceError
 
-        how = f"{RankEnv.shell(nproc='{n}')} python {os.path.basename(sys.argv[0]) or SCRIPT_NAME}"
+        how = _by_hand("{n}")
         try:
             return rank_gpu(local_rank, torch.cuda.device_count(), self._num_local_workers, how=how)
         except DeviceError as exc:
