@@ -14,12 +14,14 @@ import nbddp
 import nbddp.engines.catalyst
 import nbddp.engines.frameworks
 import nbddp.engines.torch
-from nbddp.api import BatchResult
+from nbddp.api import BatchResult, load_weights
 from nbddp.contracts.errors import NbddpError
 from nbddp.contracts.rank_env import RankEnv
 from nbddp.doors.jupyter.magics import DdpMagics
 from nbddp.doors.nbconvert import NbddpExporter
 from nbddp.doors.papermill import NbddpEngine
+from nbddp.doors.tune.space import _Probe
+from nbddp.doors.tune.study import TuneResult
 from nbddp.engines.engine import Engine
 from nbddp.job.trackers import share_open_records
 from nbddp.launchers.ray import Ray
@@ -42,6 +44,14 @@ nbddp.__dir__
 # The package's public API, for its users (README, docs): nbddp.save_checkpoint(...), nbddp.batch(...).dataframe().
 save_checkpoint
 BatchResult.dataframe
+load_weights
+TuneResult.best_params
+
+# What IPython's display() reads of an object (the study's view: its HTML), and the rest of Optuna's trial API that a
+# space function may call on the stand-in trial its names are found with (suggest_loguniform and the like).
+_._repr_html_
+_Probe.suggest_loguniform
+_Probe.suggest_discrete_uniform
 
 # IPython's magics, registered by @magics_class and called as %ddp_ranks, %%ddp_train, %%ddp_exec, %ddp_debug,
 # %ddp_attach; IPython shows an exception by its _render_traceback_() where it has one.

@@ -16,9 +16,12 @@ _RUNTIME = ("prepare", "log", "rank", "world_size", "local_rank", "is_main", "de
             "save_checkpoint", "restore", "restart_count", "breakpoint")
 #: Running notebooks from Python: the functions (:mod:`nbddp.api`), what they take (:mod:`nbddp.plan.options`) and
 #: what they return.
-_API = ("run", "batch", "BatchResult")
+_API = ("run", "batch", "BatchResult", "tune", "load_weights")
+#: A hyperparameter search in a kernel: Optuna's objective over the kernel's training cell
+#: (:mod:`nbddp.doors.jupyter.tune`).
+_TUNE = ("objective",)
 _OPTIONS = ("LaunchOptions", "Nodes", "SlurmRequest", "RayRequest")
-__all__ = ["__version__", "load_ipython_extension", *_API, "RunResult", *_OPTIONS, *_RUNTIME]
+__all__ = ["__version__", "load_ipython_extension", *_API, *_TUNE, "RunResult", *_OPTIONS, *_RUNTIME]
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -30,6 +33,10 @@ def __getattr__(name: str) -> _typing.Any:
         from nbddp import api
 
         return getattr(api, name)
+    if name in _TUNE:
+        from nbddp.doors.jupyter import tune
+
+        return getattr(tune, name)
     if name in _OPTIONS:
         from nbddp.plan import options
 

@@ -340,6 +340,73 @@ def tutorial_notebook() -> NotebookNode:
     ], metadata=KERNELSPEC)
 
 
+def tune_notebook() -> NotebookNode:
+    """An Optuna study over the %%ddp_train cell, every trial on the kernel's warm ranks (nbddp.objective)."""
+    return new_notebook(cells=[
+        new_markdown_cell(
+            "# Searching hyperparameters with Optuna, on warm ranks\n\n"
+            "`study.optimize(nbddp.objective(space, metric=\"val_loss\"), n_trials=N)` runs the `%%ddp_train` cell "
+            "once per trial, on the kernel's warm ranks, with the trial's values in place of the kernel's `lr` and "
+            "`hidden`. Each `nbddp.log(val_loss=...)` reaches the trial as it is logged; a trial the pruner stops "
+            "ends within a second, and the next one starts on the same ranks."
+        ),
+        new_code_cell("%load_ext nbddp"),
+        new_code_cell("epochs = 10\nlr = 0.05\nhidden = 64\nbatch_size = 32\nseed = 0\nn_trials = 12",
+                      metadata={"tags": ["parameters"]}),
+        new_code_cell(
+            "#| ddp\nimport nbddp\nimport torch\nfrom torch import nn\n"
+            "from torch.utils.data import DataLoader, TensorDataset\n"
+            "from sklearn.datasets import load_digits\nfrom sklearn.model_selection import train_test_split\n\n"
+            "digits = load_digits()  # 1,797 8x8 images that ship with scikit-learn: no download\n"
+            "X = torch.tensor(digits.data / 16.0, dtype=torch.float32)\ny = torch.tensor(digits.target)\n"
+            "X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.25, random_state=0, stratify=y)\n"
+            "train_loader = DataLoader(TensorDataset(X_train, y_train), batch_size=batch_size, shuffle=True)\n\n\n"
+            "def make_model(hidden):\n"
+            "    torch.manual_seed(seed)\n"
+            "    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))\n\n\n"
+            "model = make_model(hidden)"
+        ),
+        new_code_cell(
+            "%%ddp_train\n"
+            "ddp_model = nbddp.prepare(model)\n"
+            "loader = nbddp.prepare(train_loader)\n"
+            "optimizer = torch.optim.SGD(ddp_model.parameters(), lr=lr, momentum=0.9)\n"
+            "for epoch in range(epochs):\n"
+            "    for xb, yb in loader:\n"
+            "        optimizer.zero_grad()\n"
+            "        nn.functional.cross_entropy(ddp_model(xb), yb).backward()\n"
+            "        optimizer.step()\n"
+            "    with torch.no_grad():\n"
+            "        val_loss = nn.functional.cross_entropy(model(X_test), y_test).item()\n"
+            "    nbddp.log(epoch=epoch + 1, val_loss=val_loss)"
+        ),
+        new_markdown_cell(
+            "The study: Optuna's own loop, sampler and pruner. The space names the values to search; each must be "
+            "a name the training cell takes from the kernel (here `lr` and `hidden`)."
+        ),
+        new_code_cell(
+            "import optuna\n\n\n"
+            "def space(trial):\n"
+            "    return {\"lr\": trial.suggest_float(\"lr\", 1e-3, 0.3, log=True),\n"
+            "            \"hidden\": trial.suggest_int(\"hidden\", 16, 256, log=True)}\n\n\n"
+            "optuna.logging.set_verbosity(optuna.logging.WARNING)\n"
+            "study = optuna.create_study(direction=\"minimize\", sampler=optuna.samplers.TPESampler(seed=seed),\n"
+            "                            pruner=optuna.pruners.MedianPruner(n_startup_trials=3))\n"
+            "study.optimize(nbddp.objective(space, metric=\"val_loss\"), n_trials=n_trials)\n"
+            "study.best_params"
+        ),
+        new_code_cell(
+            "# The best trial's weights, from its run dir, evaluated here on the CPU.\n"
+            "model = make_model(study.best_params[\"hidden\"])\n"
+            "model.load_state_dict(nbddp.load_weights(study.best_trial.user_attrs[\"run_dir\"])[\"model\"])\n"
+            "model.eval()\n"
+            "with torch.no_grad():\n"
+            "    accuracy = (model(X_test).argmax(dim=1) == y_test).float().mean().item()\n"
+            "print(f\"best trial {study.best_trial.number}: test accuracy {accuracy:.3f}\")"
+        ),
+    ], metadata=KERNELSPEC)
+
+
 if __name__ == "__main__":
     import sys
 
@@ -347,7 +414,7 @@ if __name__ == "__main__":
                      ("digits_magic.ipynb", magic_notebook()), ("digits_accelerate.ipynb", accelerate_notebook()),
                      ("digits_lightning.ipynb", lightning_notebook()),
                      ("tiny_gpt2_transformers.ipynb", transformers_notebook()),
-                     ("ddp_tutorial.ipynb", tutorial_notebook())]:
+                     ("ddp_tutorial.ipynb", tutorial_notebook()), ("digits_tune.ipynb", tune_notebook())]:
         if sys.argv[1:] and name not in sys.argv[1:]:  # (only the named ones)
             continue
         nbformat.validate(nb)

@@ -75,12 +75,14 @@ def label(value: float) -> str:
     return f"{value:.4g}"
 
 
-def svg_plot(metrics: Sequence[dict[str, Any]], width: int = 420, height: int = 220) -> str:
+def svg_plot(metrics: Sequence[dict[str, Any]], width: int = 420, height: int = 220, x_name: str | None = None) -> str:
     """An SVG line chart of every metric against epoch; ``""`` when nothing is plottable.
 
-    ``width``/``height`` set the drawing's proportions; it scales to its container (``viewBox``).
+    ``width``/``height`` set the drawing's proportions; it scales to its container (``viewBox``). ``x_name``: what
+    the records' ``epoch`` counts, where it is not epochs (a study's trials, a trial's steps).
     """
     xlabel, lines = series(metrics)
+    xlabel = x_name or xlabel
     if not lines:
         return ""
     xs = [x for points in lines.values() for x, _ in points]

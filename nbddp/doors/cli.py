@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(batch, SweepOptions, BATCH, (SWEEP,))
     batch.set_defaults(handler=_batch)
 
+    tune = commands.add_parser("tune", help="search hyperparameters: an Optuna study, every trial a run of the "
+                                            "training cells on the same warm ranks")
+    tune.add_argument("notebook", type=Path, help="the .ipynb file (with a 'parameters' cell)")
+    _add_tune_arguments(tune)
+    add_launch_arguments(tune, RUN)
+    tune.set_defaults(handler=_tune)
+
     attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
     attach.add_argument("run", metavar="RUN", help="its run dir (or its name, from nbddp ps)")
     _add_raw_output(attach)
@@ -81,6 +88,36 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run dir name or path (from nbddp ps), or its process group")
     kill.set_defaults(handler=_kill)
     return parser
+
+
+def _add_tune_arguments(tune: argparse.ArgumentParser) -> None:
+    from nbddp.doors.tune.space import FORMS
+
+    study = tune.add_argument_group("study")
+    study.add_argument("--trials", type=int, required=True, metavar="N", help="trials in the study (a resumed study: "
+                       "in all, those done before included)")
+    study.add_argument("--metric", action="append", required=True, metavar="NAME",
+                       help="the value rank 0 logs with nbddp.log(NAME=v, step=s) that the study optimises (its last "
+                            "value); repeat for several objectives")
+    study.add_argument("--space", action="append", default=[], metavar="NAME=DIST(...)",
+                       help=f"a parameter and where to search it, once per parameter; DIST: {', '.join(FORMS)}")
+    study.add_argument("--direction", action="append", default=None, choices=("minimize", "maximize"),
+                       help="minimize (default) or maximize; one, or one per --metric")
+    study.add_argument("--pruner", default="median", choices=("median", "hyperband", "none"),
+                       help="Optuna's pruner, which stops a trial whose metric is worse than the others' at the same "
+                            "step (default median)")
+    study.add_argument("--storage", default=None, metavar="URL",
+                       help="keep the study in this database (sqlite:///study.db): run the same command again to "
+                            "resume it")
+    study.add_argument("--study-name", default=None, metavar="NAME",
+                       help="the study's name (default: the notebook's stem with --storage, else with the time)")
+    study.add_argument("--seed", type=int, default=None, help="the sampler's seed (the same trials again)")
+    study.add_argument("--gpus-per-trial", type=int, default=None, metavar="K",
+                       help="GPUs per trial: G/K trials at once on this machine's G GPUs, each on warm ranks of its "
+                            "own (pinned with CUDA_VISIBLE_DEVICES, as nbddp batch --gpus-per-run)")
+    study.add_argument("--parallel", type=int, default=None, metavar="J",
+                       help="trials at once (on CPU: each with --nproc processes; with GPUs: at most J slots)")
+    study.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # (a concurrent study's worker process)
 
 
 def _add_raw_output(command: argparse.ArgumentParser) -> None:
@@ -216,6 +253,25 @@ def _batch(args: argparse.Namespace) -> int:
     print(f"nbddp: {len(rows) - failed}/{len(rows)} runs succeeded; "
           f"summary in {Path(rows[0]['run_dir']).parent}/summary.md" if rows else "nbddp: no runs", file=sys.stderr)
     return code
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from nbddp.doors.tune.study import TuneOptions, run_tune
+
+    options = TuneOptions(args.notebook, launch_options(args), args.trials, tuple(args.metric), tuple(args.space),
+                          tuple(args.direction or ("minimize",)), args.pruner, args.storage, args.study_name,
+                          args.seed, command=_command(), gpus_per_trial=args.gpus_per_trial, parallel=args.parallel,
+                          worker=args.worker)
+    try:
+        with signals_interrupt():
+            return run_tune(options, say=lambda text: print(_shown(text), file=sys.stderr, flush=True)).exit_code
+    except (KeyboardInterrupt, SignalReceived) as exc:
+        from nbddp.contracts.errors import stop_signal
+
+        signum = stop_signal(exc)
+        print(f"\nnbddp: study stopped by {signal.Signals(signum).name}; the running trial's job was stopped"
+              + (": run the same command again to resume it" if options.storage else ""), file=sys.stderr)
+        return Status.INTERRUPTED.code(signum)
 
 
 class _BatchProgress:

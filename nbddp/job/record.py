@@ -133,6 +133,9 @@ class RunRecord:
     """A Slurm run: the job's id, final state and reason, and its nodes."""
     ray_job: dict[str, Any] | None = None
     """A Ray run: the Ray job's id, the cluster's address, the nodes, the final state and what ended it."""
+    study: dict[str, Any] | None = None
+    """A trial of a hyperparameter search (``nbddp tune``, ``nbddp.objective``): the study's name, the trial's number,
+    its state (``COMPLETE``, ``PRUNED``, ``FAIL``), values, parameters and last step."""
     versions: dict[str, str] = field(default_factory=lambda: versions())
     """nbddp, torch and Python, as installed where the run was launched."""
 

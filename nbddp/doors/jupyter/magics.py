@@ -32,8 +32,8 @@ from nbddp.contracts.rank_memory import read_peaks
 from nbddp.contracts.rundir import RunDir
 from nbddp.contracts.status import Status
 from nbddp.launchers import why_not_warm
-from nbddp.plan.options import (MAGIC, ArgumentParser, add_detach_argument, add_launch_arguments, check_seconds,
-                                launch_options, parse_line)
+from nbddp.plan.options import (MAGIC, ArgumentParser, LaunchOptions, add_detach_argument, add_launch_arguments,
+                                check_seconds, launch_options, parse_line)
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
@@ -57,6 +57,18 @@ def _parser() -> ArgumentParser:
 
 
 _PARSER = _parser()
+
+
+def launch_of(line: str) -> LaunchOptions:
+    """The launch options a ``%%ddp_train`` line asks for.
+
+    Raises:
+        UsageError: a line ``%%ddp_train`` refuses.
+    """
+    args = parse_line(_PARSER, line)
+    if args is None:
+        raise UsageError("%%ddp_train --help has no run to repeat")
+    return launch_options(args)
 
 
 def _ranks_parser() -> ArgumentParser:
@@ -124,6 +136,8 @@ class DdpMagics(Magics):
         self.history = CellHistory()
         self.said: set[str] = set()
         """What this kernel's cells were told of the machine (said once per kernel)."""
+        self.last_train: tuple[str, str] | None = None
+        """The last ``%%ddp_train`` cell this kernel ran: its line and its body (``nbddp.objective``'s trials)."""
         shell.events.register("post_run_cell", self._record)
 
     def _record(self, result: ExecutionResult | None) -> None:
@@ -187,6 +201,7 @@ class DdpMagics(Magics):
         options = launch_options(args)
         script, parameters = build_script(self.history, cell, self.shell.user_ns, options,
                                           self.shell.execution_count)
+        self.last_train = (line, cell)
         if args.dry_run:
             print(script.text)
             return None

@@ -1,0 +1,336 @@
+"""The Optuna objective every door shares: a trial is one run of the training cell on warm ranks.
+
+A trial's values override the names the training code takes, as ``-p`` does (checked the same way, type warnings
+included). While the run goes, every value rank 0 logs for the metric (``nbddp.log(val_loss=v, step=s)``) is reported
+to the trial the moment the job's follower reads it (``trial.report``); when ``trial.should_prune()`` says so, the
+next poll of the follow loop (≤ 0.05 s later) stops the job as a Ctrl-C does, which on warm ranks ends the job and
+keeps the ranks, and the trial ends ``PRUNED``. A run that fails ends its trial ``FAIL`` with the run's error in one
+line, the objective returning NaN (Optuna's way to fail a trial and go on with the study); a stop by the user stops
+the study. The trial's value is the metric's last logged value, or ``value(result)``.
+
+What differs between doors is where the training code comes from (:class:`Trials`: a notebook file here, the kernel's
+last ``%%ddp_train`` cell in :mod:`nbddp.doors.jupyter.tune`) and how trials are shown (:class:`Shown`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+from nbddp.contracts.errors import UsageError
+from nbddp.contracts.metrics import measures, read_metrics, step_of
+from nbddp.contracts.rundir import RunDir
+from nbddp.doors.tune.space import Space, probed_names
+from nbddp.job import orchestrator
+from nbddp.job.follow import Event, MetricsEvent, Sink
+from nbddp.job.record import RunRecord, error_line
+
+if TYPE_CHECKING:
+    import optuna
+
+    from nbddp.notebook.reader import Notebook
+    from nbddp.plan.options import LaunchOptions
+
+#: Said when Optuna isn't installed.
+INSTALL_OPTUNA = "hyperparameter search needs Optuna: pip install 'nbddp[tune]' (or pip install optuna)"
+#: A trial's attributes in the study (``study.best_trial.user_attrs["run_dir"]``: where its weights are).
+RUN_DIR_ATTR, ERROR_ATTR = "run_dir", "error"
+
+
+def require_optuna() -> Any:
+    """Optuna, or one line saying how to install it."""
+    try:
+        import optuna
+    except ImportError:
+        raise UsageError(INSTALL_OPTUNA) from None
+    return optuna
+
+
+class Trials(Protocol):
+    """Where a door's trials come from: the training code, the names it takes, and one run of it."""
+
+    runs: Path
+    """The folder each study's trial run dirs go under (``runs/`` beside the notebook)."""
+
+    def takes(self) -> tuple[str, ...]:
+        """The names the training code takes from outside (those a trial's values may set)."""
+
+    def run(self, values: dict[str, Any], run_dir: Path, sinks: Sequence[Sink], heartbeat: Callable[[], Any],
+            say: Callable[[str], None]) -> orchestrator.RunResult:
+        """One run with ``values`` overriding the names the code takes, its run dir ``run_dir``."""
+
+
+class Shown(Protocol):
+    """How a door shows a study as it goes (a line per trial; the kernel's view adds the plots)."""
+
+    def trial_started(self, number: int, params: dict[str, Any]) -> None: ...
+
+    def event(self, event: Event) -> None:
+        """A rank's line or ``nbddp.log`` record of the running trial."""
+
+    def heartbeat(self) -> None: ...
+
+    def say(self, line: str) -> None:
+        """A line of nbddp's about the runs (said once per study)."""
+
+    def trial_ended(self, end: "TrialEnd", best: float | None) -> None: ...
+
+
+@dataclass
+class TrialEnd:
+    """How one trial ended, as shown and recorded."""
+
+    number: int
+    params: dict[str, Any]
+    state: str
+    """Optuna's: ``COMPLETE``, ``PRUNED`` or ``FAIL``."""
+    values: tuple[float, ...] = ()
+    step: int | None = None
+    """The last step reported (a pruned trial's: the step it was pruned at)."""
+    seconds: float = 0.0
+    error: str = ""
+    run_dir: Path | None = None
+
+    def line(self) -> str:
+        """``trial 3 · lr=0.01 hidden=64 · val_loss=0.1234 · 1.2 s`` (or ``PRUNED at step 2``, ``FAIL: why``)."""
+        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params.items())
+        if self.state == "PRUNED":
+            outcome = f"PRUNED at step {self.step}"
+        elif self.state == "FAIL":
+            outcome = f"FAIL: {self.error}"
+        else:
+            outcome = " ".join(f"{value:.6g}" for value in self.values)
+        return f"trial {self.number} · {params or '(no values)'} · {outcome} · {self.seconds:.1f} s"
+
+
+class _Pruned(KeyboardInterrupt):
+    """Raised by the follow loop's heartbeat once the trial is to be pruned: the job stops as a Ctrl-C stops it
+    (warm ranks leave the job and stay), and the objective ends the trial PRUNED."""
+
+
+class _Watch:
+    """A trial's sink and heartbeat: reports the metric as it is logged, and stops the job once it is to be pruned."""
+
+    def __init__(self, trial: optuna.Trial, metric: str, reports: bool, shown: Shown) -> None:
+        self.trial, self.metric, self.reports, self.shown = trial, metric, reports, shown
+        self.step: int | None = None
+        self.pruned_at: int | None = None
+        self.count = 0
+
+    def __call__(self, event: Event) -> None:
+        self.shown.event(event)
+        if not isinstance(event, MetricsEvent) or self.pruned_at is not None:
+            return
+        value = _number(event.values.get(self.metric))
+        if value is None:
+            return
+        self.step = step_of(event.values, self.count)
+        self.count += 1
+        if self.reports:
+            self.trial.report(value, self.step)
+            if self.trial.should_prune():
+                self.pruned_at = self.step
+
+    def heartbeat(self) -> None:
+        self.shown.heartbeat()
+        if self.pruned_at is not None:
+            raise _Pruned(f"pruned at step {self.pruned_at}")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+class Objective:
+    """Optuna's objective over ``trials`` (``study.optimize(objective, n_trials=N)``)."""
+
+    def __init__(self, trials: Trials, space: Space, metric: str | Sequence[str], shown: Shown,
+                 value: Callable[[orchestrator.RunResult], Any] | None = None) -> None:
+        self.optuna = require_optuna()
+        self.trials, self.space, self.shown, self.value = trials, space, shown, value
+        self.metrics = (metric,) if isinstance(metric, str) else tuple(metric)
+        if not self.metrics or not all(isinstance(m, str) and m for m in self.metrics):
+            raise UsageError("metric: name the value rank 0 logs with nbddp.log (metric='val_loss'), or several")
+        self.said: set[str] = set()
+        self.ends: list[TrialEnd] = []
+        names = probed_names(space)
+        if names is not None:
+            self.check_names(names)  # refused before the first trial
+
+    def check_names(self, names: Sequence[str]) -> None:
+        """Refuse a space's name the training code doesn't take, in one line naming it.
+
+        Raises:
+            UsageError: such a name.
+        """
+        from nbddp.notebook.parameters import closest_parameter
+
+        takes = self.trials.takes()
+        unknown = [name for name in names if name not in takes]
+        if unknown:
+            hints = [hint for name in unknown if (hint := closest_parameter(name, list(takes)))]
+            raise UsageError(f"the search space gives {', '.join(unknown)}, which the training code doesn't read"
+                             + (f"; it reads {', '.join(takes)}" if takes else
+                                " (it takes no value from outside: define the names in a parameters cell)")
+                             + (f". Did you mean {' / '.join(hints)}?" if hints else ""))
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
+        values = self.space(trial)
+        if not isinstance(values, dict):
+            raise UsageError(f"the space must return a dict of parameter values; it returned {type(values).__name__}")
+        self.check_names(list(values))
+        single = len(trial.study.directions) == 1
+        if single != (len(self.metrics) == 1):
+            raise UsageError(f"the study has {len(trial.study.directions)} direction(s) and the objective "
+                             f"{len(self.metrics)} metric(s) ({', '.join(self.metrics)}): give as many of each")
+        watch = _Watch(trial, self.metrics[0], single, self.shown)
+        self.shown.trial_started(trial.number, values)
+        run_dir = trial_dir(self.trials.runs, trial.study.study_name, trial.number)
+        trial.set_user_attr(RUN_DIR_ATTR, str(run_dir))
+        started = time.monotonic()
+        result = self.trials.run(values, run_dir, [watch], watch.heartbeat, self._say)
+        end = TrialEnd(trial.number, values, "COMPLETE", step=watch.step, seconds=time.monotonic() - started,
+                       run_dir=result.run_dir)
+        try:
+            return self._judge(trial, result, watch, end)
+        finally:
+            _note_study(result.paths, trial, end)
+            self.ends.append(end)
+            self.shown.trial_ended(end, _best(trial.study, end))
+
+    def _judge(self, trial: optuna.Trial, result: orchestrator.RunResult, watch: _Watch,
+               end: TrialEnd) -> float | tuple[float, ...]:
+        if watch.pruned_at is not None:
+            end.state, end.step = "PRUNED", watch.pruned_at
+            raise self.optuna.TrialPruned(f"pruned at step {watch.pruned_at}")
+        if result.interrupted_by is not None:  # the user's Ctrl-C (or a signal): the study stops
+            end.state, end.error = "FAIL", "interrupted"
+            raise KeyboardInterrupt(result.message)
+        if not result.succeeded:
+            record = result.record
+            line = (error_line(record.status, record.error, record.failure) if record else "") or result.message
+            return self._fail(trial, end, line or str(result.status))
+        if self.value is not None:
+            values = self.value(result)
+            end.values = tuple(values) if isinstance(values, (tuple, list)) else (float(values),)
+            return values
+        logged = _last_values(result.paths)
+        missing = [m for m in self.metrics if m not in logged]
+        if missing:
+            seen = sorted(measures(logged))
+            return self._fail(trial, end, f"the run never logged {', '.join(missing)} with nbddp.log"
+                              + (f" (it logged {', '.join(seen)})" if seen else " (it logged no metric)"))
+        end.values = tuple(logged[m] for m in self.metrics)
+        return end.values[0] if len(end.values) == 1 else end.values
+
+    def _fail(self, trial: optuna.Trial, end: TrialEnd, line: str) -> float | tuple[float, ...]:
+        """The trial ends FAIL with ``line`` (NaN: Optuna fails the trial and goes on with the study)."""
+        end.state, end.error = "FAIL", line
+        trial.set_user_attr(ERROR_ATTR, line)
+        nan = float("nan")
+        return nan if len(self.metrics) == 1 else tuple(nan for _ in self.metrics)
+
+    def _say(self, line: str) -> None:
+        """nbddp's lines about the runs, each once per study (20 trials say "on the same warm ranks" once)."""
+        key = re.sub(r"\d+(\.\d+)?", "N", line)
+        if key not in self.said:
+            self.said.add(key)
+            self.shown.say(line)
+
+
+def _last_values(paths: RunDir) -> dict[str, float]:
+    """Each metric's last finite value among the run's ``nbddp.log`` records."""
+    values: dict[str, float] = {}
+    for record in read_metrics(paths):
+        for name, value in record.items():
+            number = _number(value)
+            if number is not None and name != "time":
+                values[name] = number
+    return values
+
+
+def _best(study: optuna.Study, end: TrialEnd) -> float | None:
+    """The study's best value so far, ``end``'s trial included (Optuna counts it once the objective has returned;
+    ``None``: none yet, or several objectives)."""
+    if len(study.directions) != 1:
+        return None
+    try:
+        best = study.best_value
+    except ValueError:
+        best = None
+    if end.state != "COMPLETE" or not end.values:
+        return best
+    pick = max if study.direction.name == "MAXIMIZE" else min
+    return end.values[0] if best is None else pick(best, end.values[0])
+
+
+def _note_study(paths: RunDir, trial: optuna.Trial, end: TrialEnd) -> None:
+    """The trial's ``result.json`` names the study and the trial (its number, state, values and step)."""
+    record = RunRecord.read(paths)
+    if record is None:
+        return
+    record.study = {"name": trial.study.study_name, "trial": trial.number, "state": end.state,
+                    "params": dict(end.params), "values": list(end.values), "step": end.step}
+    if end.state == "PRUNED":
+        record.error = f"pruned at step {end.step} by the study's pruner: the job was stopped, the warm ranks kept"
+    elif end.error and not record.error:
+        record.error = end.error  # (a metric never logged: the run itself succeeded)
+    record.write(paths)
+
+
+def safe_name(name: str) -> str:
+    """A study's name as a folder's: letters, digits, ``.``, ``_`` and ``-`` (names are data, never a path)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", name).strip(".") or "study"
+    return cleaned[:100]
+
+
+def trial_dir(runs: Path, study: str, number: int) -> Path:
+    """``runs/STUDY/trial-N`` (``trial-N-2`` where an earlier study of that name left one)."""
+    base = runs / safe_name(study)
+    candidate = base / f"trial-{number}"
+    n = 2
+    while candidate.exists():
+        candidate, n = base / f"trial-{number}-{n}", n + 1
+    return candidate
+
+
+@dataclass
+class NotebookTrials:
+    """A notebook file's trials: its training cells with the trial's values as ``-p`` overrides of its parameters
+    cell, on ``warm`` ranks (the same setup cells: the ranks keep it, and run again what a value changes)."""
+
+    notebook: Notebook
+    launch: LaunchOptions
+    warm: orchestrator.WarmSource | None
+    command: str = ""
+    owner: str = "cli"
+    said: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        from nbddp.notebook.script import generate
+
+        self.script = generate(self.notebook, self.launch.export_options(), to_run=True)  # checked before any trial
+
+    @property
+    def runs(self) -> Path:
+        return self.notebook.path.resolve().parent / "runs"
+
+    def takes(self) -> tuple[str, ...]:
+        return tuple(self.script.parameters)
+
+    def run(self, values: dict[str, Any], run_dir: Path, sinks: Sequence[Sink], heartbeat: Callable[[], Any],
+            say: Callable[[str], None]) -> orchestrator.RunResult:
+        from nbddp.notebook.script import generate
+
+        launch = replace(self.launch, parameters={**self.launch.parameters, **values}, run_dir=run_dir)
+        script = generate(self.notebook, launch.export_options(), to_run=True)
+        request = orchestrator.RunRequest(
+            script, launch, self.notebook.path, self.notebook.path.resolve().parent, script.parameters,
+            dict(launch.parameters), self.command, owner=self.owner, warm=self.warm, said=self.said)
+        return orchestrator.run(request, orchestrator.NoKernel(), sinks, say, heartbeat=heartbeat)
