@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         f"| `nbddp.tune` (every trial on the same warm ranks) | {warm[0]:.1f} s | {_cell(warm[1])} | {warm[2]:.4g} |",
         f"| a loop of `nbddp.run` (each trial on fresh ranks) | {loop[0]:.1f} s | {_cell(loop[1])} | {loop[2]:.4g} |",
         "",
-        f"The contract: {args.trials} trials within {budget:.0f} s ({args.trials} × (1 s + 0.3 s)): "
-        f"**{'met' if warm[0] <= budget else 'missed'}** ({warm[0]:.1f} s, the first trial's warm ranks starting "
-        f"included). `nbddp.tune` is {loop[0] / warm[0]:.1f}× quicker than the loop. A trial's time runs from Optuna "
+        f"The goal is {args.trials} trials within {budget:.0f} s ({args.trials} × (1 s + 0.3 s)): "
+        f"**{'met' if warm[0] <= budget else 'missed'}**, in {warm[0]:.1f} s, the first trial's warm ranks starting "
+        f"included. `nbddp.tune` is {loop[0] / warm[0]:.1f}× quicker than the loop. A trial's time runs from Optuna "
         "asking for it to its value; beyond the training it holds writing the trial's script, the warm ranks' hand-over "
         "and the run's record (a loop's trial: a kernel and fresh ranks).",
     ]

@@ -162,10 +162,10 @@ def test_unmarked_and_wrapped_catalyst_notebooks_train_on_two_ranks_as_the_marke
         folder.mkdir()
         (folder / "wrapper.py").write_text(WRAPPER)
         write_notebook(folder / "c.ipynb", [*cells, code(EVALUATE)])
-        run = cli_run(["run", "c.ipynb", "--cpu", "--nproc", "2", *options], folder)
+        runs[name] = cli_run(["run", "c.ipynb", "--cpu", "--nproc", "2", *options], folder)  # (the three at once)
+    for run in runs.values():
         assert run.wait() == 0, run.output
         assert "catalyst engine, 2 CPU processes (gloo)" in run.output
-        runs[name] = run
     assert "[rank 1]" in runs["custom"].output and "[rank 1]" in runs["wrapped"].output
     reference = _first_weight(tmp_path / "marked")
     for name, run in runs.items():

@@ -139,6 +139,16 @@ def test_help_does_not_import_torch():
     assert "nbddp.doors.cli" in modules and "torch" not in modules
 
 
+def test_tunes_help_and_names_import_neither_torch_nor_optuna():
+    modules = _modules_after(
+        "import contextlib, io\nfrom nbddp.doors.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main(['tune', '--help'])\n"
+        "from nbddp import tune, objective, load_weights"
+    )
+    assert "nbddp.doors.tune.space" in modules and "nbddp.doors.jupyter.tune" in modules
+    assert "torch" not in modules and "optuna" not in modules and "IPython" not in modules
+
+
 def test_console_script_help():
     out = subprocess.run(["nbddp", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "export" in out.stdout and "run" in out.stdout

@@ -144,8 +144,7 @@ def _records(folder: Path) -> dict[int, dict]:
     return records
 
 
-@pytest.mark.slow
-@pytest.mark.beside
+@pytest.mark.slow  # (it asserts a time: in the main lane, where the load is steadier)
 def test_nbddp_tune_prunes_a_trial_within_a_second_of_its_report_and_goes_on_warm_past_a_failed_one(tmp_path, cli_run):
     _notebook(tmp_path / "tune.ipynb")
     # The study's trials, given ahead in its storage (Optuna's enqueue_trial): five that complete (MedianPruner's
@@ -273,6 +272,17 @@ try:
     nbddp.objective(lambda trial: {"lrr": trial.suggest_float("lrr", 0.1, 1.0)})
 except Exception as exc:
     print("REFUSED", type(exc).__name__, exc)
+doubled = optuna.create_study()
+doubled.enqueue_trial({"lr": 0.05, "nap": 0.0})
+doubled.optimize(nbddp.objective(space, value=lambda result: 2 * result.record.final_metrics["val_loss"]), n_trials=1)
+print("VALUE", doubled.trials[0].value / two.trials[0].values[0])
+file = optuna.create_study()
+file.optimize(nbddp.objective(lambda t: {"lr": t.suggest_float("lr", 0.01, 0.1)}, notebook="tune.ipynb",
+                              options="--cpu --nproc 2"), n_trials=2)
+print("NOTEBOOK", " ".join(t.state.name for t in file.trials), file.trials[0].user_attrs["run_dir"])
+threads = optuna.create_study()
+threads.optimize(nbddp.objective(space), n_trials=2, n_jobs=2)
+print("THREADS", sorted(t.state.name for t in threads.trials))
 """
 
 
@@ -280,12 +290,17 @@ except Exception as exc:
 @pytest.mark.beside
 def test_nbddp_objective_runs_optunas_loop_over_the_kernels_training_cell_on_its_warm_ranks(tmp_path):
     nb = _kernel_notebook(STUDY, FRESH, SAME, BOTH)
+    _notebook(tmp_path / "tune.ipynb")  # (a notebook's training cells as the trials: notebook=)
     NotebookClient(nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     out = "\n".join(_text(cell) for cell in nb.cells)
     assert "STATES COMPLETE COMPLETE FAIL COMPLETE COMPLETE PRUNED COMPLETE" in out, out
     assert "SAME WEIGHTS" in out  # a trial's weights are a --fresh run's with the same values
     assert "TWO [" in out and ", 7.0]" in out  # (several objectives: each metric's last value; 8 epochs → step 7)
     assert "REFUSED UsageError the search space gives lrr, which the training code doesn't read; it reads " in out
+    assert "VALUE 2.0" in out  # value=: the trial's value from the run's result
+    assert "NOTEBOOK COMPLETE COMPLETE " in out and "/runs/" in out  # notebook=: its training cells, its runs/
+    # n_jobs=2: the trial that would share the warm ranks with the running one fails, saying why
+    assert "THREADS ['COMPLETE', 'FAIL']" in out and "this objective runs one trial at a time" in out
     study_out = _text(nb.cells[4])
     assert "trial 2 · lr=0.5 nap=0 · FAIL: rank" in study_out and "ValueError: diverged at lr=0.5" in study_out
     assert "trial 5 · lr=0.0001 nap=0.3 · PRUNED at step" in study_out
@@ -362,11 +377,47 @@ def test_the_example_notebook_finds_better_values_and_evaluates_the_best_trials_
     import subprocess
 
     shutil.copy(Path(__file__).parent.parent / "notebooks" / "digits_tune.ipynb", tmp_path)
-    done = subprocess.run([sys.executable, "-m", "papermill", "digits_tune.ipynb", "out.ipynb", "-p", "n_trials", "5",
-                           "-p", "epochs", "4", "-k", "python3"], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "papermill", "digits_tune.ipynb", "out.ipynb", "-p", "n_trials", "4",
+                           "-p", "epochs", "3", "-k", "python3"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     texts = "\n".join(_text(cell) for cell in nbformat.read(tmp_path / "out.ipynb", as_version=4).cells)
-    assert "trial 4 · lr=" in texts
+    assert "trial 3 · lr=" in texts
     accuracy = float(texts.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.85, texts
+
+
+def test_nbddp_tune_refuses_bad_input_before_anything_runs(tmp_path, monkeypatch):
+    import nbddp
+
+    _notebook(tmp_path / "tune.ipynb")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^--space 'lr=logg\(1,2\)': unknown distribution 'logg'"):
+        nbddp.tune("tune.ipynb", ["lr=logg(1,2)"], trials=1, cpu=True)
+    with pytest.raises(UsageError, match="the search space gives lrr, which the training code doesn't read"):
+        nbddp.tune("tune.ipynb", "lrr=uniform(0,1)", trials=1, cpu=True)
+    with pytest.raises(UsageError, match="concurrent trials .* take the space as --space texts"):
+        nbddp.tune("tune.ipynb", lambda t: {"lr": t.suggest_float("lr", 0.1, 1)}, trials=2, cpu=True, parallel=2)
+    with pytest.raises(UsageError, match=r"^--storage nope\.db: give a database URL"):
+        nbddp.tune("tune.ipynb", "lr=uniform(0,1)", trials=1, storage="nope.db")
+    with pytest.raises(UsageError, match="drop --run-dir"):
+        nbddp.tune("tune.ipynb", "lr=uniform(0,1)", trials=1, run_dir="x")
+    with pytest.raises(UsageError, match="^nbddp.objective runs a Jupyter kernel's training cell: call it in a kernel"):
+        nbddp.objective(lambda t: {"lr": t.suggest_float("lr", 0.1, 1)})  # (no kernel here, no notebook given)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.beside
+def test_nbddp_tune_from_python_returns_the_study(tmp_path, monkeypatch, capsys):
+    import nbddp
+
+    _notebook(tmp_path / "tune.ipynb")
+    monkeypatch.chdir(tmp_path)
+    result = nbddp.tune("tune.ipynb", lambda t: {"hidden": t.suggest_int("hidden", 4, 8)}, trials=2, metric="val_loss",
+                        pruner="none", seed=0, cpu=True, nproc=2, quiet=True)
+    assert result.exit_code == 0 and [t.state.name for t in result.study.trials] == ["COMPLETE", "COMPLETE"]
+    assert set(result.best_params) == {"hidden"} and [end.number for end in result.ends] == [0, 1]
+    weights = nbddp.load_weights(result.study.best_trial.user_attrs["run_dir"])
+    assert weights["model"]["0.weight"].shape[0] == result.best_params["hidden"]
+    assert capsys.readouterr().out == ""  # (quiet: no table)

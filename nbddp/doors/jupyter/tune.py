@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 #: Said where the kernel has run no ``%%ddp_train`` cell and none is given.
 NO_TRAINING_CELL = ("nbddp.objective runs the kernel's training cell: run a %%ddp_train cell first (its options and "
                     "code are each trial's), or give the code (cell=\"...\") or a notebook (notebook=\"nb.ipynb\")")
+#: Said outside a kernel, where there is no %%ddp_train cell to run.
+NO_KERNEL = ("nbddp.objective runs a Jupyter kernel's training cell: call it in a kernel, after a %%ddp_train cell, or "
+             "give a notebook (notebook=\"nb.ipynb\"); nbddp.tune runs a notebook's whole study from Python")
 #: How often the view is redrawn at most while a trial runs.
 REDRAW_SECONDS = 0.5
 
@@ -67,8 +70,7 @@ def objective(space: Space, metric: str | Sequence[str] = "val_loss", *, cell: s
                                      command=f"nbddp.objective(notebook={str(notebook)!r})")
     else:
         if shell is None:
-            raise UsageError(NO_TRAINING_CELL.replace("run a %%ddp_train cell first", "in a Jupyter kernel, run a "
-                                                      "%%ddp_train cell first"))
+            raise UsageError(NO_KERNEL)
         trials = KernelTrials(shell, _magics(shell), cell, options)
     return Objective(trials, space, metric, StudyView(shell, metric), value)
 

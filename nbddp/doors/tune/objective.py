@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 
 #: Said when Optuna isn't installed.
 INSTALL_OPTUNA = "hyperparameter search needs Optuna: pip install 'nbddp[tune]' (or pip install optuna)"
+#: Said to Optuna's ``n_jobs`` > 1: the trials of one objective share one set of warm ranks.
+ONE_AT_A_TIME = ("this objective runs one trial at a time, on one set of warm ranks: give study.optimize n_jobs=1 "
+                 "(trials at once: nbddp tune --parallel J, or --gpus-per-trial K, each on ranks of its own)")
 #: A trial's attributes in the study (``study.best_trial.user_attrs["run_dir"]``: where its weights are).
 RUN_DIR_ATTR, ERROR_ATTR = "run_dir", "error"
 
@@ -159,6 +163,7 @@ class Objective:
             raise UsageError("metric: name the value rank 0 logs with nbddp.log (metric='val_loss'), or several")
         self.said: set[str] = set()
         self.ends: list[TrialEnd] = []
+        self.running = threading.Lock()
         names = probed_names(space)
         if names is not None:
             self.check_names(names)  # refused before the first trial
@@ -181,6 +186,14 @@ class Objective:
                              + (f". Did you mean {' / '.join(hints)}?" if hints else ""))
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
+        if not self.running.acquire(blocking=False):  # (Optuna's n_jobs > 1: threads sharing one set of warm ranks)
+            raise UsageError(ONE_AT_A_TIME)
+        try:
+            return self._trial(trial)
+        finally:
+            self.running.release()
+
+    def _trial(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         values = self.space(trial)
         if not isinstance(values, dict):
             raise UsageError(f"the space must return a dict of parameter values; it returned {type(values).__name__}")
@@ -194,7 +207,12 @@ class Objective:
         run_dir = trial_dir(self.trials.runs, trial.study.study_name, trial.number)
         trial.set_user_attr(RUN_DIR_ATTR, str(run_dir))
         started = time.monotonic()
-        result = self.trials.run(values, run_dir, [watch], watch.heartbeat, self._say)
+        try:
+            result = self.trials.run(values, run_dir, [watch], watch.heartbeat, self._say)
+        except BaseException as exc:  # refused before its run started (a value its cell can't take): said, then raised
+            self.shown.trial_ended(TrialEnd(trial.number, values, "FAIL", seconds=time.monotonic() - started,
+                                            error=f"{type(exc).__name__}: {exc}".splitlines()[0]), None)
+            raise
         end = TrialEnd(trial.number, values, "COMPLETE", step=watch.step, seconds=time.monotonic() - started,
                        run_dir=result.run_dir)
         try:

@@ -183,9 +183,9 @@ def _concurrent(options: TuneOptions, slots: list[tuple[str, ...]], kind: str, s
     first = len(study.get_trials(deepcopy=False))
     left = options.trials - len(_finished(optuna, study))
     _resume(optuna, study, say)
-    say(f"nbddp: {len(slots)} trials at once" + (f", each on GPUs {' | '.join(','.join(s) for s in slots)}"
-                                                    if kind == "cuda" else f", each on {options.launch.nproc or 2} "
-                                                    "CPU processes"))
+    each = (f"GPUs {' | '.join(','.join(slot) for slot in slots)}" if kind == "cuda" else
+            f"{resolve(cpu=True, nproc=options.launch.nproc).nproc} CPU processes")
+    say(f"nbddp: {len(slots)} trials at once, each on {each}")
     study_argv = ["--trials", str(options.trials), *(w for m in options.metric for w in ("--metric", m)),
                   *(w for d in options.direction for w in ("--direction", d)), "--pruner", options.pruner,
                   "--storage", options.storage, "--study-name", name]
