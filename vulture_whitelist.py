@@ -50,6 +50,7 @@ TuneResult.best_params
 # What IPython's display() reads of an object (the study's view: its HTML), and the rest of Optuna's trial API that a
 # space function may call on the stand-in trial its names are found with (suggest_loguniform and the like).
 _._repr_html_
+_Probe.suggest_uniform
 _Probe.suggest_loguniform
 _Probe.suggest_discrete_uniform
 

@@ -191,6 +191,7 @@ CATALYST_TRAIN = (
 )
 
 
+@pytest.mark.beside  # (a Catalyst run, 34 CPU-s, asserting no timing: beside the main lane, where the lanes even out)
 def test_catalyst_rank_raising_names_cell_line_and_rank(tmp_path, cli_run):
     loaders = "loaders = {'train': DataLoader(TensorDataset(X, y), batch_size=8)}"
     write_notebook(tmp_path / "c.ipynb", [code("BOOM = True", "parameters"), code(CATALYST + loaders), code(CATALYST_TRAIN),

@@ -27,10 +27,12 @@ from tests.conftest import code, wait_until, write_notebook
 optuna = pytest.importorskip("optuna")
 
 PARAMS = "lr = 0.1\nhidden = 8\nepochs = 4\nnap = 0.0\nfail_at = -1.0"
-SETUP = "#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nX = torch.randn(64, 4)\nY = X.sum(1, keepdim=True)"
+# The model is the setup's, trained in place by every trial: the warm ranks must put it back between trials for a
+# trial to give a fresh run's weights.
+SETUP = ("#| ddp\nimport time\nimport torch\nimport nbddp\ntorch.manual_seed(0)\nX = torch.randn(64, 4)\n"
+         "Y = X.sum(1, keepdim=True)\n"
+         "model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))")
 BODY = ("if lr == fail_at:\n    raise ValueError(f'diverged at lr={lr}')\n"
-        "torch.manual_seed(1)\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))\n"
         "ddp_model = nbddp.prepare(model)\n"
         "opt = torch.optim.SGD(ddp_model.parameters(), lr=lr)\n"
         "for epoch in range(epochs):\n"
@@ -188,6 +190,7 @@ def test_nbddp_tune_prunes_a_trial_within_a_second_of_its_report_and_goes_on_war
     [parent] = [r for r in runs if "nbddp.batch" in r.data.tags]
     children = [r for r in runs if r is not parent]
     assert parent.info.run_name == "s" and len(children) == 8
+    assert parent.info.status == "FINISHED"  # (a pruned and a failed trial are a study's normal work)
     assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
     assert run.leftovers() == set()
 
@@ -212,7 +215,7 @@ def test_a_killed_nbddp_tune_resumes_its_study_and_runs_the_interrupted_trial_ag
 
     wait_until(lambda: states() == [("COMPLETE",), ("RUNNING",)] and params() == 4, 30,
                "trial 0 recorded, trial 1 running with its values")
-    os.killpg(first.proc.pid, signal.SIGKILL)  # nbddp tune and its warm ranks' agent, in trial 1
+    os.kill(first.proc.pid, signal.SIGKILL)  # nbddp tune alone, in trial 1: its warm ranks follow it
     first.proc.wait()
     assert first.leftovers() == set()
     assert states() == [("COMPLETE",), ("RUNNING",)]
@@ -221,11 +224,23 @@ def test_a_killed_nbddp_tune_resumes_its_study_and_runs_the_interrupted_trial_ag
     assert "trial 1 was running when the study's last process stopped: marked FAIL; its values run again" \
         in second.output
     study = optuna.load_study(study_name="tune", storage=f"sqlite:///{tmp_path / 'study.db'}")
-    states = [t.state.name for t in study.trials]
-    assert states == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"], second.output
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE"], second.output
     assert study.trials[2].params == study.trials[1].params  # the interrupted trial's values, run again
     assert study.trials[3].params != study.trials[0].params  # (a resumed study's seed goes on)
     assert second.leftovers() == set()
+    # SIGTERM (a `kill`): the running trial's job stops, the trial is marked interrupted; the study resumes it first
+    more = [*args[:args.index("--trials") + 1], "4", *args[args.index("--trials") + 2:]]
+    third = cli_run(more, tmp_path)
+    wait_until(lambda: len(states()) == 5 and params() == 10, 60, "trial 4 running with its values")
+    os.kill(third.proc.pid, signal.SIGTERM)
+    assert third.wait(timeout=60) == 143, third.output
+    assert "study stopped by SIGTERM" in third.output and third.leftovers() == set()
+    fourth = cli_run(more, tmp_path)
+    assert fourth.wait(timeout=120) == 0, fourth.output
+    assert "trial 4 was interrupted; its values run again first" in fourth.output
+    study = optuna.load_study(study_name="tune", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert [t.state.name for t in study.trials][4:] == ["FAIL", "COMPLETE"]
+    assert study.trials[5].params == study.trials[4].params
 
 
 # ---------------------------------------------------------------- nbddp.objective, in a kernel
@@ -281,8 +296,12 @@ file.optimize(nbddp.objective(lambda t: {"lr": t.suggest_float("lr", 0.01, 0.1)}
                               options="--cpu --nproc 2"), n_trials=2)
 print("NOTEBOOK", " ".join(t.state.name for t in file.trials), file.trials[0].user_attrs["run_dir"])
 threads = optuna.create_study()
-threads.optimize(nbddp.objective(space), n_trials=2, n_jobs=2)
+threads.optimize(nbddp.objective(space), n_trials=3, n_jobs=2)
 print("THREADS", sorted(t.state.name for t in threads.trials))
+nan = optuna.create_study()
+nan.optimize(nbddp.objective(lambda t: {"lr": t.suggest_float("lr", 0.01, 0.1)},
+                             cell="nbddp.log(val_loss=lr, step=0)\\nnbddp.log(val_loss=float('nan'), step=1)"), n_trials=1)
+print("NAN", nan.trials[0].state.name, nan.trials[0].user_attrs["error"])
 """
 
 
@@ -299,8 +318,10 @@ def test_nbddp_objective_runs_optunas_loop_over_the_kernels_training_cell_on_its
     assert "REFUSED UsageError the search space gives lrr, which the training code doesn't read; it reads " in out
     assert "VALUE 2.0" in out  # value=: the trial's value from the run's result
     assert "NOTEBOOK COMPLETE COMPLETE " in out and "/runs/" in out  # notebook=: its training cells, its runs/
-    # n_jobs=2: the trial that would share the warm ranks with the running one fails, saying why
-    assert "THREADS ['COMPLETE', 'FAIL']" in out and "this objective runs one trial at a time" in out
+    # n_jobs=2: the trials share one set of warm ranks, so they run one after another, said once
+    assert "THREADS ['COMPLETE', 'COMPLETE', 'COMPLETE']" in out and out.count("run one after another") == 1
+    # cell=: the trial's code given; a metric whose last value is NaN fails the trial (not its last finite value)
+    assert "NAN FAIL val_loss was nan at step 1 (the training diverged?)" in out
     study_out = _text(nb.cells[4])
     assert "trial 2 · lr=0.5 nap=0 · FAIL: rank" in study_out and "ValueError: diverged at lr=0.5" in study_out
     assert "trial 5 · lr=0.0001 nap=0.3 · PRUNED at step" in study_out
@@ -402,6 +423,9 @@ def test_nbddp_tune_refuses_bad_input_before_anything_runs(tmp_path, monkeypatch
         nbddp.tune("tune.ipynb", "lr=uniform(0,1)", trials=1, storage="nope.db")
     with pytest.raises(UsageError, match="drop --run-dir"):
         nbddp.tune("tune.ipynb", "lr=uniform(0,1)", trials=1, run_dir="x")
+    optuna.create_study(study_name="up", storage="sqlite:///up.db", direction="maximize")
+    with pytest.raises(UsageError, match=r"^study up in sqlite:///up\.db optimises maximize; this asks minimize"):
+        nbddp.tune("tune.ipynb", "lr=uniform(0,1)", trials=1, storage="sqlite:///up.db", study_name="up", cpu=True)
     with pytest.raises(UsageError, match="^nbddp.objective runs a Jupyter kernel's training cell: call it in a kernel"):
         nbddp.objective(lambda t: {"lr": t.suggest_float("lr", 0.1, 1)})  # (no kernel here, no notebook given)
     assert not (tmp_path / "runs").exists()

@@ -268,7 +268,7 @@ def _tune(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SignalReceived) as exc:
         from nbddp.contracts.errors import stop_signal
 
-        signum = stop_signal(exc)
+        signum = getattr(exc, "signum", None) or stop_signal(exc)  # (a trial's: the signal that stopped its job)
         print(f"\nnbddp: study stopped by {signal.Signals(signum).name}; the running trial's job was stopped"
               + (": run the same command again to resume it" if options.storage else ""), file=sys.stderr)
         return Status.INTERRUPTED.code(signum)

@@ -53,7 +53,6 @@ ENTRY_POINTS = "nbddp.launchers"
 #: What the doors may ask of the launchers beyond this module's own functions: name → the module that holds it.
 FACE = {
     "KernelPool": "nbddp.launchers.warm.keepers",
-    "PoolKeeper": "nbddp.launchers.warm.keepers",
     "BatchSlots": "nbddp.launchers.warm.keepers",
     "batch_slot": "nbddp.launchers.warm.keepers",
     "why_not_warm": "nbddp.launchers.warm.rules",

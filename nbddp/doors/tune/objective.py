@@ -15,14 +15,16 @@ last ``%%ddp_train`` cell in :mod:`nbddp.doors.jupyter.tune`) and how trials are
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
-from nbddp.contracts.errors import UsageError
+from nbddp.contracts.errors import SignalReceived, UsageError, stop_signal
 from nbddp.contracts.metrics import measures, read_metrics, step_of
 from nbddp.contracts.rundir import RunDir
 from nbddp.doors.tune.space import Space, probed_names
@@ -38,11 +40,12 @@ if TYPE_CHECKING:
 
 #: Said when Optuna isn't installed.
 INSTALL_OPTUNA = "hyperparameter search needs Optuna: pip install 'nbddp[tune]' (or pip install optuna)"
-#: Said to Optuna's ``n_jobs`` > 1: the trials of one objective share one set of warm ranks.
-ONE_AT_A_TIME = ("this objective runs one trial at a time, on one set of warm ranks: give study.optimize n_jobs=1 "
+#: Said once to Optuna's ``n_jobs`` > 1: the trials of one objective share one set of warm ranks.
+ONE_AT_A_TIME = ("n_jobs > 1: this objective's trials share one set of warm ranks, so they run one after another "
                  "(trials at once: nbddp tune --parallel J, or --gpus-per-trial K, each on ranks of its own)")
-#: A trial's attributes in the study (``study.best_trial.user_attrs["run_dir"]``: where its weights are).
-RUN_DIR_ATTR, ERROR_ATTR = "run_dir", "error"
+#: A trial's attributes in the study (``study.best_trial.user_attrs["run_dir"]``: where its weights are; an
+#: interrupted trial's signal, whose values a resumed study runs again).
+RUN_DIR_ATTR, ERROR_ATTR, INTERRUPTED_ATTR = "run_dir", "error", "nbddp_interrupted"
 
 
 def require_optuna() -> Any:
@@ -111,9 +114,22 @@ class TrialEnd:
         return f"trial {self.number} · {params or '(no values)'} · {outcome} · {self.seconds:.1f} s"
 
 
-class _Pruned(KeyboardInterrupt):
-    """Raised by the follow loop's heartbeat once the trial is to be pruned: the job stops as a Ctrl-C stops it
-    (warm ranks leave the job and stay), and the objective ends the trial PRUNED."""
+class _Stop(KeyboardInterrupt):
+    """Raised by the follow loop's heartbeat once the trial is to be pruned (or its study's storage failed): the job
+    stops as a Ctrl-C stops it (warm ranks leave the job and stay), and the objective ends the trial."""
+
+
+class StudyInterrupted(KeyboardInterrupt):
+    """The study was stopped during a trial (a Ctrl-C, or ``signum``: the command's SIGTERM): the trial's job was
+    stopped and the trial ends FAIL, marked so that a resumed study runs its values again. A Ctrl-C for Optuna (which
+    then ends its loop), shown by IPython as its one line."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[0;31mKeyboardInterrupt\x1b[0m: {self}"]
 
 
 class _Watch:
@@ -123,26 +139,32 @@ class _Watch:
         self.trial, self.metric, self.reports, self.shown = trial, metric, reports, shown
         self.step: int | None = None
         self.pruned_at: int | None = None
+        self.storage_error = ""
+        """Why the study's storage refused a report (the trial then ends FAIL saying so)."""
         self.count = 0
 
     def __call__(self, event: Event) -> None:
         self.shown.event(event)
-        if not isinstance(event, MetricsEvent) or self.pruned_at is not None:
+        if not isinstance(event, MetricsEvent) or self.pruned_at is not None or self.storage_error:
             return
         value = _number(event.values.get(self.metric))
         if value is None:
             return
         self.step = step_of(event.values, self.count)
         self.count += 1
-        if self.reports:
+        if not self.reports:
+            return
+        try:
             self.trial.report(value, self.step)
             if self.trial.should_prune():
                 self.pruned_at = self.step
+        except Exception as exc:  # noqa: BLE001 - a database's many errors (locked, gone): the trial fails in one line
+            self.storage_error = f"the study's storage failed: {type(exc).__name__}: {exc}".splitlines()[0]
 
     def heartbeat(self) -> None:
         self.shown.heartbeat()
-        if self.pruned_at is not None:
-            raise _Pruned(f"pruned at step {self.pruned_at}")
+        if self.pruned_at is not None or self.storage_error:
+            raise _Stop(self.storage_error or f"pruned at step {self.pruned_at}")
 
 
 def _number(value: Any) -> float | None:
@@ -155,9 +177,12 @@ class Objective:
     """Optuna's objective over ``trials`` (``study.optimize(objective, n_trials=N)``)."""
 
     def __init__(self, trials: Trials, space: Space, metric: str | Sequence[str], shown: Shown,
-                 value: Callable[[orchestrator.RunResult], Any] | None = None) -> None:
+                 value: Callable[[orchestrator.RunResult], Any] | None = None, groups: bool = True) -> None:
         self.optuna = require_optuna()
         self.trials, self.space, self.shown, self.value = trials, space, shown, value
+        self.groups = groups
+        """Whether this objective groups the trials' tracker records (a concurrent study's worker doesn't: the
+        study's process groups them all)."""
         self.metrics = (metric,) if isinstance(metric, str) else tuple(metric)
         if not self.metrics or not all(isinstance(m, str) and m for m in self.metrics):
             raise UsageError("metric: name the value rank 0 logs with nbddp.log (metric='val_loss'), or several")
@@ -169,27 +194,20 @@ class Objective:
             self.check_names(names)  # refused before the first trial
 
     def check_names(self, names: Sequence[str]) -> None:
-        """Refuse a space's name the training code doesn't take, in one line naming it.
-
-        Raises:
-            UsageError: such a name.
-        """
-        from nbddp.notebook.parameters import closest_parameter
-
-        takes = self.trials.takes()
-        unknown = [name for name in names if name not in takes]
-        if unknown:
-            hints = [hint for name in unknown if (hint := closest_parameter(name, list(takes)))]
-            raise UsageError(f"the search space gives {', '.join(unknown)}, which the training code doesn't read"
-                             + (f"; it reads {', '.join(takes)}" if takes else
-                                " (it takes no value from outside: define the names in a parameters cell)")
-                             + (f". Did you mean {' / '.join(hints)}?" if hints else ""))
+        """Refuse a space's name the training code doesn't take (:func:`refuse_unknown`)."""
+        refuse_unknown(names, self.trials.takes())
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         if not self.running.acquire(blocking=False):  # (Optuna's n_jobs > 1: threads sharing one set of warm ranks)
-            raise UsageError(ONE_AT_A_TIME)
+            self._say(ONE_AT_A_TIME)
+            self.running.acquire()
         try:
             return self._trial(trial)
+        except StudyInterrupted:
+            raise
+        except (KeyboardInterrupt, SignalReceived) as exc:  # (before or after the trial's run: the same)
+            trial.set_user_attr(INTERRUPTED_ATTR, stop_signal(exc))
+            raise StudyInterrupted(f"the study was stopped during trial {trial.number}", stop_signal(exc)) from None
         finally:
             self.running.release()
 
@@ -204,11 +222,13 @@ class Objective:
                              f"{len(self.metrics)} metric(s) ({', '.join(self.metrics)}): give as many of each")
         watch = _Watch(trial, self.metrics[0], single, self.shown)
         self.shown.trial_started(trial.number, values)
+        folder = self.trials.runs / safe_name(trial.study.study_name)
         run_dir = trial_dir(self.trials.runs, trial.study.study_name, trial.number)
         trial.set_user_attr(RUN_DIR_ATTR, str(run_dir))
         started = time.monotonic()
         try:
-            result = self.trials.run(values, run_dir, [watch], watch.heartbeat, self._say)
+            with tracked_as(folder):
+                result = self.trials.run(values, run_dir, [watch], watch.heartbeat, self._say)
         except BaseException as exc:  # refused before its run started (a value its cell can't take): said, then raised
             self.shown.trial_ended(TrialEnd(trial.number, values, "FAIL", seconds=time.monotonic() - started,
                                             error=f"{type(exc).__name__}: {exc}".splitlines()[0]), None)
@@ -220,16 +240,23 @@ class Objective:
         finally:
             _note_study(result.paths, trial, end)
             self.ends.append(end)
+            if self.groups:
+                for line in group_trials(folder, [(e.run_dir, e.state) for e in self.ends]):
+                    self._say(line)
             self.shown.trial_ended(end, _best(trial.study, end))
 
     def _judge(self, trial: optuna.Trial, result: orchestrator.RunResult, watch: _Watch,
                end: TrialEnd) -> float | tuple[float, ...]:
+        if watch.storage_error:
+            return self._fail(trial, end, watch.storage_error)
         if watch.pruned_at is not None:
             end.state, end.step = "PRUNED", watch.pruned_at
             raise self.optuna.TrialPruned(f"pruned at step {watch.pruned_at}")
         if result.interrupted_by is not None:  # the user's Ctrl-C (or a signal): the study stops
-            end.state, end.error = "FAIL", "interrupted"
-            raise KeyboardInterrupt(result.message)
+            end.state, end.error = "FAIL", "interrupted: its values run again when the study is resumed"
+            trial.set_user_attr(INTERRUPTED_ATTR, result.interrupted_by)
+            raise StudyInterrupted(f"the study was stopped during trial {trial.number}; its job was stopped, the "
+                                   "warm ranks kept", result.interrupted_by)
         if not result.succeeded:
             record = result.record
             line = (error_line(record.status, record.error, record.failure) if record else "") or result.message
@@ -244,7 +271,11 @@ class Objective:
             seen = sorted(measures(logged))
             return self._fail(trial, end, f"the run never logged {', '.join(missing)} with nbddp.log"
                               + (f" (it logged {', '.join(seen)})" if seen else " (it logged no metric)"))
-        end.values = tuple(logged[m] for m in self.metrics)
+        unfinished = [f"{m} was {logged[m][0]} at step {logged[m][1]}" for m in self.metrics
+                      if not math.isfinite(logged[m][0])]
+        if unfinished:  # (a diverged run: its last finite value would be an early, better one)
+            return self._fail(trial, end, f"{'; '.join(unfinished)} (the training diverged?)")
+        end.values = tuple(logged[m][0] for m in self.metrics)
         return end.values[0] if len(end.values) == 1 else end.values
 
     def _fail(self, trial: optuna.Trial, end: TrialEnd, line: str) -> float | tuple[float, ...]:
@@ -262,14 +293,31 @@ class Objective:
             self.shown.say(line)
 
 
-def _last_values(paths: RunDir) -> dict[str, float]:
-    """Each metric's last finite value among the run's ``nbddp.log`` records."""
-    values: dict[str, float] = {}
-    for record in read_metrics(paths):
+def refuse_unknown(names: Sequence[str], takes: Sequence[str]) -> None:
+    """Refuse a space's name the training code doesn't take, in one line naming it (and the name it likely meant).
+
+    Raises:
+        UsageError: such a name.
+    """
+    from nbddp.notebook.parameters import closest_parameter
+
+    unknown = [name for name in names if name not in takes]
+    if unknown:
+        hints = [hint for name in unknown if (hint := closest_parameter(name, list(takes)))]
+        raise UsageError(f"the search space gives {', '.join(unknown)}, which the training code doesn't read"
+                         + (f"; it reads {', '.join(takes)}" if takes else
+                            " (it takes no value from outside: define the names in a parameters cell)")
+                         + (f". Did you mean {' / '.join(hints)}?" if hints else ""))
+
+
+def _last_values(paths: RunDir) -> dict[str, tuple[float, int]]:
+    """Each metric's last value among the run's ``nbddp.log`` records (NaN and infinities included: a run that
+    diverged ends with them), and the step it was logged at."""
+    values: dict[str, tuple[float, int]] = {}
+    for index, record in enumerate(read_metrics(paths)):
         for name, value in record.items():
-            number = _number(value)
-            if number is not None and name != "time":
-                values[name] = number
+            if name != "time" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[name] = (float(value), step_of(record, index))
     return values
 
 
@@ -300,6 +348,33 @@ def _note_study(paths: RunDir, trial: optuna.Trial, end: TrialEnd) -> None:
     elif end.error and not record.error:
         record.error = end.error  # (a metric never logged: the run itself succeeded)
     record.write(paths)
+
+
+@contextmanager
+def tracked_as(folder: Path) -> Iterator[None]:
+    """The trials' tracker records grouped by the study's folder, as a batch's are by its own (``NBDDP_BATCH``: a W&B
+    group and TensorBoard sub-folders as each run writes; MLflow's parent run by :func:`group_trials`)."""
+    from nbddp.job.trackers import BATCH_VARIABLE
+
+    before = os.environ.get(BATCH_VARIABLE)
+    os.environ[BATCH_VARIABLE] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BATCH_VARIABLE, None)
+        else:
+            os.environ[BATCH_VARIABLE] = before
+
+
+def group_trials(folder: Path, ends: Sequence[tuple[Path | None, str]]) -> list[str]:
+    """The study's MLflow runs (``ends``: each trial's run dir and state) nested under one parent run named by the
+    study, finished once a trial completed (pruned and failed trials are a study's normal work). Warning lines."""
+    from nbddp.job.trackers import group_batch
+
+    completed = any(state == "COMPLETE" for _, state in ends)
+    runs = [(RunDir(path), completed) for path, _ in ends if path is not None]
+    return group_batch(folder, runs) if runs and folder.is_dir() else []
 
 
 def safe_name(name: str) -> str:

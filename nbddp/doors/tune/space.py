@@ -48,6 +48,10 @@ class CommandLineSpace:
 
     dimensions: tuple[Dimension, ...]
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dimensions)
+
     def __call__(self, trial: Any) -> dict[str, Any]:
         return {d.name: d.suggest(trial) for d in self.dimensions}
 
@@ -129,22 +133,16 @@ class _Probe:
     number = 0
     params: dict[str, Any] = {}
 
-    def suggest_float(self, name: str, low: float, high: float, **_: Any) -> float:
+    def suggest_float(self, name: str, low: float, *_: Any, **__: Any) -> float:  # (step, log: by place or name)
         return low
 
-    def suggest_int(self, name: str, low: int, high: int, **_: Any) -> int:
+    def suggest_int(self, name: str, low: int, *_: Any, **__: Any) -> int:
         return low
 
-    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+    def suggest_categorical(self, name: str, choices: Sequence[Any], *_: Any, **__: Any) -> Any:
         return choices[0]
 
-    def suggest_uniform(self, name: str, low: float, high: float) -> float:
-        return low
-
-    suggest_loguniform = suggest_uniform
-
-    def suggest_discrete_uniform(self, name: str, low: float, high: float, q: float) -> float:
-        return low
+    suggest_uniform = suggest_loguniform = suggest_discrete_uniform = suggest_float
 
     def set_user_attr(self, key: str, value: Any) -> None:
         return None

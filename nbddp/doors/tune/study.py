@@ -10,21 +10,19 @@ killed is found by its heartbeat (Optuna's), marked ``FAIL`` and its values run 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
 from nbddp.contracts.devices import resolve
 from nbddp.contracts.errors import UsageError
-from nbddp.contracts.rundir import RunDir
-from nbddp.doors.tune.objective import RUN_DIR_ATTR, NotebookTrials, Objective, TrialEnd, require_optuna, safe_name
+from nbddp.doors.tune.objective import (INTERRUPTED_ATTR, RUN_DIR_ATTR, NotebookTrials, Objective, TrialEnd,
+                                       group_trials, refuse_unknown, require_optuna, safe_name, tracked_as)
 from nbddp.doors.tune.parallel import Tickets, run_workers, stop_if_orphaned, trial_slots, workers
-from nbddp.doors.tune.space import Space, parse_space
+from nbddp.doors.tune.space import CommandLineSpace, Space, parse_space
 from nbddp.job.follow import Event
 from nbddp.plan.options import LaunchOptions
 
@@ -83,7 +81,8 @@ class TuneOptions:
 
 @dataclass
 class TuneResult:
-    """What ``nbddp.tune`` returns: the Optuna study, each trial this call ran, and the exit code."""
+    """What ``nbddp.tune`` returns: the Optuna study, each trial this call ran in this process (none for trials run
+    at once: their workers' are in ``study``), and the exit code."""
 
     study: Any
     ends: list[TrialEnd]
@@ -117,35 +116,28 @@ def _in_process(options: TuneOptions, say: Callable[[str], None], table: bool) -
     from nbddp.notebook.reader import read_notebook
 
     parent, tickets = _worker(options.worker)
-    keeper = KernelPool()  # (%%ddp_train's: its starter imports torch while Optuna loads and the notebook is read)
+    space = parse_space(options.space) if isinstance(options.space, tuple) else options.space
+    keeper = KernelPool()  # (%%ddp_train's: its starter imports torch while Optuna loads and the study starts)
+    trials = NotebookTrials(read_notebook(options.notebook), options.launch, keeper, command=options.command)
+    if isinstance(space, CommandLineSpace):
+        refuse_unknown(space.names, trials.takes())  # (a function's names: checked by the objective, once imported)
     if options.launch.nproc in (None, resolve().nproc):  # (the starter is made for a default run's ranks)
         keeper.prepare()
     try:
         optuna = require_optuna()
-        space = parse_space(options.space) if isinstance(options.space, tuple) else options.space
-        notebook = read_notebook(options.notebook)
-        trials = NotebookTrials(notebook, options.launch, keeper, command=options.command)
-        objective = Objective(trials, space, options.metric, TerminalStudy(say, parent))  # (the space's names checked)
-        study = _study(optuna, options, notebook.path.stem)
+        objective = Objective(trials, space, options.metric, TerminalStudy(say, parent), groups=tickets is None)
+        study = _study(optuna, options, trials.notebook.path.stem)
         left = options.trials - len(_finished(optuna, study))
         if tickets is None:
             retried = _resume(optuna, study, say)
             if left <= 0 and not retried:
                 say(f"nbddp: study {study.study_name}: its {options.trials} trials are done")
-        folder = trials.runs / safe_name(study.study_name)
-        try:
-            with _grouped(folder):
-                if tickets is None:
-                    study.optimize(objective, n_trials=max(left, 0), gc_after_trial=False)
-                while tickets is not None:  # (a worker: a trial at a time, while the study has some left)
-                    stop_if_orphaned(parent)
-                    if not tickets.take():
-                        break
-                    study.optimize(objective, n_trials=1, gc_after_trial=False)
-        finally:
-            if tickets is None:  # (a worker's parent groups the whole study's)
-                for line in _group_trackers(folder, [(e.run_dir, e.state) for e in objective.ends]):
-                    say(f"nbddp: {line}")
+            study.optimize(objective, n_trials=max(left, 0), gc_after_trial=False)
+        while tickets is not None:  # (a worker: a trial at a time, while the study has some left)
+            stop_if_orphaned(parent)
+            if not tickets.take():
+                break
+            study.optimize(objective, n_trials=1, gc_after_trial=False)
     finally:
         keeper.stop()
     if table and tickets is None:
@@ -172,10 +164,11 @@ def _concurrent(options: TuneOptions, slots: list[tuple[str, ...]], kind: str, s
     if not isinstance(options.space, tuple):
         raise UsageError("concurrent trials (--gpus-per-trial, --parallel) take the space as --space texts: each "
                          "worker process reads it (a space function lives in this process only)")
-    optuna = require_optuna()
+    space = parse_space(options.space)
     notebook = read_notebook(options.notebook)
     checked = NotebookTrials(notebook, options.launch, None)  # everything checked here, before any worker starts
-    Objective(checked, parse_space(options.space), options.metric, TerminalStudy(say))
+    refuse_unknown(space.names, checked.takes())
+    optuna = require_optuna()
     name = options.study_name or (notebook.path.stem if options.storage else _timed(notebook.path.stem))
     folder = private_folder(checked.runs / safe_name(name), "the study's folder", parents=True, say=say)
     options = replace(options, study_name=name, storage=options.storage or f"sqlite:///{folder / 'study.db'}")
@@ -189,13 +182,13 @@ def _concurrent(options: TuneOptions, slots: list[tuple[str, ...]], kind: str, s
     study_argv = ["--trials", str(options.trials), *(w for m in options.metric for w in ("--metric", m)),
                   *(w for d in options.direction for w in ("--direction", d)), "--pruner", options.pruner,
                   "--storage", options.storage, "--study-name", name]
-    with _grouped(folder):
+    with tracked_as(folder):
         codes = run_workers(workers(notebook.path, options.space, options.launch, slots, kind, study_argv,
                                     Tickets(folder / "tickets", max(left, 0)).path,
                                     None if options.seed is None else options.seed + first), say)
     ran = study.get_trials(deepcopy=False)[first:]
     ends = [(Path(t.user_attrs[RUN_DIR_ATTR]), t.state.name) for t in ran if RUN_DIR_ATTR in t.user_attrs]
-    for line in _group_trackers(folder, ends):
+    for line in group_trials(folder, ends):
         say(f"nbddp: {line}")
     for code in codes:
         if code not in (0, 1):
@@ -229,8 +222,13 @@ def _study(optuna: Any, options: TuneOptions, stem: str) -> optuna.Study:
     try:
         study = optuna.create_study(storage=storage, study_name=name, load_if_exists=True, directions=directions,
                                     pruner=pruner)
-    except ValueError as exc:  # a stored study of that name with other directions
+    except ValueError as exc:
         raise UsageError(f"study {name}: {exc}") from None
+    stored = [d.name.lower() for d in study.directions]
+    if stored != directions:  # (Optuna loads a stored study as it was stored, whatever was asked)
+        raise UsageError(f"study {name} in {options.storage} optimises {', '.join(stored)}; this asks "
+                         f"{', '.join(directions)} ({len(options.metric)} --metric): give its --direction and as many "
+                         "--metric, or a new --study-name")
     # --seed: the same trials again for a new study; a resumed one goes on from its trials (the same seed would
     # draw its first trials' values again). A concurrent study's worker is given its own by the study's process.
     resumed = 0 if options.worker is not None else len(study.get_trials(deepcopy=False))
@@ -240,66 +238,45 @@ def _study(optuna: Any, options: TuneOptions, stem: str) -> optuna.Study:
 
 
 def _finished(optuna: Any, study: optuna.Study) -> list[Any]:
-    """The study's trials that count towards ``--trials``: those that ended, less those run again after their
-    process was gone."""
+    """The study's trials that count towards ``--trials``: those that ended, less those stopped before their end
+    (their process gone, or the study interrupted), whose values run again."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs.get(RETRY_OF) for t in trials}
-    return [t for t in trials if t.state in states and t.number not in retried]
+    return [t for t in trials if t.state in states and t.number not in retried and INTERRUPTED_ATTR not in t.user_attrs]
 
 
 def _resume(optuna: Any, study: optuna.Study, say: Callable[[str], None]) -> list[int]:
-    """Trials left running by a process that is gone (its heartbeat stopped): marked FAIL, their values enqueued to
-    run again. A trial whose heartbeat is still fresh is waited for, up to Optuna's grace period: it may be another
-    live process's (then it is left to it)."""
-    running = optuna.trial.TrialState.RUNNING
+    """The trials a stopped study left unfinished, their values enqueued to run first: those interrupted (a Ctrl-C,
+    a SIGTERM), and those left running by a process that is gone (its heartbeat stopped; marked FAIL here). A trial
+    whose heartbeat is still fresh is waited for, up to Optuna's grace period: it may be another live process's
+    (then it is left to it). Returns the trials' numbers."""
+    fail, running = optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING
     stale = [t.number for t in study.get_trials(deepcopy=False, states=(running,))]
-    if not stale:
-        return []
     deadline = time.monotonic() + STALE_SECONDS + HEARTBEAT_SECONDS
-    while True:
-        optuna.storages.fail_stale_trials(study)
-        trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-        if all(trials[n].state != running for n in stale) or time.monotonic() > deadline:
+    while stale:
+        with warnings.catch_warnings():  # (Optuna calls the heartbeat "experimental" each time it is used)
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+        if all(t.state != running for t in study.get_trials(deepcopy=False) if t.number in stale) or \
+                time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    trials = study.get_trials(deepcopy=False)
+    done = {t.user_attrs.get(RETRY_OF) for t in trials}
     retried = []
-    for number in stale:
-        trial = trials[number]
-        if trial.state != optuna.trial.TrialState.FAIL:
-            continue  # (another process's, alive)
-        said = f"nbddp: trial {number} was running when the study's last process stopped: marked FAIL"
+    for trial in trials:
+        interrupted = INTERRUPTED_ATTR in trial.user_attrs
+        if trial.state != fail or trial.number in done or not (interrupted or trial.number in stale):
+            continue  # (a trial that ran to its end, one run again already, another live process's)
+        said = (f"nbddp: trial {trial.number} was "
+                + ("interrupted" if interrupted else "running when the study's last process stopped: marked FAIL"))
         if trial.params:  # (a process stopped before its trial had values leaves nothing to run again)
-            study.enqueue_trial(trial.params, user_attrs={RETRY_OF: number})
-            retried.append(number)
+            study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number})
+            retried.append(trial.number)
             said += "; its values run again first"
         say(said)
     return retried
-
-
-@contextmanager
-def _grouped(folder: Path) -> Iterator[None]:
-    """The trials' tracker records grouped under the study's folder, as a batch's are (``NBDDP_BATCH``)."""
-    from nbddp.job.trackers import BATCH_VARIABLE
-
-    before = os.environ.get(BATCH_VARIABLE)
-    os.environ[BATCH_VARIABLE] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(BATCH_VARIABLE, None)
-        else:
-            os.environ[BATCH_VARIABLE] = before
-
-
-def _group_trackers(folder: Path, ends: list[tuple[Path | None, str]]) -> list[str]:
-    """The study's MLflow runs (``ends``: each trial's run dir and state) nested under one parent run named by the
-    study (W&B groups and TensorBoard sub-folders are written by each run)."""
-    from nbddp.job.trackers import group_batch
-
-    runs = [(RunDir(path), state == "COMPLETE") for path, state in ends if path is not None]
-    return group_batch(folder, runs) if runs and folder.is_dir() else []
 
 
 def trial_table(study: optuna.Study, metrics: tuple[str, ...]) -> str:
