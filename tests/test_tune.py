@@ -22,6 +22,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from nbddp.contracts.errors import UsageError
 from nbddp.doors.tune.objective import Objective, TrialEnd, trial_dir
 from nbddp.doors.tune.space import parse_space, probed_names
+from nbddp.plan.options import LaunchOptions
 from tests.conftest import code, wait_until, write_notebook
 
 optuna = pytest.importorskip("optuna")
@@ -95,6 +96,8 @@ class _StandIn:
     """A stand-in for a door's trials (what a training cell takes): the name check is a policy of the objective's."""
 
     runs = Path("runs")
+    launch = LaunchOptions(parameters={"epochs": 3})
+    fixed = ("epochs",)
 
     def takes(self):
         return ("lr", "hidden", "epochs")
@@ -108,6 +111,8 @@ def test_a_space_giving_a_name_the_code_doesnt_read_is_refused_before_the_first_
         Objective(_StandIn(), lambda trial: {"lrr": trial.suggest_float("lrr", 0.1, 1)}, "val_loss", None)
     assert str(caught.value) == ("the search space gives lrr, which the training code doesn't read; it reads lr, "
                                  "hidden, epochs. Did you mean lr?")
+    with pytest.raises(UsageError, match=r"^epochs: both fixed \(-p\) and searched \(the space\): drop one"):
+        Objective(_StandIn(), lambda trial: {"epochs": trial.suggest_int("epochs", 1, 9)}, "val_loss", None)
     with pytest.raises(UsageError, match="must return a dict"):
         Objective(_StandIn(), lambda trial: [trial.suggest_float("lr", 0.1, 1)], "val_loss", None)
     with pytest.raises(UsageError, match="name the value rank 0 logs"):
@@ -176,7 +181,7 @@ def test_nbddp_tune_prunes_a_trial_within_a_second_of_its_report_and_goes_on_war
     assert max(r["step"] for r in logged) < 11  # (the job was stopped: it never got to its end)
     assert pruned["status"] == "interrupted" and "pruned at step" in pruned["error"]
     assert "trial 2 · lr=0.5 nap=0 · FAIL: rank" in run.output and "ValueError: diverged at lr=0.5" in run.output
-    assert "the last run was interrupted: on the same warm ranks" in run.output  # (trial 7: warm after a prune)
+    assert "on a warm rank" in (tmp_path / "runs" / "s" / "trial-7" / "logs" / "rank-0.log").read_text()  # (a prune)
     assert records[7]["study"]["values"] == records[5]["study"]["values"]
     assert records[3]["study"]["values"] == records[0]["study"]["values"]
     assert "best: trial 5 · val_loss=" in run.output
@@ -376,7 +381,7 @@ def test_concurrent_trials_share_the_study_and_stop_when_the_study_process_is_ki
     args[args.index("--nproc") + 1] = "1"  # (two trials of one rank each: this machine's two cores)
     run = cli_run([*args, "--trials", "4"], tmp_path)
     assert run.wait(timeout=240) == 0, run.output
-    assert "2 trials at once, each on 1 CPU processes" in run.output
+    assert "2 trials at once, each on 1 CPU process" in run.output
     storage = f"sqlite:///{tmp_path / 'runs' / 'c' / 'study.db'}"  # (the study's own, in its folder)
     trials = optuna.load_study(study_name="c", storage=storage).trials
     assert [t.state.name for t in trials] == ["COMPLETE"] * 4  # exactly --trials, taken by two workers
@@ -445,3 +450,6 @@ def test_nbddp_tune_from_python_returns_the_study(tmp_path, monkeypatch, capsys)
     weights = nbddp.load_weights(result.study.best_trial.user_attrs["run_dir"])
     assert weights["model"]["0.weight"].shape[0] == result.best_params["hidden"]
     assert capsys.readouterr().out == ""  # (quiet: no table)
+    with pytest.raises(UsageError, match=r"^the run never logged acc with nbddp.log \(it logged val_loss\): the study "
+                                         r"stops here; name the metric its training logs \(val_loss\)$"):
+        nbddp.tune("tune.ipynb", "lr=uniform(0.01,0.1)", trials=5, metric="acc", cpu=True, nproc=2, quiet=True)

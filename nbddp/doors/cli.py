@@ -269,8 +269,8 @@ def _tune(args: argparse.Namespace) -> int:
         from nbddp.contracts.errors import stop_signal
 
         signum = getattr(exc, "signum", None) or stop_signal(exc)  # (a trial's: the signal that stopped its job)
-        print(f"\nnbddp: study stopped by {signal.Signals(signum).name}; the running trial's job was stopped"
-              + (": run the same command again to resume it" if options.storage else ""), file=sys.stderr)
+        print(f"\nnbddp: study stopped by {signal.Signals(signum).name} (a running trial's job was stopped)"
+              + ("; run the same command again to resume it" if options.storage else ""), file=sys.stderr)
         return Status.INTERRUPTED.code(signum)
 
 

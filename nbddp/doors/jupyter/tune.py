@@ -105,6 +105,10 @@ class KernelTrials:
         self.launch = train_launch(self.line)
         self.runs = session_notebook(Path.cwd(), shell.user_ns).resolve().parent / "runs"
 
+    #: The ``-p`` values of the cell's line are that cell's own defaults: a trial's values override them, as they
+    #: override the kernel's, so a space may search them.
+    fixed: tuple[str, ...] = ()
+
     def takes(self) -> tuple[str, ...]:
         _, values = build_script(self.magics.history, self.body, self.shell.user_ns,
                                  replace(self.launch, parameters={}), self.shell.execution_count)

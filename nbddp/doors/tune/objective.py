@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from nbddp.contracts.errors import SignalReceived, UsageError, stop_signal
 from nbddp.contracts.metrics import measures, read_metrics, step_of
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 #: Said when Optuna isn't installed.
 INSTALL_OPTUNA = "hyperparameter search needs Optuna: pip install 'nbddp[tune]' (or pip install optuna)"
+#: How the orchestrator's note on the run after an interrupted one starts (after a pruned trial: not said).
+PRUNED_NOTE = "the last run was interrupted"
 #: Said once to Optuna's ``n_jobs`` > 1: the trials of one objective share one set of warm ranks.
 ONE_AT_A_TIME = ("n_jobs > 1: this objective's trials share one set of warm ranks, so they run one after another "
                  "(trials at once: nbddp tune --parallel J, or --gpus-per-trial K, each on ranks of its own)")
@@ -62,6 +64,10 @@ class Trials(Protocol):
 
     runs: Path
     """The folder each study's trial run dirs go under (``runs/`` beside the notebook)."""
+    launch: LaunchOptions
+    """Every trial's launch options."""
+    fixed: tuple[str, ...]
+    """The names the user fixed for every trial (the command's ``-p``): a space may not search them too."""
 
     def takes(self) -> tuple[str, ...]:
         """The names the training code takes from outside (those a trial's values may set)."""
@@ -194,8 +200,8 @@ class Objective:
             self.check_names(names)  # refused before the first trial
 
     def check_names(self, names: Sequence[str]) -> None:
-        """Refuse a space's name the training code doesn't take (:func:`refuse_unknown`)."""
-        refuse_unknown(names, self.trials.takes())
+        """Refuse a space's name the training code doesn't take, or that ``-p`` fixes (:func:`refuse_unknown`)."""
+        refuse_unknown(names, self.trials.takes(), self.trials.fixed)
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, ...]:
         if not self.running.acquire(blocking=False):  # (Optuna's n_jobs > 1: threads sharing one set of warm ranks)
@@ -253,7 +259,7 @@ class Objective:
             end.state, end.step = "PRUNED", watch.pruned_at
             raise self.optuna.TrialPruned(f"pruned at step {watch.pruned_at}")
         if result.interrupted_by is not None:  # the user's Ctrl-C (or a signal): the study stops
-            end.state, end.error = "FAIL", "interrupted: its values run again when the study is resumed"
+            end.state, end.error = "FAIL", "interrupted"
             trial.set_user_attr(INTERRUPTED_ATTR, result.interrupted_by)
             raise StudyInterrupted(f"the study was stopped during trial {trial.number}; its job was stopped, the "
                                    "warm ranks kept", result.interrupted_by)
@@ -269,8 +275,13 @@ class Objective:
         missing = [m for m in self.metrics if m not in logged]
         if missing:
             seen = sorted(measures(logged))
-            return self._fail(trial, end, f"the run never logged {', '.join(missing)} with nbddp.log"
-                              + (f" (it logged {', '.join(seen)})" if seen else " (it logged no metric)"))
+            line = (f"the run never logged {', '.join(missing)} with nbddp.log"
+                    + (f" (it logged {', '.join(seen)})" if seen else " (it logged no metric)"))
+            if not any(e.state == "COMPLETE" for e in self.ends):  # (a misspelt metric would fail every trial alike)
+                self._fail(trial, end, line)
+                raise UsageError(f"{line}: the study stops here; name the metric its training logs"
+                                 + (f" ({' or '.join(seen)})" if seen else " (nbddp.log(val_loss=v, step=s))"))
+            return self._fail(trial, end, line)
         unfinished = [f"{m} was {logged[m][0]} at step {logged[m][1]}" for m in self.metrics
                       if not math.isfinite(logged[m][0])]
         if unfinished:  # (a diverged run: its last finite value would be an early, better one)
@@ -286,20 +297,28 @@ class Objective:
         return nan if len(self.metrics) == 1 else tuple(nan for _ in self.metrics)
 
     def _say(self, line: str) -> None:
-        """nbddp's lines about the runs, each once per study (20 trials say "on the same warm ranks" once)."""
+        """nbddp's lines about the runs, each once per study (20 trials say "on the same warm ranks" once); not the
+        note that the last run was interrupted after a trial the study pruned (that is what pruning is)."""
+        if self.ends and self.ends[-1].state == "PRUNED" and line.startswith(PRUNED_NOTE):
+            return
         key = re.sub(r"\d+(\.\d+)?", "N", line)
         if key not in self.said:
             self.said.add(key)
             self.shown.say(line)
 
 
-def refuse_unknown(names: Sequence[str], takes: Sequence[str]) -> None:
-    """Refuse a space's name the training code doesn't take, in one line naming it (and the name it likely meant).
+def refuse_unknown(names: Sequence[str], takes: Sequence[str], fixed: Iterable[str] = ()) -> None:
+    """Refuse a space's name the training code doesn't take, in one line naming it (and the name it likely meant), or
+    one that ``-p`` also fixes (``fixed``: which of the two the user meant can't be told).
 
     Raises:
         UsageError: such a name.
     """
     from nbddp.notebook.parameters import closest_parameter
+
+    both = [name for name in names if name in set(fixed)]
+    if both:
+        raise UsageError(f"{', '.join(both)}: both fixed (-p) and searched (the space): drop one of the two")
 
     unknown = [name for name in names if name not in takes]
     if unknown:
@@ -413,6 +432,10 @@ class NotebookTrials:
     @property
     def runs(self) -> Path:
         return self.notebook.path.resolve().parent / "runs"
+
+    @property
+    def fixed(self) -> tuple[str, ...]:
+        return tuple(self.launch.parameters)
 
     def takes(self) -> tuple[str, ...]:
         return tuple(self.script.parameters)

@@ -120,7 +120,7 @@ def _in_process(options: TuneOptions, say: Callable[[str], None], table: bool) -
     keeper = KernelPool()  # (%%ddp_train's: its starter imports torch while Optuna loads and the study starts)
     trials = NotebookTrials(read_notebook(options.notebook), options.launch, keeper, command=options.command)
     if isinstance(space, CommandLineSpace):
-        refuse_unknown(space.names, trials.takes())  # (a function's names: checked by the objective, once imported)
+        refuse_unknown(space.names, trials.takes(), trials.fixed)  # (a function's names: by the objective)
     if options.launch.nproc in (None, resolve().nproc):  # (the starter is made for a default run's ranks)
         keeper.prepare()
     try:
@@ -167,7 +167,7 @@ def _concurrent(options: TuneOptions, slots: list[tuple[str, ...]], kind: str, s
     space = parse_space(options.space)
     notebook = read_notebook(options.notebook)
     checked = NotebookTrials(notebook, options.launch, None)  # everything checked here, before any worker starts
-    refuse_unknown(space.names, checked.takes())
+    refuse_unknown(space.names, checked.takes(), checked.fixed)
     optuna = require_optuna()
     name = options.study_name or (notebook.path.stem if options.storage else _timed(notebook.path.stem))
     folder = private_folder(checked.runs / safe_name(name), "the study's folder", parents=True, say=say)
@@ -176,8 +176,9 @@ def _concurrent(options: TuneOptions, slots: list[tuple[str, ...]], kind: str, s
     first = len(study.get_trials(deepcopy=False))
     left = options.trials - len(_finished(optuna, study))
     _resume(optuna, study, say)
+    nproc = resolve(cpu=True, nproc=options.launch.nproc).nproc
     each = (f"GPUs {' | '.join(','.join(slot) for slot in slots)}" if kind == "cuda" else
-            f"{resolve(cpu=True, nproc=options.launch.nproc).nproc} CPU processes")
+            f"{nproc} CPU process{'es' if nproc > 1 else ''}")
     say(f"nbddp: {len(slots)} trials at once, each on {each}")
     study_argv = ["--trials", str(options.trials), *(w for m in options.metric for w in ("--metric", m)),
                   *(w for d in options.direction for w in ("--direction", d)), "--pruner", options.pruner,
