@@ -236,10 +236,12 @@ def test_a_killed_nbddp_tune_resumes_its_study_and_runs_the_interrupted_trial_ag
     # SIGTERM (a `kill`): the running trial's job stops, the trial is marked interrupted; the study resumes it first
     more = [*args[:args.index("--trials") + 1], "4", *args[args.index("--trials") + 2:]]
     third = cli_run(more, tmp_path)
-    wait_until(lambda: len(states()) == 5 and params() == 10, 60, "trial 4 running with its values")
+    log = tmp_path / "runs" / "tune" / "trial-4" / "logs" / "rank-0.log"  # (its job on the ranks: stopped there)
+    wait_until(lambda: len(states()) == 5 and params() == 10 and log.exists() and "setup" in log.read_text(), 60,
+               "trial 4 training with its values")
     os.kill(third.proc.pid, signal.SIGTERM)
     assert third.wait(timeout=60) == 143, third.output
-    assert "study stopped by SIGTERM" in third.output and third.leftovers() == set()
+    assert "study stopped by SIGTERM" in third.output and third.leftovers(grace=15) == set()
     fourth = cli_run(more, tmp_path)
     assert fourth.wait(timeout=120) == 0, fourth.output
     assert "trial 4 was interrupted; its values run again first" in fourth.output
