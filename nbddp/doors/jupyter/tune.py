@@ -24,7 +24,7 @@ from nbddp.display.metric_plot import svg_plot
 from nbddp.doors.jupyter.kernel_cells import build_script
 from nbddp.doors.jupyter.kernel_pool import kernel_pool
 from nbddp.doors.jupyter.session import session_notebook
-from nbddp.doors.tune.objective import NotebookTrials, Objective, TrialEnd
+from nbddp.doors.tune.objective import NotebookTrials, Objective, TrialEnd, params_text
 from nbddp.doors.tune.space import Space
 from nbddp.job import orchestrator
 from nbddp.job.follow import Event, MetricsEvent, Sink
@@ -144,8 +144,8 @@ class StudyView:
         self.started = 0.0
 
     def trial_started(self, number: int, params: dict[str, Any]) -> None:
-        shown = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
-        self.running, self.curve, self.started = f"trial {number} · {shown} · running", [], time.monotonic()
+        self.running = f"trial {number} · {params_text(params)} · running"
+        self.curve, self.started = [], time.monotonic()
         self._draw(force=True)
 
     def event(self, event: Event) -> None:

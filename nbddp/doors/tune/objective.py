@@ -110,7 +110,7 @@ class TrialEnd:
 
     def line(self) -> str:
         """``trial 3 · lr=0.01 hidden=64 · val_loss=0.1234 · 1.2 s`` (or ``PRUNED at step 2``, ``FAIL: why``)."""
-        params = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params.items())
+        params = params_text(self.params)
         if self.state == "PRUNED":
             outcome = f"PRUNED at step {self.step}"
         elif self.state == "FAIL":
@@ -118,6 +118,11 @@ class TrialEnd:
         else:
             outcome = " ".join(f"{value:.6g}" for value in self.values)
         return f"trial {self.number} · {params or '(no values)'} · {outcome} · {self.seconds:.1f} s"
+
+
+def params_text(params: dict[str, Any]) -> str:
+    """A trial's values in a line: ``lr=0.01235 opt=adam`` (what its line and the study's view show)."""
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
 class _Stop(KeyboardInterrupt):
