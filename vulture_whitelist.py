@@ -55,12 +55,13 @@ _Probe.suggest_loguniform
 _Probe.suggest_discrete_uniform
 
 # IPython's magics, registered by @magics_class and called as %ddp_ranks, %%ddp_train, %%ddp_exec, %ddp_debug,
-# %ddp_attach; IPython shows an exception by its _render_traceback_() where it has one.
+# %ddp_attach, %ddp_doctor; IPython shows an exception by its _render_traceback_() where it has one.
 DdpMagics.ddp_ranks
 DdpMagics.ddp_train
 DdpMagics.ddp_exec
 DdpMagics.ddp_debug
 DdpMagics.ddp_attach
+DdpMagics.ddp_doctor
 NbddpError._render_traceback_
 
 # Entry points declared in pyproject.toml: nbconvert's exporter (with the traits and the default nbconvert reads)

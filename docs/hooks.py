@@ -51,7 +51,7 @@ def _parser(command: str) -> Any:
 
         parsers = {"%%ddp_train": magics._PARSER, "%ddp_ranks": magics._RANKS_PARSER,
                    "%ddp_attach": magics._ATTACH_PARSER, "%%ddp_exec": magics._EXEC_PARSER,
-                   "%ddp_debug": magics._DEBUG_PARSER}
+                   "%ddp_debug": magics._DEBUG_PARSER, "%ddp_doctor": magics._DOCTOR_PARSER}
         return parsers[command]
     parser = build_parser()
     words = command.split()[1:]

@@ -205,7 +205,8 @@ class CliRun:
     by walking /proc's parent links while the run is alive, not by group.
     """
 
-    def __init__(self, args, cwd, env=None):
+    def __init__(self, args, cwd, env=None, prefix=()):
+        """``prefix``: a command that runs ``nbddp`` (``prlimit --nofile=64 --``, ``unshare -m …``)."""
         import subprocess
         import threading
 
@@ -215,7 +216,7 @@ class CliRun:
         from nbddp.contracts.interpreter import module_argv
 
         self.proc = subprocess.Popen(  # (as the `nbddp` command starts: no module from the working folder)
-            module_argv("nbddp", *map(str, args)), cwd=cwd, env=full_env,
+            [*map(str, prefix), *module_argv("nbddp", *map(str, args))], cwd=cwd, env=full_env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             start_new_session=True,
         )
@@ -274,8 +275,8 @@ class CliRun:
 def cli_run():
     runs = []
 
-    def start(args, cwd, env=None) -> CliRun:
-        run = CliRun(args, cwd, env)
+    def start(args, cwd, env=None, prefix=()) -> CliRun:
+        run = CliRun(args, cwd, env, prefix)
         runs.append(run)
         return run
 

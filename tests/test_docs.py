@@ -181,7 +181,7 @@ def test_the_reference_is_the_tools_own_words():
     page = (REPO / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
     for command in ["nbddp", *(f"nbddp {name}" for name in _commands(build_parser()))]:
         assert f"<!-- nbddp:help {command} -->" in page, f"the reference lacks {command}"
-    for magic in ("%%ddp_train", "%%ddp_exec", "%ddp_ranks", "%ddp_attach", "%ddp_debug"):
+    for magic in ("%%ddp_train", "%%ddp_exec", "%ddp_ranks", "%ddp_attach", "%ddp_debug", "%ddp_doctor"):
         assert f"<!-- nbddp:help {magic} -->" in page, f"the reference lacks {magic}"
     shown = hooks.on_page_markdown("<!-- nbddp:help nbddp run -->", None, None, None)
     done = subprocess.run([sys.executable, "-m", "nbddp", "run", "--help"], capture_output=True, text=True,

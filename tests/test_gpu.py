@@ -1,6 +1,6 @@
 """What only a GPU shows: NCCL's warm ranks (after a failure, an interrupt, a rank that can't leave), weights
 from a GPU rank in the CPU kernel, ``--shard`` with mixed precision and CPU offload, CUDA's peak memory,
-``torch.compile`` on warm ranks, a kernel that initialised CUDA itself.
+``torch.compile`` on warm ranks, a kernel that initialised CUDA itself, ``nbddp doctor``'s NCCL all-reduce.
 
 Every test here is ``gpu`` and ``slow``: skipped where torch sees no GPU (tests/conftest.py), run on a GPU
 machine by ``python3 -m pytest -m "gpu or not slow"`` with the fast tier. One GPU is all they need: ``--gpus
@@ -136,6 +136,20 @@ def test_gpus_free_refuses_a_gpu_another_process_computes_on_and_wait_takes_it_o
 
 
 # ---------------------------------------------------------------- weights, and a kernel that used CUDA
+
+
+def test_the_doctor_on_a_gpu_all_reduces_with_nccl_and_names_its_versions(tmp_path, cli_run):
+    run = cli_run(["doctor", "--gpus", "1", "--json"], tmp_path)
+    code_ = run.wait(120)
+    report = json.loads(run.output[run.output.index("{"):])
+    found = {check["check"]: check for check in report["checks"]}
+    assert code_ == 0 and report["ok"], run.output
+    assert report["run"] == "1 GPU (NCCL) on this machine"
+    assert found["versions"]["found"]["nccl"] and found["versions"]["found"]["driver"], found["versions"]
+    assert found["allreduce"]["line"].startswith("a 1-rank all-reduce (nccl) took ")
+    assert re.fullmatch(r"\d+ visible; the run's 1 \(\d+\) free", found["gpus"]["line"]), found["gpus"]
+    assert report["seconds"] < 10  # (the issue's bound on a healthy machine)
+    assert not run.leftovers()
 
 
 def test_a_gpu_ranks_weights_come_back_into_the_cpu_kernel_exactly(kernel):

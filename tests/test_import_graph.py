@@ -1,4 +1,4 @@
-"""Imports flow one way: door → job → launchers → plan → notebook → engines → rank side → contracts
+"""Imports flow one way: door → job → doctor → launchers → plan → notebook → engines → rank side → contracts
 (docs/architecture.md), and each layer is a folder.
 
 Every module of the package is parsed (not imported) and placed in a layer by :data:`LAYERS`, whose patterns
@@ -9,7 +9,8 @@ those under ``if TYPE_CHECKING:`` (a type names what the module depends on). Imp
 ``a/__init__.py`` and ``a/b/__init__.py``: what those import at their top (``engines``' and ``launchers``' do)
 is imported too.
 
-Why this order: the job chains the stages and starts launchers; a launcher reads the plan (the launch
+Why this order: the job chains the stages and starts launchers; the doctor examines the machine for a run as asked
+(its devices by the launchers' rule), and the job asks it to explain a failure; a launcher reads the plan (the launch
 options, the job's spec) and starts the ranks with their environment (``RankEnv``); the plan reads the
 notebook side (the script) and the engines (what each needs); the engines say what a library adds, from a
 cell's role and code alone; a rank reads only its environment and the contracts, so an exported script needs
@@ -39,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("notebook", ("nbddp.notebook", "nbddp.notebook.*")),
     ("plan", ("nbddp.plan", "nbddp.plan.*")),
     ("launchers", ("nbddp.launchers", "nbddp.launchers.*")),
+    ("doctor", ("nbddp.doctor", "nbddp.doctor.*")),
     ("job", ("nbddp.job", "nbddp.job.*")),
     ("display", ("nbddp.display", "nbddp.display.*")),
     ("doors", ("nbddp", "nbddp.__main__", "nbddp.api", "nbddp.errors", "nbddp.doors", "nbddp.doors.*")),
@@ -220,8 +222,10 @@ def test_the_leaves_import_only_leaves():
 
 #: What a door (``nbddp.doors.*``) may import: the orchestrator and what it returns (``job``), the plan, the display,
 #: the launchers' one face (``nbddp.launchers`` itself: warm pools, a batch's slots, an export's launch by hand), the
-#: notebook it reads, the shared leaves, and the other doors. Never a launcher's, an engine's or a rank's internals.
+#: doctor's checks, the notebook it reads, the shared leaves, and the other doors. Never a launcher's, an engine's or
+#: a rank's internals.
 DOOR_REACH = ("nbddp.job", "nbddp.job.*", "nbddp.plan", "nbddp.plan.*", "nbddp.display", "nbddp.display.*",
+              "nbddp.doctor", "nbddp.doctor.*",
               "nbddp.launchers", "nbddp.notebook", "nbddp.notebook.*", "nbddp.contracts", "nbddp.contracts.*",
               "nbddp.doors", "nbddp.doors.*", "nbddp._version")
 

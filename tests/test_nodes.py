@@ -83,6 +83,9 @@ def test_a_node_that_never_arrives_fails_every_other_node_in_bounded_time(tmp_pa
     assert "only 1 of 2 nodes joined the rendezvous" in alone0.output
     assert "within --rdzv-timeout 5s" in alone0.output and "Traceback" not in alone0.output
     assert "node 0's rendezvous at 127.0.0.1:" in alone1.output and "never answered" in alone1.output
+    assert "nbddp doctor (endpoint) found the likely cause: node 0's store at 127.0.0.1:" in alone1.output
+    assert "does not answer (Connection refused): this node can't join" in alone1.output
+    assert "nbddp doctor" not in alone0.output  # (node 0 can't see why node 1 never came)
     assert not alone0.leftovers() and not alone1.leftovers()
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import StoppedLastCell, code, wait_until, write_notebook
+from tests.slurm_cluster import free_port
 from tests.test_trackers import assert_one_record, writes_on_every_rank
 from tests.linear_fit import EVALUATE, SETUP, assert_matches, train_cell
 from tests.ray_cluster import RayCluster, actor_processes
@@ -242,3 +243,14 @@ def test_two_ray_nodes_train_as_one_run_rank_0_beside_the_kernel(tmp_path, cli_r
         assert nothing_left(run, run_dir)
     finally:
         ray_env.stop_node(node)
+
+
+def test_the_doctor_finds_the_ray_cluster_and_says_when_none_answers(tmp_path, cli_run, ray_env):
+    run = cli_run(["doctor", "--ray", "--cpu", "--nproc", "2", "--check", "endpoint"], tmp_path)
+    assert run.wait(60) == 0, run.output
+    assert "ok    endpoint  the Ray cluster at " in run.output and " answers" in run.output
+    closed = free_port()
+    run = cli_run(["doctor", "--ray", f"127.0.0.1:{closed}", "--check", "endpoint"], tmp_path)
+    assert run.wait(60) == 1, run.output
+    assert f"FAIL  endpoint  the Ray cluster at 127.0.0.1:{closed} does not answer: --ray can't place the ranks" \
+        in run.output

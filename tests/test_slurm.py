@@ -293,6 +293,21 @@ def test_a_detached_slurm_run_outlives_its_killed_nbddp_run_and_is_attached_agai
     assert not processes_of(run_dir)
 
 
+def test_the_doctor_asks_slurms_controller_and_leaves_the_ranks_checks_to_the_nodes(tmp_path, cli_run, slurm_env):
+    run = cli_run(["doctor", *CPU2, "--json"], tmp_path)
+    assert run.wait(60) == 0, run.output
+    report = json.loads(run.output[run.output.index("{"):])
+    found = {check["check"]: check for check in report["checks"]}
+    assert found["endpoint"]["state"] == "ok" and found["endpoint"]["line"].startswith("Slurm answers: partitions ")
+    assert found["allreduce"]["state"] == "skipped" and "Slurm's nodes" in found["allreduce"]["line"]
+    stopped = {**slurm_env.env, "SLURM_CONF": str(tmp_path / "no-such-slurm.conf"),  # (a controller nobody runs)
+               "NBDDP_DOCTOR_TIMEOUT": "3"}  # (sinfo retries a minute: the check's limit cuts it)
+    run = cli_run(["doctor", *CPU2, "--check", "endpoint"], tmp_path, env=stopped)
+    assert run.wait(60) == 1, run.output
+    assert "FAIL  endpoint  Slurm's controller does not answer in 3 s (sinfo: " in run.output
+    assert "no-such-slurm.conf" in run.output and "Fix: start slurmctld, or check SLURM_CONF" in run.output
+
+
 # Slurm's time limits: three runs of 1-minute jobs, each waiting a minute or more for Slurm's time-limit check.
 # They are started together (the partition oversubscribes) by one fixture, the first of their tests to run, and
 # each test waits for its own: the three minutes pass once. They come last, after every test with a queue of its own.

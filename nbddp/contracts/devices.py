@@ -211,6 +211,9 @@ class GpuUse:
     """Compute processes on it; -1 where NVML won't count them."""
     used: int
     total: int
+    holders: tuple[tuple[int, int], ...] = ()
+    """``(pid, bytes)`` of each process NVML lists on it (its memory ``-1`` where NVML won't say): who holds it, as
+    ``nbddp doctor`` names them. A pid of another container's is a number this machine's ``/proc`` doesn't know."""
 
     @property
     def busy(self) -> bool:
@@ -254,16 +257,59 @@ def gpu_usage() -> list[GpuUse]:
                     or _nvml(nvml, ("nvmlDeviceGetMemoryInfo",), handle, ctypes.byref(memory)) != _NVML_SUCCESS):
                 continue
             # no buffer: NVML answers "insufficient size" (or success, when none runs) with the count set
-            answer = _nvml(nvml, ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
-                                  "nvmlDeviceGetComputeRunningProcesses"), handle, ctypes.byref(processes), None)
+            answer = _nvml(nvml, _PROCESS_CALLS, handle, ctypes.byref(processes), None)
             running = processes.value if answer in (_NVML_SUCCESS, _NVML_INSUFFICIENT_SIZE) else -1
-            found.append(GpuUse(index, uuid.value.decode(errors="replace"), running, memory.used, memory.total))
+            found.append(GpuUse(index, uuid.value.decode(errors="replace"), running, memory.used, memory.total,
+                                _holders(nvml, handle, running)))
     finally:
         _nvml(nvml, ("nvmlShutdown",))
     return found
 
 
 _NVML_SUCCESS, _NVML_INSUFFICIENT_SIZE = 0, 7
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version, as NVML says it (``None`` without NVML: no driver here)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if _nvml(nvml, ("nvmlInit_v2", "nvmlInit")) != _NVML_SUCCESS:
+        return None
+    try:
+        text = ctypes.create_string_buffer(96)
+        if _nvml(nvml, ("nvmlSystemGetDriverVersion",), text, 96) != _NVML_SUCCESS:
+            return None
+        return text.value.decode(errors="replace")
+    finally:
+        _nvml(nvml, ("nvmlShutdown",))
+
+#: The calls listing a GPU's compute processes, newest first. The ``_v3`` and ``_v2`` ones fill ``nvmlProcessInfo_v2_t``
+#: (pid, used memory, GPU and compute instance), the oldest ``nvmlProcessInfo_v1_t`` (pid, used memory).
+_PROCESS_CALLS = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
+                  "nvmlDeviceGetComputeRunningProcesses")
+#: NVML's "not available" for a process's used memory (``NVML_VALUE_NOT_AVAILABLE``: without the privilege to see it).
+_NOT_AVAILABLE = 2**64 - 1
+
+
+def _holders(nvml: ctypes.CDLL, handle: ctypes.c_void_p, running: int) -> tuple[tuple[int, int], ...]:
+    """``(pid, bytes)`` of the processes NVML lists on ``handle`` (``()`` when it lists none or won't say)."""
+    if running <= 0:
+        return ()
+    newest = next((name for name in _PROCESS_CALLS if hasattr(nvml, name)), None)
+    fields = [("pid", ctypes.c_uint), ("used", ctypes.c_ulonglong)]
+    if newest != _PROCESS_CALLS[-1]:
+        fields += [("gpu_instance", ctypes.c_uint), ("compute_instance", ctypes.c_uint)]
+
+    class _Process(ctypes.Structure):  # nvmlProcessInfo_v2_t, or _v1_t for the oldest call
+        _fields_ = fields
+
+    room = running + 8  # (more may have started since they were counted)
+    count, table = ctypes.c_uint(room), (_Process * room)()
+    if newest is None or _nvml(nvml, (newest,), handle, ctypes.byref(count), table) != _NVML_SUCCESS:
+        return ()
+    return tuple((int(p.pid), -1 if p.used == _NOT_AVAILABLE else int(p.used)) for p in table[:count.value])
 
 
 def _nvml(nvml: ctypes.CDLL, names: tuple[str, ...], *args: object) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from nbddp._version import __version__
+from nbddp.doors.doctor import add_doctor_arguments
 from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, SignalReceived, UsageError
 from nbddp.contracts.owned import NotYours
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_arguments(tune)
     add_launch_arguments(tune, RUN)
     tune.set_defaults(handler=_tune)
+
+    doctor = commands.add_parser("doctor", help="what stops distributed training on this machine: each check in "
+                                                "seconds, a problem in one line with its fix")
+    add_doctor_arguments(doctor)
+    doctor.set_defaults(handler=_doctor)
 
     attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
     attach.add_argument("run", metavar="RUN", help="its run dir (or its name, from nbddp ps)")
@@ -298,6 +304,17 @@ class _BatchProgress:
         self.done = len(finished)
         if len(finished) == len(states):
             self.bar.close()
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from nbddp.doors.doctor import run_doctor
+
+    try:
+        report = run_doctor(args, print)
+    except KeyboardInterrupt:
+        print("nbddp doctor: interrupted; its checks were stopped", file=sys.stderr)
+        return Status.INTERRUPTED.exit_code
+    return 0 if report.passed else 1
 
 
 def _ps(args: argparse.Namespace) -> int:

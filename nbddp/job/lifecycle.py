@@ -23,6 +23,7 @@ from nbddp.engines import spawns_its_own_ranks
 from nbddp.contracts.errors import UsageError
 from nbddp.launchers import launcher_for
 from nbddp.launchers.base import Launch, Launcher
+from nbddp.job.diagnosis import diagnosed
 from nbddp.job.outcome import PEER_GONE, Evidence, JobOutcome, Status, judge
 from nbddp.contracts.process_groups import process_alive
 from nbddp.job.rank_output import QuietStream
@@ -265,7 +266,9 @@ class Job:
         return range(self._first_rank(), self._first_rank() + self._local_ranks())
 
     def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
-        return judge(self.evidence(timed_out, interrupted_by))
+        """The judged outcome; a failure the machine usually causes with the doctor's check that explains it."""
+        evidence = self.evidence(timed_out, interrupted_by)
+        return diagnosed(judge(evidence), evidence, self.spec)
 
     def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,

@@ -194,8 +194,10 @@ def in_help_order(cls: type, groups: Sequence[str], door: str | None = None) -> 
     return [found for title in groups for found in places.values() if found[0].option.group == title]
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls: type, door: str, groups: Sequence[str]) -> None:
-    """The arguments of every option of ``cls`` that ``door`` takes, in ``groups``' order (``--help``'s sections).
+def add_arguments(parser: argparse.ArgumentParser, cls: type, door: str, groups: Sequence[str],
+                  only: Sequence[str] = ()) -> None:
+    """The arguments of every option of ``cls`` that ``door`` takes, in ``groups``' order (``--help``'s sections);
+    ``only``: those of these sections alone (``nbddp doctor`` takes where a run's ranks run, not what they run).
 
     An option not given is left out of the parsed namespace (``argparse.SUPPRESS``), so that its default is
     the dataclass's alone and :func:`values_from` knows what was given.
@@ -203,6 +205,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, door: str, groups:
     made: dict[str, Any] = {}
     for declaration, *_ in in_help_order(cls, groups, door):
         option = declaration.option
+        if only and option.group not in only:
+            continue
         if option.group not in made:
             made[option.group] = parser.add_argument_group(option.group)
         made[option.group].add_argument(*option.flags, dest=declaration.dest, default=argparse.SUPPRESS,

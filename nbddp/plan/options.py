@@ -542,9 +542,14 @@ def ray_refusal(engine: str) -> str:
 # ---------------------------------------------------------------- the doors' renderings
 
 
-def add_launch_arguments(parser: argparse.ArgumentParser, door: str = RUN) -> None:
-    """Every launch option that ``door`` takes, as ``parser``'s arguments (parse them with :func:`launch_options`)."""
-    add_arguments(parser, LaunchOptions, door, GROUPS)
+def add_launch_arguments(parser: argparse.ArgumentParser, door: str = RUN, only: Sequence[str] = ()) -> None:
+    """Every launch option that ``door`` takes, as ``parser``'s arguments (parse them with :func:`launch_options`);
+    ``only``: those of these ``--help`` sections alone (:data:`WHERE`)."""
+    add_arguments(parser, LaunchOptions, door, GROUPS, only)
+
+
+#: The sections of the options that say where a run's ranks run, on which devices: what ``nbddp doctor`` examines.
+WHERE = (_DEVICES, _NODES, _CLUSTER, _RAY, _SLURM)
 
 
 #: Runs of a ``--slurm`` batch at once by default: the cluster queues them, this machine runs their kernels.

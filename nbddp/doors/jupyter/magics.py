@@ -1,4 +1,5 @@
-"""``%load_ext nbddp`` → ``%%ddp_train`` (and ``%%ddp_exec``, ``%ddp_debug``, ``%ddp_ranks``, ``%ddp_attach``):
+"""``%load_ext nbddp`` → ``%%ddp_train`` (and ``%%ddp_exec``, ``%ddp_debug``, ``%ddp_ranks``, ``%ddp_attach``,
+``%ddp_doctor``):
 argument parsing and display only.
 
 The run is :func:`nbddp.job.orchestrator.run`'s, with this kernel's namespace receiving the weights;
@@ -22,6 +23,7 @@ from nbddp.display.ending import NO_WEIGHTS, Ending, first_line, weights_went
 from nbddp.doors.jupyter.kernel_cells import CellHistory, build_script
 from nbddp.doors.jupyter.kernel_pool import kernel_pool
 from nbddp.doors.jupyter.session import session_notebook
+from nbddp.doors.doctor import add_doctor_arguments, run_doctor
 from nbddp.contracts.errors import UsageError
 from nbddp.job import orchestrator
 from nbddp.job.debugger import Console, post_mortem
@@ -93,6 +95,17 @@ def _attach_parser() -> ArgumentParser:
 
 
 _ATTACH_PARSER = _attach_parser()
+
+
+def _doctor_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="%ddp_doctor", description="What stops distributed training on this machine: each "
+                            "check in seconds, a problem in one line with its fix (as nbddp doctor; the GPU memory "
+                            "this kernel holds is named as its own).")
+    add_doctor_arguments(parser)
+    return parser
+
+
+_DOCTOR_PARSER = _doctor_parser()
 
 
 def _exec_parser() -> ArgumentParser:
@@ -279,6 +292,18 @@ class DdpMagics(Magics):
         first = " (the first to fail)" if rank == next(iter(failures)) else ""
         print(f"[nbddp] rank {rank}{first}: {failure.get('type')}: {gist(str(failure.get('message')))}")
         post_mortem(pool, rank, console)
+        return None
+
+    @line_magic
+    def ddp_doctor(self, line: str) -> None:
+        """Check what stops distributed training here (``nbddp doctor``'s checks, with its options): one line each.
+        The GPU memory this kernel holds is said as its own (CUDA initialised in the notebook's process)."""
+        import os
+
+        args = parse_line(_DOCTOR_PARSER, line)
+        if args is None:
+            return None
+        run_doctor(args, print, own_pid=os.getpid())
         return None
 
     @line_magic
