@@ -6,7 +6,8 @@ real: the process that loads it finds it on ``LD_LIBRARY_PATH`` as it would find
 
 ``FAKE_NVML``: one entry per GPU, ``;``-separated: ``UUID:USED_MIB:TOTAL_MIB:PID@MIB,PID@MIB`` (no processes: nothing
 after the third ``:``; the PID ``parent``: the parent of the process asking, as a kernel is of its doctor's checks).
-The driver's version is ``555.42.06``.
+The driver's version is ``555.42.06``. ``FAKE_NVML_HANG`` set: ``nvmlInit`` never returns, as a driver whose GPU fell
+off the bus.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ static void load(void) {
     free(text);
 }
 
-int nvmlInit_v2(void) { load(); return 0; }
+int nvmlInit_v2(void) {
+    if (getenv("FAKE_NVML_HANG")) sleep(3600);  /* a driver that stopped answering */
+    load(); return 0;
+}
 int nvmlShutdown(void) { return 0; }
 int nvmlDeviceGetCount_v2(unsigned int *n) { *n = count; return 0; }
 int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **handle) {

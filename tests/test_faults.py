@@ -86,7 +86,7 @@ def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path
     assert "f.ipynb, cell 2, line 6" in output  # the all_reduce rank 0 was stuck in
     assert "nbddp doctor (allreduce) finds this machine well (a 2-rank all-reduce (gloo) took " in output
     assert "s): the cause is likely in the run itself" in output  # (the doctor's own all-reduce worked)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 90  # (5 s, the doctor's all-reduce, start-up under CI's load)
     assert result_of(tmp_path)["status"] == "timeout"
 
 

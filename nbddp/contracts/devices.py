@@ -305,11 +305,18 @@ def _holders(nvml: ctypes.CDLL, handle: ctypes.c_void_p, running: int) -> tuple[
     class _Process(ctypes.Structure):  # nvmlProcessInfo_v2_t, or _v1_t for the oldest call
         _fields_ = fields
 
-    room = running + 8  # (more may have started since they were counted)
-    count, table = ctypes.c_uint(room), (_Process * room)()
-    if newest is None or _nvml(nvml, (newest,), handle, ctypes.byref(count), table) != _NVML_SUCCESS:
+    if newest is None:
         return ()
-    return tuple((int(p.pid), -1 if p.used == _NOT_AVAILABLE else int(p.used)) for p in table[:count.value])
+    room = running + 8  # (more may have started since they were counted)
+    for _ in range(2):  # (once more with the count NVML answers, when even more started meanwhile)
+        count, table = ctypes.c_uint(room), (_Process * room)()
+        answer = _nvml(nvml, (newest,), handle, ctypes.byref(count), table)
+        if answer == _NVML_SUCCESS:
+            return tuple((int(p.pid), -1 if p.used == _NOT_AVAILABLE else int(p.used)) for p in table[:count.value])
+        if answer != _NVML_INSUFFICIENT_SIZE:
+            break
+        room = count.value + 8
+    return ()
 
 
 def _nvml(nvml: ctypes.CDLL, names: tuple[str, ...], *args: object) -> int:

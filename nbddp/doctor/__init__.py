@@ -12,7 +12,8 @@ asks for (the launch options of ``nbddp run``), and says in one line what is wro
   the NCCL transports tried one by one when the all-reduce hangs;
 * :mod:`~nbddp.doctor.checks`: each check's body (run in the subprocess, ``python -m nbddp.doctor.checks``);
 * :mod:`~nbddp.doctor.allreduce`: one rank of the all-reduce a run's first collective is;
-* :mod:`~nbddp.doctor.after_failure`: which check explains a run that failed at its start, run for that check alone.
+* and on the job's side, :mod:`nbddp.job.diagnosis`: which check explains a run that failed where the machine is the
+  usual cause, run then for that check alone.
 
 Nothing here imports torch in the doctor's own process: the checks that need it import it in their subprocess.
 """

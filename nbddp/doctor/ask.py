@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nbddp.contracts.devices import CPU_PROCESSES, Devices
 from nbddp.contracts.errors import DeviceError
@@ -44,13 +44,17 @@ class Ask:
     """``--gpus`` as given (``None``: every visible GPU, else the CPU)."""
     devices_refused: str = ""
     """Why the asked devices can't be had here (the launchers' refusal), when they can't."""
+    devices_unknown: str = ""
+    """Why the devices couldn't be decided at all (the driver didn't answer): the CPU's are examined instead."""
     workers: int = DEFAULT_WORKERS
     folder: str = "runs"
     """The folder runs go in: a run dir's parent (``--run-dir``'s), else ``runs/`` here (beside a notebook here)."""
     nodes: int = 1
     node_rank: int = 0
     endpoint: str = ""
-    """Node 0's ``HOST:PORT`` (``--rdzv-endpoint``) in a run of several nodes."""
+    """Node 0's ``HOST:PORT`` (``--rdzv-endpoint``) in a run of several nodes; its parts, as the option reads them:"""
+    host: str = ""
+    port: int = 0
     slurm: bool = False
     ray: str | None = None
     """``--ray``'s address (``auto``: ``RAY_ADDRESS``, else the cluster started on this machine)."""
@@ -97,29 +101,83 @@ def limit_seconds() -> float:
 
 
 def asked(launch: "LaunchOptions", run_dir: Path | None = None, workers: int = DEFAULT_WORKERS,
-          own_pid: int | None = None) -> Ask:
+          own_pid: int | None = None, ours: tuple[str, ...] = ()) -> Ask:
     """The :class:`Ask` of ``launch`` on this machine: its devices by the launchers' rule (a refusal kept as the
-    ``gpus`` check's finding, the ranks then counted as a run with no device option would have them)."""
+    ``gpus`` check's finding, the ranks then counted as a run with no device option would have them). ``ours``: the
+    GPUs the asking kernel's warm ranks hold (free to its runs, as to ``--gpus free``)."""
     from nbddp.launchers import devices_for
 
-    cluster = {"slurm": launch.slurm is not None,
-               "ray": launch.ray.address if launch.ray is not None else None}
-    nodes = launch.nodes
-    where = {"nodes": nodes.count, "node_rank": nodes.rank, "endpoint": nodes.endpoint} if nodes else {}
     folder = str((run_dir.expanduser().parent if run_dir is not None else Path("runs")).absolute())
-    common = dict(gpus=launch.gpus, workers=workers, folder=folder, own_pid=own_pid, **cluster, **where)
+    common = dict(gpus=launch.gpus, workers=workers, folder=folder, own_pid=own_pid, **where(launch))
     if launch.slurm is not None or launch.ray is not None:  # (their nodes' devices are the cluster's to say)
         return Ask(kind="cpu", nproc=launch.nproc or CPU_PROCESSES, **common)
     refused = ""
     try:
-        devices = devices_for(launch)
+        devices = devices_for(launch, ours=ours)
     except DeviceError as exc:
         refused, devices = str(exc), _fallback(launch)
     return Ask(kind=devices.kind, nproc=devices.nproc, gpu_ids=devices.gpu_ids, devices_refused=refused, **common)
+
+
+def asked_within(launch: "LaunchOptions", run_dir: Path | None = None, workers: int = DEFAULT_WORKERS,
+                 own_pid: int | None = None, ours: tuple[str, ...] = ()) -> Ask:
+    """:func:`asked`, in a subprocess within the checks' limit: deciding the devices asks the driver (NVML), and a
+    driver that stopped answering (a GPU fallen off the bus) must not hang the doctor before its first check. Then
+    the devices are unknown (:attr:`Ask.devices_unknown`: the ``gpus`` check's finding) and the CPU's are examined."""
+    import subprocess
+
+    from nbddp.contracts.interpreter import module_argv
+
+    given = {"run_dir": str(run_dir) if run_dir is not None else None, "workers": workers, "own_pid": own_pid,
+             "ours": list(ours)}
+    limit = limit_seconds()
+    try:
+        done = subprocess.run(module_argv("nbddp.doctor.ask", json.dumps(given), *launch.to_argv()),
+                              capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL)
+        return Ask.from_json(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        unknown = f"the driver (NVML) did not answer in {limit:g} s when asked for the GPUs"
+    except (IndexError, ValueError, TypeError):
+        unknown = f"the GPUs could not be counted: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"
+    folder = str((run_dir.expanduser().parent if run_dir is not None else Path("runs")).absolute())
+    return Ask(kind="cpu", nproc=launch.nproc or CPU_PROCESSES, gpus=launch.gpus, devices_unknown=unknown,
+               workers=workers, folder=folder, own_pid=own_pid, **where(launch))
+
+
+def where(launch: "LaunchOptions") -> dict[str, Any]:
+    """:class:`Ask`'s fields that say where ``launch``'s ranks run: its nodes and endpoint, or its cluster."""
+    found: dict[str, Any] = {"slurm": launch.slurm is not None,
+                             "ray": launch.ray.address if launch.ray is not None else None}
+    if launch.nodes is not None:
+        host, port = launch.nodes.host_port()
+        found |= {"nodes": launch.nodes.count, "node_rank": launch.nodes.rank, "endpoint": launch.nodes.endpoint,
+                  "host": host, "port": port}
+    return found
 
 
 def _fallback(launch: "LaunchOptions") -> Devices:
     """The devices the other checks examine when the asked ones are refused: every visible GPU, else the CPU."""
     from nbddp.contracts.devices import resolve
 
-    return resolve(None, launch.cpu, launch.nproc)
+    try:
+        return resolve(None, launch.cpu)
+    except DeviceError:
+        return Devices("cpu", launch.nproc or CPU_PROCESSES)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m nbddp.doctor.ask GIVEN-JSON LAUNCH-OPTIONS...``: :func:`asked`'s :class:`Ask`, as JSON."""
+    from nbddp.plan.options import RUN, ArgumentParser, add_launch_arguments, launch_options
+
+    given = json.loads(argv[0])
+    parser = ArgumentParser(prog="nbddp doctor")
+    add_launch_arguments(parser, RUN)
+    launch = launch_options(parser.parse_args(argv[1:]))
+    run_dir = Path(given["run_dir"]) if given["run_dir"] else None
+    print(asked(launch, run_dir, given["workers"], given["own_pid"], tuple(given["ours"])).to_json(), flush=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -35,6 +35,8 @@ FILES_FLOOR = 1024
 #: Locked memory NCCL needs to register its network buffers (InfiniBand/RoCE, GPUDirect): its docs ask for
 #: ``unlimited``; below this, registration fails.
 MEMLOCK_NEED = 64 * 2**20
+#: Where Linux lists InfiniBand and RoCE devices: NCCL registers its buffers with them within the memlock limit.
+INFINIBAND = Path("/sys/class/infiniband")
 #: Seconds a cluster's endpoint gets to answer a connection.
 DIAL_SECONDS = 5.0
 #: Seconds Slurm's ``sinfo`` gets to answer (it retries for a minute when the controller is down).
@@ -107,13 +109,29 @@ def gpus(ask: Ask) -> Verdict:
                        "to start ('CUDA already initialized')",
                        "keep CUDA out of the kernel until the run (nbddp's ranks never need it there): restart it, or "
                        "del the model and torch.cuda.empty_cache()", **found)
-    others = [u for u in used if u.busy]
+    warm = _descendants(ask.own_pid)  # (a kernel's warm ranks: its own, the next run's)
+    kept = [u for u in used if u.holders and all(pid in warm for pid, _ in u.holders)]
+    others = [u for u in used if u.busy and u not in kept]
     if others:
         return problem("gpus", f"{_holders(others, ask.own_pid)}", "the run shares their memory and compute: CUDA "
                        "out of memory, or a slow run", "--gpus free (the GPUs nobody uses), --gpus N --wait, or ask "
                        "who holds them", **found)
-    return ok("gpus", f"{visible} visible; the run's {len(used)} ({', '.join(str(u.index) for u in used)}) free",
-              **found)
+    theirs = (f"; this kernel's warm ranks hold GPU {', '.join(str(u.index) for u in kept)} (%ddp_ranks stop releases "
+              "them)" if kept else "")
+    return ok("gpus", f"{visible} visible; the run's {len(used)} ({', '.join(str(u.index) for u in used)}) free"
+              + theirs, **found)
+
+
+def _descendants(pid: int | None) -> set[int]:
+    """The processes ``pid`` started, theirs, and so on (``set()`` without one)."""
+    if pid is None:
+        return set()
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return set()
 
 
 def _gpu(use: object, own_pid: int | None) -> dict[str, object]:
@@ -168,32 +186,40 @@ def _size(count: int) -> str:
 def allreduce(ask: Ask) -> Verdict:
     """One all-reduce attempt (:func:`nbddp.doctor.allreduce.attempt`), its transports as the environment sets
     them; :mod:`nbddp.doctor.examine` judges the attempts."""
-    from nbddp.doctor.allreduce import attempt
+    from nbddp.doctor.allreduce import attempt, ranks_for
 
-    result = attempt(ask.backend, ask.nproc, ask.limit, ask.fault)
+    result = attempt(ask.backend, ranks_for(ask.kind, ask.nproc), ask.limit, ask.fault)
     return Verdict("allreduce", result["state"], "", result["seconds"], result)
 
 
 def shm(ask: Ask) -> Verdict:
-    """``/dev/shm``'s free space against what the ranks and their DataLoader workers need."""
-    need = ask.nproc * (1 + ask.workers) * SHM_PER_PROCESS
-    counted = (f"{ask.nproc} rank{'s' * (ask.nproc != 1)} with {ask.workers} DataLoader workers each need about "
-               f"{_size(need)}")
+    """``/dev/shm``'s free space against what the ranks' DataLoader workers (and NCCL's transport) put there."""
+    need = shm_need(ask.kind, ask.nproc, ask.workers)
+    counted = (f"about {_size(need)} is needed, counting {ask.nproc} rank{'s' * (ask.nproc != 1)} with {ask.workers} "
+               "DataLoader workers each")
     breaks = ("DataLoader workers (num_workers > 0) die with 'Bus error' or 'No space left on device'"
               + (", and NCCL's shared-memory transport fails or hangs" if ask.kind == "cuda" else ""))
     try:
         info = os.statvfs("/dev/shm")
     except OSError as exc:
+        if need == 0:
+            return ok("shm", f"no /dev/shm ({exc.strerror}), and {counted}")
         return problem("shm", f"/dev/shm can't be used ({exc.strerror})", breaks,
                        "mount a tmpfs there (docker run --shm-size=1g, or --ipc=host)")
     size, free = info.f_blocks * info.f_frsize, info.f_bavail * info.f_frsize
     found = {"size": size, "free": free, "need": need}
     if free < need:
+        gib = max(1, -(-need // 2**30))
         return problem("shm", f"/dev/shm has {_size(free)} free of {_size(size)}; {counted}", breaks,
-                       f"docker run --shm-size={max(1, -(-need // 2**30))}g (or --ipc=host); on a host, mount -o "
-                       f"remount,size={max(1, -(-need // 2**30))}G /dev/shm; or fewer DataLoader workers per rank",
-                       **found)
+                       f"docker run --shm-size={gib}g (or --ipc=host); on a host, mount -o remount,size={gib}G "
+                       "/dev/shm; or fewer DataLoader workers per rank", **found)
     return ok("shm", f"/dev/shm has {_size(free)} free; {counted}", **found)
+
+
+def shm_need(kind: str, nproc: int, workers: int) -> int:
+    """What a run's ranks put in ``/dev/shm``, a rule of thumb: :data:`SHM_PER_PROCESS` for each DataLoader worker's
+    batches in flight, and for each rank's NCCL buffers on GPUs (gloo's ranks keep none there)."""
+    return (nproc * workers + (nproc if kind == "cuda" else 0)) * SHM_PER_PROCESS
 
 
 def memlock(ask: Ask) -> Verdict:
@@ -206,8 +232,13 @@ def memlock(ask: Ask) -> Verdict:
     if ask.nodes < 2 and not ask.on_a_cluster:
         return ok("memlock", f"{shown} (NCCL on one machine goes through P2P and shared memory, which lock none)",
                   **found)
+    devices = sorted(p.name for p in INFINIBAND.iterdir()) if INFINIBAND.is_dir() else []
+    found["infiniband"] = devices
+    if not devices:
+        return ok("memlock", f"{shown} (no InfiniBand or RoCE device here: NCCL's sockets lock none)", **found)
     if soft != resource.RLIM_INFINITY and soft < MEMLOCK_NEED:
-        return problem("memlock", f"locked memory is limited to {shown}",
+        return problem("memlock", f"locked memory is limited to {shown}, and this machine has InfiniBand/RoCE "
+                       f"({', '.join(devices)})",
                        "NCCL can't register its buffers for InfiniBand/RoCE or GPUDirect (ibv_reg_mr fails): runs "
                        "across nodes fail or fall back to slow sockets",
                        "ulimit -l unlimited before starting Jupyter or nbddp (docker run --ulimit memlock=-1; Slurm: "
@@ -216,18 +247,18 @@ def memlock(ask: Ask) -> Verdict:
 
 
 def files(ask: Ask) -> Verdict:
-    """The open-files limit against what the ranks and their DataLoader workers hold."""
+    """The open-files limit (each process's own) against what a rank and its DataLoader workers hold."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = max(FILES_FLOOR, ask.nproc * (1 + ask.workers) * FILES_PER_PROCESS)
+    need = max(FILES_FLOOR, (1 + ask.workers) * FILES_PER_PROCESS)
     found = {"soft": soft, "hard": hard, "need": need}
     if soft != resource.RLIM_INFINITY and soft < need:
         raise_to = need if hard == resource.RLIM_INFINITY or hard >= need else hard
-        return problem("files", f"open files are limited to {soft}; {ask.nproc} ranks with {ask.workers} DataLoader "
-                       f"workers each need about {need}",
+        return problem("files", f"open files are limited to {soft} a process; a rank with {ask.workers} DataLoader "
+                       f"workers needs about {need}",
                        "workers fail with 'Too many open files' or 'received 0 items of ancdata'",
                        f"ulimit -n {raise_to} before starting Jupyter or nbddp"
                        + (f" (the hard limit, {hard}, needs root to raise)" if raise_to < need else ""), **found)
-    return ok("files", f"{soft} open files (need about {need})", **found)
+    return ok("files", f"{soft} open files a process (a rank needs about {need})", **found)
 
 
 def folder(ask: Ask) -> Verdict:
@@ -262,10 +293,10 @@ def folder(ask: Ask) -> Verdict:
 def loopback(ask: Ask) -> Verdict:
     """A connection on 127.0.0.1, where a run's ranks on one machine meet."""
     try:
-        port = free_port("127.0.0.1")
         with socket.socket() as server:
-            server.bind(("127.0.0.1", port))
+            server.bind(("127.0.0.1", 0))
             server.listen(1)
+            port = server.getsockname()[1]
             with socket.create_connection(("127.0.0.1", port), timeout=DIAL_SECONDS) as client:
                 accepted, _ = server.accept()
                 with accepted:
@@ -286,8 +317,7 @@ def endpoint(ask: Ask) -> Verdict:
         return _ray(ask.ray)
     if ask.nodes < 2:
         return skipped("endpoint", "one machine: no endpoint")
-    host, _, port_text = ask.endpoint.rpartition(":")
-    host, port = host.strip("[]"), int(port_text)
+    host, port = ask.host, ask.port
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
     except OSError as exc:
@@ -303,11 +333,12 @@ def _listens_here(host: str, port: int, addresses: set[str], given: str) -> Verd
     import psutil
 
     here = {a.address.split("%")[0] for nic in psutil.net_if_addrs().values() for a in nic}
-    if not addresses & here:
+    if not addresses & here and not any(a.startswith("127.") for a in addresses):  # (Debian names itself 127.0.1.1)
         return problem("endpoint", f"--node-rank 0, but {host} is {', '.join(sorted(addresses))}, none of this "
                        "machine's addresses", "the other nodes would dial another machine: the run never starts",
                        "run node 0 on the machine --rdzv-endpoint names, or name this one", endpoint=given)
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as the store binds: a closed run's port is free)
         try:
             probe.bind(("", port))
         except OSError as exc:
@@ -335,7 +366,8 @@ def _answers(host: str, port: int, given: str) -> Verdict:
         with socket.create_connection((host, port), timeout=DIAL_SECONDS):
             pass
     except OSError as exc:
-        why = "no answer in 5 s (a firewall?)" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+        why = (f"no answer in {DIAL_SECONDS:g} s (a firewall?)" if isinstance(exc, socket.timeout)
+               else exc.strerror or str(exc))
         return problem("endpoint", f"node 0's store at {given} does not answer ({why})",
                        "this node can't join: the run waits --rdzv-timeout, then fails",
                        "start node 0's nbddp run first (its store listens once it starts), and check the address, the "

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 
 from nbddp.contracts.interpreter import module_argv
 from nbddp.contracts.process_groups import signal_group
-from nbddp.doctor.allreduce import IMPORT_SECONDS, stuck
+from nbddp.doctor.allreduce import IMPORT_SECONDS, ranks_for, stuck
 from nbddp.doctor.ask import CHECKS, Ask
-from nbddp.doctor.verdict import PROBLEM, SKIPPED, Verdict, ok, problem, skipped
+from nbddp.doctor.verdict import OK, PROBLEM, SKIPPED, Verdict, ok, problem, skipped
 
 #: Checks about this machine's ranks: on a cluster, its nodes' own (the doctor run there says).
 LOCAL = ("gpus", "allreduce", "shm", "memlock", "files", "loopback")
@@ -61,66 +61,98 @@ def chosen(ask: Ask, names: Sequence[str] = ()) -> list[str]:
 
 
 def examine(ask: Ask, names: Sequence[str] = (), env: dict[str, str] | None = None) -> Report:
-    """Run the checks ``names`` (all that apply by default) at once; each ends within its limit."""
+    """Run the checks ``names`` (all that apply by default) at once; each ends within its limit. A Ctrl-C stops
+    every check's processes at once (they lead sessions of their own, out of the terminal's reach) and propagates."""
     started = time.monotonic()
     names = chosen(ask, names)
+    checkup = Checkup(ask, env)
     pool = ThreadPoolExecutor(max_workers=len(names) or 1)
     try:
-        verdicts = list(pool.map(lambda name: check(name, ask, env), names))
-    except BaseException:  # (a Ctrl-C: the checks' processes lead sessions of their own, out of the terminal's reach)
-        _STOPPING.set()
-        for pgid in list(_RUNNING):
-            signal_group(pgid, signal.SIGKILL)
+        verdicts = list(pool.map(checkup.check, names))
+    except BaseException:
+        checkup.stop()
         raise
     finally:
         pool.shutdown(wait=True)
     return Report(ask, tuple(verdicts), time.monotonic() - started)
 
 
-#: The process groups of the checks running now (each check's subprocess leads one).
-_RUNNING: set[int] = set()
-#: Set once the doctor is stopped: no check starts another process.
-_STOPPING = threading.Event()
-
-
 def check(name: str, ask: Ask, env: dict[str, str] | None = None) -> Verdict:
-    """One check's verdict, timed (a local check on a cluster's run: skipped, said why)."""
-    started = time.monotonic()
-    if name in LOCAL and ask.on_a_cluster:
-        return skipped(name, f"the ranks run on {ask.on_a_cluster}'s nodes: run nbddp doctor there (e.g. in a job)")
-    if name == "allreduce":
-        verdict = transports(ask, lambda extra: subprocess_verdict(name, ask, {**(env or {}), **extra}))
-    else:
-        verdict = subprocess_verdict(name, ask, env)
-    return replace(verdict, seconds=round(time.monotonic() - started, 2))
+    """One check's verdict (:meth:`Checkup.check`), its processes stopped if this is interrupted."""
+    checkup = Checkup(ask, env)
+    try:
+        return checkup.check(name)
+    except BaseException:
+        checkup.stop()
+        raise
 
 
-def subprocess_verdict(name: str, ask: Ask, env: dict[str, str] | None = None) -> Verdict:
-    """``python -m nbddp.doctor.checks NAME``'s verdict, or the problem of its never answering in time (the
-    all-reduce's limit counts from its ranks' imports of torch: their time is added)."""
-    limit = ask.limit + (max(ask.limit, IMPORT_SECONDS) if name == "allreduce" else 0) + MARGIN
-    if _STOPPING.is_set():
-        return skipped(name, "the doctor was stopped")
-    process = subprocess.Popen(module_argv("nbddp.doctor.checks", name), env={**os.environ, **(env or {})},
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    _RUNNING.add(process.pid)
-    try:
-        out, err = process.communicate(ask.to_json(), timeout=limit)
-    except subprocess.TimeoutExpired:
-        signal_group(process.pid, signal.SIGKILL)
-        process.communicate()
-        return problem(name, f"the check did not answer in {limit:g} s", _HANGS.get(name, "a run may hang the same "
-                       "way"), "look at what it touches by hand; NBDDP_DOCTOR_TIMEOUT gives it longer")
-    finally:
-        signal_group(process.pid, signal.SIGKILL)  # (what it started and left: nothing outlives the doctor's check)
-        _RUNNING.discard(process.pid)
-    try:
-        return Verdict(**json.loads(out.strip().splitlines()[-1]))
-    except (ValueError, IndexError, TypeError):
-        said = (err.strip().splitlines() or [f"exit {process.returncode}"])[-1]
-        return problem(name, f"the check itself failed ({said})", "what it examines is unknown",
-                       "report it with this line (nbddp's issue tracker)")
+class Checkup:
+    """One examination: the checks' subprocesses it runs now, stopped together when it is (nothing started after)."""
+
+    def __init__(self, ask: Ask, env: dict[str, str] | None = None) -> None:
+        self.ask, self.env = ask, dict(env or {})
+        self.running: set[int] = set()
+        self.stopped = False
+        self.lock = threading.Lock()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for pgid in self.running:
+                signal_group(pgid, signal.SIGKILL)
+
+    def check(self, name: str) -> Verdict:
+        """One check's verdict, timed (a local check on a cluster's run: skipped, said why)."""
+        started, ask = time.monotonic(), self.ask
+        if name in LOCAL and ask.on_a_cluster:
+            return skipped(name, f"the ranks run on {ask.on_a_cluster}'s nodes: run nbddp doctor there (e.g. in a "
+                                 "job)")
+        if name == "gpus" and ask.devices_unknown:
+            return problem(name, ask.devices_unknown, "GPU runs hang or fail as they start", "nvidia-smi says whether "
+                           "the driver answers; a GPU fallen off the bus needs a reset (nvidia-smi -r) or a reboot")
+        if name == "allreduce":
+            chosen_gpus = {"CUDA_VISIBLE_DEVICES": ",".join(ask.gpu_ids)} if ask.gpu_ids else {}
+            verdict = transports(ask, lambda extra: self.subprocess_verdict(name, {**chosen_gpus, **extra}))
+        else:
+            verdict = self.subprocess_verdict(name)
+        return replace(verdict, seconds=round(time.monotonic() - started, 2))
+
+    def subprocess_verdict(self, name: str, extra: dict[str, str] | None = None) -> Verdict:
+        """``python -m nbddp.doctor.checks NAME``'s verdict, or the problem of its never answering in time (the
+        all-reduce's limit counts from its ranks' imports of torch: their time is added)."""
+        limit = limit_of(name, self.ask)
+        with self.lock:
+            if self.stopped:
+                return skipped(name, "the doctor was stopped")
+            process = subprocess.Popen(module_argv("nbddp.doctor.checks", name),
+                                       env={**os.environ, **self.env, **(extra or {})}, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+            self.running.add(process.pid)
+        try:
+            out, err = process.communicate(self.ask.to_json(), timeout=limit)
+        except subprocess.TimeoutExpired:
+            signal_group(process.pid, signal.SIGKILL)
+            process.communicate()
+            return problem(name, f"the check did not answer in {limit:g} s", _HANGS.get(name, "a run may hang the "
+                           "same way"), "look at what it touches by hand; NBDDP_DOCTOR_TIMEOUT gives it longer")
+        finally:
+            with self.lock:
+                signal_group(process.pid, signal.SIGKILL)  # (what it started and left: nothing outlives the check)
+                self.running.discard(process.pid)
+        try:
+            return Verdict(**json.loads(out.strip().splitlines()[-1]))
+        except (ValueError, IndexError, TypeError):
+            said = (err.strip().splitlines() or [f"exit {process.returncode}"])[-1]
+            return problem(name, f"the check itself failed ({said})", "what it examines is unknown",
+                           "report it with this line (nbddp's issue tracker)")
+
+
+def limit_of(name: str, ask: Ask) -> float:
+    """The seconds a check's process may take: its limit, the all-reduce's ranks' imports of torch beside, a
+    margin to say what it found."""
+    return ask.limit + (max(ask.limit, IMPORT_SECONDS) if name == "allreduce" else 0) + MARGIN
 
 
 _HANGS = {"versions": "importing torch or asking the driver hangs: so will every rank",
@@ -131,14 +163,17 @@ _HANGS = {"versions": "importing torch or asking the driver hangs: so will every
 def transports(ask: Ask, attempt: Callable[[dict[str, str]], Verdict]) -> Verdict:
     """The all-reduce's verdict from its attempts: one, and under NCCL when it hangs, one per transport turned off
     (:data:`TRANSPORTS`) until one passes, naming the transport that hangs and the variable that avoids it."""
-    what = f"a {ask.nproc}-rank all-reduce ({ask.backend})"
+    ranks = ranks_for(ask.kind, ask.nproc)
+    what = f"a {ranks}-rank all-reduce ({ask.backend}" + (f", {ranks} of the run's {ask.nproc} ranks)"
+                                                         if ranks < ask.nproc else ")")
     first = attempt({})
     found = {"attempts": [first.found]}
     if first.state == "ok":
         return ok("allreduce", f"{what} took {first.found['seconds']:g} s", **found)
     if first.state == "failed":
         return problem("allreduce", f"{what} failed: {first.found.get('error')}", "every run fails at its first "
-                       "collective", _fix_for(ask), **found)
+                       "collective", "NCCL_DEBUG=INFO names NCCL's cause" if ask.backend == "nccl" else
+                       "that error is torch.distributed's own on this machine", **found)
     if first.state != "hung":  # (the check's own subprocess never answered, or failed: its verdict says)
         return replace(first, check="allreduce")
     if ask.backend != "nccl":
@@ -154,18 +189,15 @@ def transports(ask: Ask, attempt: Callable[[dict[str, str]], Verdict]) -> Verdic
             return problem("allreduce", f"{what} hangs with {transport} and works without it", "runs hang at "
                            "their first collective", f"export {assigned} before starting Jupyter or nbddp (or set it "
                            "in the notebook's kernel spec)", **found)
-    return problem("allreduce", f"{what} hangs with every transport tried (P2P, shared memory, both off)",
+    failed = [step.get("error") for step in found["attempts"][1:] if step.get("state") == "failed"]
+    said = f"; without them it failed: {failed[-1]}" if failed else ""
+    return problem("allreduce", f"{what} hangs with every transport tried (P2P, shared memory, both off){said}",
                    "runs hang at their first collective",
                    "run with NCCL_DEBUG=INFO to see where it stops; check the driver and nvidia-smi topo -m", **found)
 
 
 def _stages(attempt: Verdict) -> dict[int, str]:
     return {int(rank): stage for rank, stage in attempt.found.get("stages", {}).items()}
-
-
-def _fix_for(ask: Ask) -> str:
-    return ("NCCL_DEBUG=INFO names the cause; see the line above" if ask.backend == "nccl"
-            else "check the line above: a rank that can't start torch.distributed")
 
 
 def text(report: Report) -> list[str]:
@@ -175,7 +207,11 @@ def text(report: Report) -> list[str]:
     for verdict in report.verdicts:
         mark = {PROBLEM: "FAIL", SKIPPED: "skip"}.get(verdict.state, "ok")
         lines.append(f"  {mark:<4}  {verdict.check:<{width}}  {verdict.line}")
-    failed = len(report.problems)
-    lines.append(f"{'all' if not failed else f'{failed} of'} {len(report.verdicts)} checks "
-                 f"{'passed' if not failed else 'failed'} in {report.seconds:.1f} s")
+    failed, passed = len(report.problems), sum(v.state == OK for v in report.verdicts)
+    skipped_ = len(report.verdicts) - failed - passed
+    aside = f" ({skipped_} skipped)" if skipped_ else ""
+    if failed:
+        lines.append(f"{failed} of {failed + passed} checks failed{aside} in {report.seconds:.1f} s")
+    else:
+        lines.append(f"all {passed} checks passed{aside} in {report.seconds:.1f} s")
     return lines

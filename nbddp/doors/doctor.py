@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from nbddp.doctor.ask import CHECKS, DEFAULT_WORKERS, asked
+from nbddp.doctor.ask import CHECKS, DEFAULT_WORKERS, asked_within
 from nbddp.plan.options import RUN, WHERE, add_launch_arguments, launch_options
 
 if TYPE_CHECKING:
@@ -32,8 +32,10 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     own.add_argument("--json", action="store_true", help="the report as JSON, for scripts")
 
 
-def run_doctor(args: argparse.Namespace, say: Callable[[str], None], own_pid: int | None = None) -> Report:
-    """Examine what ``args`` asks for and say the report (lines, or JSON with ``--json``)."""
+def run_doctor(args: argparse.Namespace, say: Callable[[str], None], own_pid: int | None = None,
+               ours: tuple[str, ...] = ()) -> Report:
+    """Examine what ``args`` asks for and say the report (lines, or JSON with ``--json``). ``own_pid``, ``ours``: the
+    kernel asking, and the GPUs its warm ranks hold (said as its own, not as someone else's)."""
     from nbddp.doctor.examine import examine, text
 
     own = {name: getattr(args, name) for name in ("run_dir", "workers", "checks", "json")}
@@ -43,7 +45,7 @@ def run_doctor(args: argparse.Namespace, say: Callable[[str], None], own_pid: in
         from nbddp.contracts.errors import UsageError
 
         raise UsageError(f"--workers {own['workers']}: give 0 or more.")
-    ask = asked(launch_options(args), own["run_dir"], own["workers"], own_pid)
+    ask = asked_within(launch_options(args), own["run_dir"], own["workers"], own_pid, ours)
     report = examine(ask, own["checks"] or ())
     if own["json"]:
         say(json.dumps(report.to_dict(), indent=2))

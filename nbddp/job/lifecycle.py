@@ -159,7 +159,7 @@ class Job:
         if self.launch.stopped_by is None and self.launch.alive():
             self.launch.stop(signal.SIGTERM, reap=True)  # the launcher left stragglers behind
         self.pump(sinks, final=True)
-        return self.outcome(timed_out=timed_out)
+        return self.outcome(timed_out=timed_out, sinks=sinks)
 
     def _say_restarts(self, sinks: Sequence[Sink]) -> None:
         """torchrun started the ranks again (``--max-restarts``): said as it happens, with why, on the launcher's
@@ -265,10 +265,17 @@ class Job:
         """The global ranks whose output this job streams."""
         return range(self._first_rank(), self._first_rank() + self._local_ranks())
 
-    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None) -> JobOutcome:
-        """The judged outcome; a failure the machine usually causes with the doctor's check that explains it."""
+    def outcome(self, timed_out: bool = False, interrupted_by: int | None = None,
+                sinks: Sequence[Sink] = ()) -> JobOutcome:
+        """The judged outcome; a failure the machine usually causes with the doctor's check that explains it (said
+        to ``sinks`` as it starts)."""
         evidence = self.evidence(timed_out, interrupted_by)
-        return diagnosed(judge(evidence), evidence, self.spec)
+
+        def say(line: str) -> None:
+            for sink in sinks:
+                sink(LogLine(None, line))
+
+        return diagnosed(judge(evidence), evidence, self.spec, say)
 
     def record(self, status: Status | str, exit_code: int, message: str, outcome: JobOutcome | None,
                parameters: dict[str, Any], notebook: str, overrides: dict[str, Any] | None = None,

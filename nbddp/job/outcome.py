@@ -22,7 +22,7 @@ from nbddp.contracts.errors import RunError, see
 
 #: gloo's "Timed out waiting Nms for recv", NCCL's watchdog; not "timed out connecting" (a start-up failure).
 COLLECTIVE_TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|watchdog caught", re.IGNORECASE)
-_COLLECTIVE_ERRORS = ("RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError")
+COLLECTIVE_ERRORS = ("RuntimeError", "DistBackendError", "DistError", "DistStoreError", "DistNetworkError")
 #: What a rank reports when a *peer* vanished: the peer, not this rank, is the root cause.
 PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (?:closed|reset|refused)", re.IGNORECASE)
 
@@ -147,7 +147,7 @@ def judge(e: Evidence) -> JobOutcome:
             "or a deadlock outside collectives?") if e.idle_for else (
             f"the run exceeded {e.deadline_name}; {stopped(e.warm)}."
             + (f" {e.scheduler_end}" if e.scheduler_end else "")))
-    if errors and COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in _COLLECTIVE_ERRORS:
+    if errors and COLLECTIVE_TIMEOUT.search(errors[0].message) and errors[0].type in COLLECTIVE_ERRORS:
         limit = f" (--collective-timeout {e.collective_timeout:g}s)" if e.collective_timeout else ""
         return outcome(Status.TIMEOUT, (
             f"a collective timed out{limit}: rank {errors[0].rank} waited for peers that never joined — did a rank "

@@ -303,7 +303,10 @@ class DdpMagics(Magics):
         args = parse_line(_DOCTOR_PARSER, line)
         if args is None:
             return None
-        run_doctor(args, print, own_pid=os.getpid())
+        try:
+            run_doctor(args, print, own_pid=os.getpid(), ours=kernel_pool.held_gpus())
+        except KeyboardInterrupt:
+            print("[nbddp] the doctor was interrupted; its checks were stopped")
         return None
 
     @line_magic
