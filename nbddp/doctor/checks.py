@@ -25,10 +25,11 @@ from nbddp.contracts.ports import free_port
 from nbddp.doctor.ask import Ask
 from nbddp.doctor.verdict import Verdict, ok, problem, skipped
 
-#: ``/dev/shm`` a rank and each of its DataLoader workers may fill: a worker's prefetched batches pass through it,
-#: and NCCL's shared-memory transport keeps its buffers there (PyTorch's docker advice: ``--shm-size``, ``--ipc=host``).
+#: ``/dev/shm`` each DataLoader worker (a worker's prefetched batches pass through it) and each GPU rank (NCCL's
+#: shared-memory transport keeps its buffers there) may fill (PyTorch's docker advice: ``--shm-size``, ``--ipc=host``).
 SHM_PER_PROCESS = 64 * 2**20
-#: Open files a rank and each of its workers may hold: DataLoader workers share tensors as file descriptors.
+#: Open files a rank holds for itself and for each of its workers: DataLoader workers hand tensors over as file
+#: descriptors, which the rank holds until it has read them.
 FILES_PER_PROCESS = 64
 #: Fewer open files than this is too few for any Python program with sockets and logs.
 FILES_FLOOR = 1024

@@ -8,7 +8,8 @@ started directly). This process imports torch once and forks each rank from itse
 (:mod:`nbddp.launchers.forked_rank`: one import of torch per run rather than one per rank, half the CPU time
 of starting two ranks), gives each rank torchrun's variables (:func:`nbddp.engines.torch.torchrun_variables`)
 and a session of its own (as torchrun does, so a terminal's Ctrl-C reaches only nbddp), and watches the ranks
-every :data:`MONITOR_SECONDS`. When a rank fails
+every :data:`MONITOR_SECONDS`. A rank that has ended leaves nothing in its session (its DataLoader workers are
+stopped with it). When a rank fails
 (a non-zero exit, a signal) the others get SIGTERM, then SIGKILL after :data:`STOP_SECONDS`; a SIGTERM, SIGINT
 or SIGHUP to this process does the same to every rank. Each rank dies with this process (its parent-death
 signal, checked once armed: :func:`nbddp.rank_side.parent_death.die_with_parent`).
@@ -31,7 +32,7 @@ from nbddp.contracts.atomic import write_json
 from nbddp.engines.torch import LOOPBACK, torchrun_variables
 from nbddp.contracts.status import signal_exit_code
 from nbddp.launchers import forked_rank
-from nbddp.contracts.process_groups import STOP_GRACE
+from nbddp.contracts.process_groups import STOP_GRACE, signal_group
 from nbddp.contracts.ports import free_port
 from nbddp.contracts.rank_env import threads_per_rank
 from nbddp.rank_side.parent_death import launching_ranks
@@ -61,6 +62,9 @@ class Ranks:
             for rank, proc in enumerate(self.procs):
                 if rank not in self.codes and (code := proc.poll()) is not None:
                     self.codes[rank] = code
+                    signal_group(proc.pid, signal.SIGKILL)  # what the rank left in its session: its DataLoader
+                    # workers (a forked rank ends with os._exit, before multiprocessing would stop them; they would
+                    # notice only at their next 5 s check), whatever its code started there
                     if code != 0 and self.root_cause is None and stopping_since is None:
                         self.root_cause = rank  # the first failure seen: not the SIGTERMs sent to the others
             if stopping_since is None and (self.stopped_by is not None or self.root_cause is not None):
