@@ -138,6 +138,11 @@ def test_busy_and_missing_gpus_name_who_holds_them(tmp_path, cli_run, nvml):
             "--gpus 2, and 1 GPU is visible (CUDA_VISIBLE_DEVICES narrows them)")
         code_, report, _ = doctor(cli_run, tmp_path, "--check", "gpus", env=nvml(""))
         assert code_ == 0 and verdict(report, "gpus")["line"] == "none used (no GPU visible): 2 CPU processes (gloo)"
+        # --wait waits for GPUs that are there: none visible is said as without it
+        code_, report, _ = doctor(cli_run, tmp_path, "--gpus", "2", "--wait", "--check", "gpus", env=nvml(""))
+        assert code_ == 1 and verdict(report, "gpus")["line"].startswith("--gpus 2, and no GPU is visible")
+        assert report["run"] == ("the devices asked for can't be had (see gpus): examining 2 CPU processes (gloo) on "
+                                 "this machine instead")
     finally:
         holder.kill()
         holder.wait()
@@ -216,6 +221,9 @@ def test_a_runs_folder_of_another_user_or_that_others_can_write(tmp_path, cli_ru
     code_, report, _ = doctor(cli_run, tmp_path, "--cpu", "--run-dir", str(shared / "run1"), "--check", "folder")
     assert code_ == 1 and verdict(report, "folder")["line"].endswith(
         f"Fix: --run-dir in a folder of your own, or chmod go-w {shared}")
+    # a run dir given that is there already is judged itself, as a run judges it
+    code_, report, _ = doctor(cli_run, tmp_path, "--cpu", "--run-dir", "shared", "--check", "folder")
+    assert code_ == 1 and verdict(report, "folder")["line"].startswith(f"--run-dir {shared} can be written by others")
     code_, report, _ = doctor(cli_run, tmp_path, "--cpu", "--check", "folder")
     assert code_ == 0 and verdict(report, "folder")["line"] == f"{tmp_path / 'runs'} will be made (private) in {tmp_path}"
 
@@ -255,6 +263,14 @@ def test_an_nccl_hang_is_tried_again_per_transport_to_name_the_one_that_hangs(st
     assert found.line == (f"a 2-rank all-reduce (nccl) hangs with {transport} and works without it: runs hang at their "
                           f"first collective. Fix: export {variables} before starting Jupyter or nbddp (or set it in "
                           "the notebook's kernel spec)")
+
+
+def test_where_hung_ranks_were_is_said_even_when_none_said_it():
+    from nbddp.doctor.allreduce import stuck
+
+    assert stuck({0: "reducing", 1: "met"}) == "rank 0 waited in the all-reduce; rank 1 met the others but never reached it"
+    assert stuck({0: "starting", 1: "starting"}) == "ranks 0, 1 never finished importing torch"
+    assert stuck({}) == "no rank said where it was"
 
 
 def test_an_nccl_hang_with_every_transport_and_a_gloo_hang_are_said_as_such():

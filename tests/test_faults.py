@@ -84,7 +84,7 @@ def test_rank_stuck_in_a_collective_fails_within_the_collective_timeout(tmp_path
     assert exit_code == 124, output
     assert "a collective timed out (--collective-timeout 5s): rank 0 waited for peers" in output
     assert "f.ipynb, cell 2, line 6" in output  # the all_reduce rank 0 was stuck in
-    assert "nbddp doctor (allreduce) finds this machine well (a 2-rank all-reduce (gloo) took " in output
+    assert "nbddp doctor (allreduce) finds nothing wrong here (a 2-rank all-reduce (gloo) took " in output
     assert "s): the cause is likely in the run itself" in output  # (the doctor's own all-reduce worked)
     assert time.monotonic() - started < 90  # (5 s, the doctor's all-reduce, start-up under CI's load)
     assert result_of(tmp_path)["status"] == "timeout"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +79,13 @@ def test_a_planted_link_is_never_followed(tmp_path):
     touch(tmp_path / "mark")
     touch(tmp_path / "mark")  # (twice: a mark that exists stays)
     assert (tmp_path / "mark").is_file()
+
+
+def test_a_folder_that_cant_be_made_is_said_in_one_line(tmp_path):
+    from nbddp.contracts.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^--run-dir /proc/nbddp-nowhere can't be made \(.+\)\. Choose a folder of your own\.$"):
+        private_folder(Path("/proc/nbddp-nowhere"), "--run-dir", parents=True)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="can't be made"):
+        private_folder(tmp_path / "file" / "runs", "the runs folder", parents=True)

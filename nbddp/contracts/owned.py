@@ -44,10 +44,14 @@ def private_folder(path: Path, what: str, parents: bool = False, say: Callable[[
 
     Raises:
         NotYours: it exists and belongs to another user, or its group or others can write to it.
+        UsageError: it can't be made there (no such folder, no permission, a read-only file system).
     """
     path = Path(path)
     if parents:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # (FileExistsError too: a file where a folder would be)
+            raise _cant_make(what, path, exc) from None
     try:
         path.mkdir(mode=0o700)
     except FileExistsError:
@@ -58,7 +62,13 @@ def private_folder(path: Path, what: str, parents: bool = False, say: Callable[[
                 say(f"{what} {path} could be read by {_who(info.st_mode)} (mode {stat.filemode(info.st_mode)}): "
                     "made it private (0700), as nbddp's folders are; share what you want of it with chmod once the "
                     "run ends.")
+    except OSError as exc:
+        raise _cant_make(what, path, exc) from None
     return path
+
+
+def _cant_make(what: str, path: Path, exc: OSError) -> UsageError:
+    return UsageError(f"{what} {path} can't be made ({exc.strerror or exc}). {CHOOSE_ANOTHER}")
 
 
 def _who(mode: int) -> str:

@@ -122,7 +122,7 @@ def stuck(stages: dict[int, str]) -> str:
         ranks = [str(r) for r, s in sorted(stages.items()) if s == stage]
         if ranks:
             said.append(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)} {where[stage]}")
-    return "; ".join(said)
+    return "; ".join(said) or "no rank said where it was"
 
 
 def main() -> None:

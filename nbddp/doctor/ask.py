@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,8 @@ class Ask:
     workers: int = DEFAULT_WORKERS
     folder: str = "runs"
     """The folder runs go in: a run dir's parent (``--run-dir``'s), else ``runs/`` here (beside a notebook here)."""
+    run_dir: str = ""
+    """``--run-dir`` as given: a run refuses it as it is, when it is there already."""
     nodes: int = 1
     node_rank: int = 0
     endpoint: str = ""
@@ -79,7 +81,10 @@ class Ask:
             return f"a run on {self.on_a_cluster}'s nodes (this machine runs the notebook's kernel)"
         ranks = (f"{self.nproc} GPU{'s' * (self.nproc != 1)} (NCCL)" if self.kind == "cuda"
                  else f"{self.nproc} CPU process{'es' * (self.nproc != 1)} (gloo)")
-        return ranks + (f", node {self.node_rank} of {self.nodes}" if self.nodes > 1 else " on this machine")
+        said = ranks + (f", node {self.node_rank} of {self.nodes}" if self.nodes > 1 else " on this machine")
+        if self.devices_refused or self.devices_unknown:
+            return f"the devices asked for can't be had (see gpus): examining {said} instead"
+        return said
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,12 +113,13 @@ def asked(launch: "LaunchOptions", run_dir: Path | None = None, workers: int = D
     from nbddp.launchers import devices_for
 
     folder = str((run_dir.expanduser().parent if run_dir is not None else Path("runs")).absolute())
-    common = dict(gpus=launch.gpus, workers=workers, folder=folder, own_pid=own_pid, **where(launch))
+    given = str(run_dir.expanduser().absolute()) if run_dir is not None else ""
+    common = dict(gpus=launch.gpus, workers=workers, folder=folder, run_dir=given, own_pid=own_pid, **where(launch))
     if launch.slurm is not None or launch.ray is not None:  # (their nodes' devices are the cluster's to say)
         return Ask(kind="cpu", nproc=launch.nproc or CPU_PROCESSES, **common)
     refused = ""
-    try:
-        devices = devices_for(launch, ours=ours)
+    try:  # (--wait would wait for GPUs the run will find: the doctor judges them as they are now)
+        devices = devices_for(replace(launch, wait=False), ours=ours)
     except DeviceError as exc:
         refused, devices = str(exc), _fallback(launch)
     return Ask(kind=devices.kind, nproc=devices.nproc, gpu_ids=devices.gpu_ids, devices_refused=refused, **common)

@@ -253,19 +253,23 @@ def files(ask: Ask) -> Verdict:
     need = max(FILES_FLOOR, (1 + ask.workers) * FILES_PER_PROCESS)
     found = {"soft": soft, "hard": hard, "need": need}
     if soft != resource.RLIM_INFINITY and soft < need:
-        raise_to = need if hard == resource.RLIM_INFINITY or hard >= need else hard
+        fix = (f"ulimit -n {need} before starting Jupyter or nbddp" if hard == resource.RLIM_INFINITY or hard >= need
+               else f"raise the hard limit ({hard} here) to {need} or more: docker run --ulimit nofile={need}:{need}, "
+                    f"or /etc/security/limits.conf; then ulimit -n {need}")
         return problem("files", f"open files are limited to {soft} a process; a rank with {ask.workers} DataLoader "
                        f"workers needs about {need}",
-                       "workers fail with 'Too many open files' or 'received 0 items of ancdata'",
-                       f"ulimit -n {raise_to} before starting Jupyter or nbddp"
-                       + (f" (the hard limit, {hard}, needs root to raise)" if raise_to < need else ""), **found)
+                       "workers fail with 'Too many open files' or 'received 0 items of ancdata'", fix, **found)
     return ok("files", f"{soft} open files a process (a rank needs about {need})", **found)
 
 
 def folder(ask: Ask) -> Verdict:
     """The folder runs go in: the user's alone and writable, or creatable."""
+    if ask.run_dir and Path(ask.run_dir).is_dir():  # (a run dir given that is there: a run judges it as it is)
+        try:
+            check_owned(Path(ask.run_dir), "--run-dir", follow=True)
+        except NotYours as exc:
+            return _not_yours(exc, Path(ask.run_dir))
     path = Path(ask.folder).expanduser()
-    refused = "nbddp refuses to write a run there (exit 2)"
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -273,9 +277,7 @@ def folder(ask: Ask) -> Verdict:
         if existing == path:
             check_owned(path, "the runs folder", follow=True)
     except NotYours as exc:
-        wrong = str(exc).split(": ", 1)[0]
-        return problem("folder", wrong, refused, "--run-dir in a folder of your own"
-                       + (f", or chmod go-w {path}" if "can be written" in wrong else ""), folder=str(path))
+        return _not_yours(exc, path)
     if not os.access(existing, os.W_OK | os.X_OK):
         return problem("folder", f"{existing} can't be written by you", "a run can't write its script, logs and "
                        "weights", "--run-dir in a folder of your own", folder=str(path))
@@ -286,9 +288,16 @@ def folder(ask: Ask) -> Verdict:
             os.unlink(name)
         except OSError as exc:
             return problem("folder", f"{path} can't be written ({exc.strerror})", "a run can't write its script, "
-                           "logs and weights", "free space there, or --run-dir elsewhere", folder=str(path))
+                           "logs and weights", "--run-dir in a folder you can write", folder=str(path))
         return ok("folder", f"{path} is yours and writable", folder=str(path))
     return ok("folder", f"{path} will be made (private) in {existing}", folder=str(path))
+
+
+def _not_yours(exc: NotYours, path: Path) -> Verdict:
+    """A folder a run refuses (:mod:`nbddp.contracts.owned`'s judgement), as the ``folder`` check's line."""
+    wrong = str(exc).split(": ", 1)[0]
+    return problem("folder", wrong, "nbddp refuses to write a run there (exit 2)", "--run-dir in a folder of your own"
+                   + (f", or chmod go-w {path}" if "can be written" in wrong else ""), folder=str(path))
 
 
 def loopback(ask: Ask) -> Verdict:
@@ -307,7 +316,7 @@ def loopback(ask: Ask) -> Verdict:
     except OSError as exc:
         return problem("loopback", f"127.0.0.1 doesn't answer ({exc})", "the ranks of a run on this machine can't "
                        "meet", "bring the loopback interface up (ip link set lo up)")
-    return ok("loopback", "127.0.0.1 answers: the ranks meet there, on a port of this machine alone")
+    return ok("loopback", "127.0.0.1 answers: a run's ranks on one machine meet there, on a port of this machine alone")
 
 
 def endpoint(ask: Ask) -> Verdict:
@@ -347,7 +356,9 @@ def _listens_here(host: str, port: int, addresses: set[str], given: str) -> Verd
             return problem("endpoint", f"port {port} is in use on this machine{holder} ({exc.strerror})",
                            "node 0's rendezvous store can't listen there: the run fails as it starts",
                            f"--rdzv-endpoint {host}:{free_port('')} (free now) on every node", endpoint=given)
-    return ok("endpoint", f"{given} is this machine, and port {port} is free for the store", endpoint=given)
+    alone = (" (a loopback address: only nodes on this machine can reach it)"
+             if all(a.startswith("127.") or a == "::1" for a in addresses) else "")
+    return ok("endpoint", f"{given} is this machine, and port {port} is free for the store{alone}", endpoint=given)
 
 
 def _port_holder(port: int) -> str:
@@ -397,10 +408,10 @@ def _slurm(seconds: float) -> Verdict:
         out, err = sinfo.communicate()
         waited = f" in {seconds:g} s"
     if sinfo.returncode != 0 or waited:
-        said = (err.strip().splitlines() or ["no output"])[-1]
+        said = (err.strip().splitlines() or ["no output"])[-1].removeprefix("sinfo: ")
         return problem("endpoint", f"Slurm's controller does not answer{waited} (sinfo: {said})", "--slurm can't "
-                       "submit the run", "start slurmctld, or check SLURM_CONF (scontrol ping says which controller "
-                       "is down)")
+                       "submit the run", "check SLURM_CONF and that slurmctld runs (scontrol ping says which "
+                       "controller is down; on a login node, ask the cluster's administrators)")
     partitions = " ".join(out.split())
     return ok("endpoint", f"Slurm answers: partitions {partitions}", partitions=partitions)
 
@@ -413,10 +424,12 @@ def _ray(address: str) -> Verdict:
         return problem("endpoint", "no Ray cluster to join: RAY_ADDRESS is unset and none was started on this "
                        "machine", "--ray can't place the ranks", "ray start --head here, or --ray HOST:PORT")
     if not answers(found, DIAL_SECONDS):
-        return problem("endpoint", f"the Ray cluster at {host_port(found)} does not answer",
+        dialled = f" ({host_port(found)})" if host_port(found) != found else ""
+        return problem("endpoint", f"the Ray cluster at {found} does not answer{dialled}",
                        "--ray can't place the ranks (the run waits --rdzv-timeout, then fails)",
-                       "start it (ray start --head), or give its head's address: --ray HOST:PORT", address=found)
-    return ok("endpoint", f"the Ray cluster at {host_port(found)} answers", address=found)
+                       "start it (ray start --head), or give its head's address: --ray HOST:PORT (or "
+                       "ray://HOST:PORT for Ray Client)", address=found)
+    return ok("endpoint", f"the Ray cluster at {found} answers", address=found)
 
 
 #: Every check a subprocess runs, by name, in the order they are said.

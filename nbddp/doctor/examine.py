@@ -106,8 +106,8 @@ class Checkup:
         """One check's verdict, timed (a local check on a cluster's run: skipped, said why)."""
         started, ask = time.monotonic(), self.ask
         if name in LOCAL and ask.on_a_cluster:
-            return skipped(name, f"the ranks run on {ask.on_a_cluster}'s nodes: run nbddp doctor there (e.g. in a "
-                                 "job)")
+            return skipped(name, f"the ranks run on {ask.on_a_cluster}'s nodes: run nbddp doctor on one of them, "
+                                 "with the run's device options")
         if name == "gpus" and ask.devices_unknown:
             return problem(name, ask.devices_unknown, "GPU runs hang or fail as they start", "nvidia-smi says whether "
                            "the driver answers; a GPU fallen off the bus needs a reset (nvidia-smi -r) or a reboot")
@@ -212,6 +212,9 @@ def text(report: Report) -> list[str]:
     aside = f" ({skipped_} skipped)" if skipped_ else ""
     if failed:
         lines.append(f"{failed} of {failed + passed} checks failed{aside} in {report.seconds:.1f} s")
+    elif passed:
+        lines.append(f"{'all ' if passed > 1 else ''}{passed} check{'s' * (passed > 1)} passed{aside} in "
+                     f"{report.seconds:.1f} s")
     else:
-        lines.append(f"all {passed} checks passed{aside} in {report.seconds:.1f} s")
+        lines.append(f"no check ran{aside}")
     return lines

@@ -23,7 +23,8 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser, RUN, only=WHERE)
     own = parser.add_argument_group("the doctor")
     own.add_argument("--run-dir", type=Path, default=None, metavar="PATH",
-                     help="a run dir you would give nbddp run: its folder is checked (default: runs/ here)")
+                     help="a run dir you would give nbddp run: it, or the folder it would be made in, is checked "
+                          "(default: runs/ here, where a notebook of this folder writes its runs)")
     own.add_argument("--workers", type=int, default=DEFAULT_WORKERS, metavar="N",
                      help=f"DataLoader workers per rank, for what /dev/shm and the open files must hold "
                           f"(default {DEFAULT_WORKERS})")

@@ -81,14 +81,14 @@ def diagnosed(outcome: JobOutcome, evidence: Evidence, spec: "JobSpec",
     try:
         verdict = check(name, ask, env=spec.devices.environment())
     except KeyboardInterrupt:
-        return outcome
+        return replace(outcome, message=f"{outcome.message}\nnbddp doctor ({name}): skipped (Ctrl-C)")
     except Exception as exc:  # noqa: BLE001 - the run's own ending matters more than its diagnosis
         return replace(outcome, message=f"{outcome.message}\nnbddp doctor ({name}) could not run: {exc}")
     if verdict.state == PROBLEM:
         said = f"nbddp doctor ({name}) found the likely cause: {verdict.line}"
     elif verdict.state == OK:
         beyond = " (the network between the nodes is not checked)" if ask.nodes > 1 and name == "allreduce" else ""
-        said = (f"nbddp doctor ({name}) finds this machine well ({verdict.line}){beyond}: the cause is likely in the "
+        said = (f"nbddp doctor ({name}) finds nothing wrong here ({verdict.line}){beyond}: the cause is likely in the "
                 "run itself")
     else:
         return outcome
