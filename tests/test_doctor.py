@@ -148,6 +148,21 @@ def test_busy_and_missing_gpus_name_who_holds_them(tmp_path, cli_run, nvml):
         holder.wait()
 
 
+def test_a_holders_name_is_shown_escaped_not_obeyed_by_the_terminal(tmp_path, cli_run, nvml):
+    import sys
+
+    named = subprocess.Popen([sys.executable, "-c", "import ctypes, time; ctypes.CDLL(None).prctl(15, b'\\x1b[2Jmine'); "
+                              "print(flush=True); time.sleep(60)"], stdout=subprocess.PIPE)  # (15: PR_SET_NAME)
+    try:
+        named.stdout.readline()
+        run = cli_run(["doctor", "--gpus", "1", "--check", "gpus"], tmp_path, env=nvml(f"GPU-a:1024:81920:{named.pid}@1024"))
+        assert run.wait(60) == 1
+        assert f"pid {named.pid} (\\x1b[2Jmine, " in run.output and "\x1b" not in run.output
+    finally:
+        named.kill()
+        named.wait()
+
+
 def test_a_driver_that_does_not_answer_is_said_and_hangs_nothing(tmp_path, cli_run, nvml):
     hung = {**nvml("GPU-a:0:81920:"), "FAKE_NVML_HANG": "1", "NBDDP_DOCTOR_TIMEOUT": "2"}
     code_, report, seconds = doctor(cli_run, tmp_path, "--check", "gpus", "--check", "loopback", env=hung)

@@ -112,9 +112,7 @@ def asked(launch: "LaunchOptions", run_dir: Path | None = None, workers: int = D
     GPUs the asking kernel's warm ranks hold (free to its runs, as to ``--gpus free``)."""
     from nbddp.launchers import devices_for
 
-    folder = str((run_dir.expanduser().parent if run_dir is not None else Path("runs")).absolute())
-    given = str(run_dir.expanduser().absolute()) if run_dir is not None else ""
-    common = dict(gpus=launch.gpus, workers=workers, folder=folder, run_dir=given, own_pid=own_pid, **where(launch))
+    common = dict(gpus=launch.gpus, workers=workers, own_pid=own_pid, **folders(run_dir), **where(launch))
     if launch.slurm is not None or launch.ray is not None:  # (their nodes' devices are the cluster's to say)
         return Ask(kind="cpu", nproc=launch.nproc or CPU_PROCESSES, **common)
     refused = ""
@@ -145,9 +143,16 @@ def asked_within(launch: "LaunchOptions", run_dir: Path | None = None, workers: 
         unknown = f"the driver (NVML) did not answer in {limit:g} s when asked for the GPUs"
     except (IndexError, ValueError, TypeError):
         unknown = f"the GPUs could not be counted: {(done.stderr.strip().splitlines() or ['no output'])[-1]}"
-    folder = str((run_dir.expanduser().parent if run_dir is not None else Path("runs")).absolute())
     return Ask(kind="cpu", nproc=launch.nproc or CPU_PROCESSES, gpus=launch.gpus, devices_unknown=unknown,
-               workers=workers, folder=folder, own_pid=own_pid, **where(launch))
+               workers=workers, own_pid=own_pid, **folders(run_dir), **where(launch))
+
+
+def folders(run_dir: Path | None) -> dict[str, str]:
+    """:class:`Ask`'s ``folder`` and ``run_dir`` for ``--run-dir`` (``None``: ``runs/`` here), absolute."""
+    if run_dir is None:
+        return {"folder": str(Path("runs").absolute()), "run_dir": ""}
+    given = run_dir.expanduser().absolute()
+    return {"folder": str(given.parent), "run_dir": str(given)}
 
 
 def where(launch: "LaunchOptions") -> dict[str, Any]:

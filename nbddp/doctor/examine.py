@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
+from nbddp.contracts.devices import Devices
 from nbddp.contracts.interpreter import module_argv
 from nbddp.contracts.process_groups import signal_group
 from nbddp.doctor.allreduce import IMPORT_SECONDS, ranks_for, stuck
@@ -112,7 +113,7 @@ class Checkup:
             return problem(name, ask.devices_unknown, "GPU runs hang or fail as they start", "nvidia-smi says whether "
                            "the driver answers; a GPU fallen off the bus needs a reset (nvidia-smi -r) or a reboot")
         if name == "allreduce":
-            chosen_gpus = {"CUDA_VISIBLE_DEVICES": ",".join(ask.gpu_ids)} if ask.gpu_ids else {}
+            chosen_gpus = Devices(ask.kind, ask.nproc, gpu_ids=ask.gpu_ids).environment()  # (--gpus free's)
             verdict = transports(ask, lambda extra: self.subprocess_verdict(name, {**chosen_gpus, **extra}))
         else:
             verdict = self.subprocess_verdict(name)

@@ -310,7 +310,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from nbddp.doors.doctor import run_doctor
 
     try:
-        report = run_doctor(args, print)
+        report = run_doctor(args, lambda line: print(_shown(line)))  # (a process's name is anyone's to choose)
     except KeyboardInterrupt:
         print("nbddp doctor: interrupted; its checks were stopped", file=sys.stderr)
         return Status.INTERRUPTED.exit_code
