@@ -1,8 +1,21 @@
-"""Figures written into a document between markers, so that a re-run replaces them and nothing else."""
+"""Figures written into a document between markers, so that a re-run replaces them and nothing else; and the name of
+the CPU they were measured on."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the line that says where figures were measured."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def replace_block(doc: Path, name: str, text: str) -> None:

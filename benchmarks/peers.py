@@ -41,7 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from benchmarks.document import replace_block
+from benchmarks.document import cpu_name, replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / "benchmarks" / ".peers"
@@ -70,6 +70,8 @@ class Tool:
     cell: dict[str, str]
     """The training cell for each case of :data:`ENDINGS`."""
     notes: list[str] = field(default_factory=list)
+    kernel: str = "python3"
+    """The Jupyter kernel it runs in."""
 
 
 def _indent(code: str, by: str = "    ") -> str:
@@ -142,10 +144,10 @@ class Execution:
 
 
 class Kernel:
-    def __init__(self, cwd: Path) -> None:
+    def __init__(self, cwd: Path, kernel_name: str = "python3") -> None:
         from jupyter_client import KernelManager
 
-        self.km = KernelManager(kernel_name="python3")
+        self.km = KernelManager(kernel_name=kernel_name)
         # As in an activated environment: nbdistributed starts its workers with the `python` on PATH.
         path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         self.km.start_kernel(cwd=str(cwd), env={**os.environ, "PYTHONUNBUFFERED": "1", "PATH": path})
@@ -293,9 +295,10 @@ def summary(values: list) -> str:
     return f"{med:.2f} s{spread}" + (f"; **broken** in {failed} of {len(values)}" if failed else "")
 
 
-def _measured() -> str:
-    return (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores, no GPU, Python "
-            f"{platform.python_version()}")
+def measured() -> str:
+    """When and where the figures were measured, for a block's first line."""
+    return (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores ({cpu_name()}), "
+            f"no GPU, Python {platform.python_version()}")
 
 
 def _table(figures: dict[str, dict[str, list]], rows: tuple[str, ...],
@@ -308,58 +311,13 @@ def _table(figures: dict[str, dict[str, list]], rows: tuple[str, ...],
 
 def markdown(figures: dict[str, dict[str, list]], rounds: int, tools: list[Tool]) -> str:
     lines = ["## 7. Peers: the edit loop side by side", "",
-             f"{_measured()}; {rounds} rounds, the tools interleaved; `python -m benchmarks.peers`. "
+             f"{measured()}; {rounds} rounds, the tools interleaved; `python -m benchmarks.peers`. "
              "A trivial 2-rank CPU training cell in a real kernel driven by raw execute requests (a front end that "
              "renders no widgets, as nbclient, papermill and `jupyter console` are); medians with min–max.", "",
              *_table(figures, ROWS)]
     for tool in tools:
         for note in dict.fromkeys(tool.notes):
             lines += ["", f"{tool.name}: {note}"]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- the first run in a fresh kernel
-
-FIRST_ROWS = FIRST_AT_ONCE, FIRST_AFTER_PAUSE = ("first run in a fresh kernel, its setup cells just run",
-                                                 f"first run in a fresh kernel, {FIX_SECONDS * 3:.0f} s after its setup cells")
-
-
-def measure_first(tools: list[Tool], work: Path, kernels: int,
-                  log: Callable[[str], None]) -> dict[str, dict[str, list]]:
-    """Each tool's first training run in fresh kernels (``kernels`` of each, the tools interleaved): the setup cells
-    run back to back, then the training cell at once, or after a pause (a person reading the cell first)."""
-    figures: dict[str, dict[str, list]] = {tool.name: {row: [] for row in FIRST_ROWS} for tool in tools}
-    for round_ in range(kernels):
-        for row, pause in ((FIRST_AT_ONCE, 0.0), (FIRST_AFTER_PAUSE, FIX_SECONDS * 3)):
-            for tool in tools:
-                kernel = Kernel(work)
-                try:
-                    for cell in tool.setup:
-                        kernel.run(cell)
-                    time.sleep(pause)
-                    first = kernel.run(tool.cell["ok"])
-                finally:
-                    kernel.close()
-                _check(tool, first, "ok")
-                figures[tool.name][row].append(first.seconds if first.trained() else None)
-                log(f"kernel {round_ + 1}/{kernels} {tool.name}, {row}: {first.seconds:.2f}s")
-    return figures
-
-
-def first_markdown(figures: dict[str, dict[str, list]], kernels: int, tools: list[Tool]) -> str:
-    lines = ["### The first run in a fresh kernel", "",
-             f"{_measured()}; {kernels} fresh kernels per tool and row, the tools interleaved; "
-             "`python -m benchmarks.peers --first-run`. A fresh kernel runs the tool's setup cells (nbddp: `%load_ext "
-             "nbddp` and a `#| ddp` cell importing torch and building the model; Accelerate: importing torch and "
-             "Accelerate, defining the function; nbdistributed: loading it and `%dist_init -n 2`, which starts its "
-             "workers), then the same trivial training cell as above, timed from its execute request to the kernel "
-             "idle; medians with min–max.", "",
-             *_table(figures, FIRST_ROWS, lambda values: "**failed** every time (see below)"
-                     if values and not any(values) else summary(values))]
-    for tool in tools:
-        if tool.notes:  # (the first: the others differ by a message id at most)
-            more = f" ({len(tool.notes)} times)" if len(tool.notes) > 1 else ""
-            lines += ["", f"{tool.name}{more}: {tool.notes[0]}"]
     return "\n".join(lines) + "\n"
 
 
@@ -481,8 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup-cell", action="store_true",
                         help="measure the re-run after a 3 s setup cell instead (the peers-setup block)")
     parser.add_argument("--first-run", action="store_true",
-                        help="measure the first run in fresh kernels instead (--rounds kernels per tool; the "
-                             "peers-first block)")
+                        help="measure the first run in fresh kernels instead (--rounds kernels per tool and row; the "
+                             "peers-first block), nbddp in a plain kernel and in the nbddp kernel")
+    parser.add_argument("--busy", type=int, default=2, metavar="N",
+                        help="--first-run: a row more with N processes busy beside (a loaded machine; 0: none)")
     parser.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)  # running in the peers' environment
     args = parser.parse_args(argv)
     if not args.inside:
@@ -506,7 +466,12 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
 
         if args.first_run:
-            text = first_markdown(measure_first(tools, work, args.rounds, log), args.rounds, tools)
+            from benchmarks.first_run import first_markdown, measure_first, nbddp_kernel_tool
+
+            if not args.only or "nbddp" in args.only:
+                tools.insert(1, nbddp_kernel_tool(work))
+            figures = measure_first(tools, work, args.rounds, log, busy=args.busy)
+            text = first_markdown(figures, args.rounds, tools, args.busy)
         else:
             text = markdown(measure(tools, work, args.rounds, log), args.rounds, tools)
     print(text)

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.document import replace_block
+from benchmarks.document import cpu_name, replace_block
 
 if TYPE_CHECKING:
     from nbformat import NotebookNode
@@ -472,10 +472,8 @@ def batch_startup(work: Path, rounds: int, runs: int, steps: int) -> dict[str, d
 def machine() -> str:
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} cores ({cpu}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}, "
+    return (f"{os.cpu_count()} cores ({cpu_name()}), {gpu}, Python {platform.python_version()}, torch {torch.__version__}, "
             f"{platform.system()} {platform.release()}")
 
 

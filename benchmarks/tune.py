@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.document import replace_block
+from benchmarks.document import cpu_name, replace_block
 
 if TYPE_CHECKING:
     import optuna
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"## 12. Hyperparameter search: a study on warm ranks ({args.trials} trials of a 1 s training)", "",
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {os.cpu_count()} cores "
-        f"({_cpu_name()}), no GPU, Python {platform.python_version()}; `python -m benchmarks.tune --trials "
+        f"({cpu_name()}), no GPU, Python {platform.python_version()}; `python -m benchmarks.tune --trials "
         f"{args.trials}`. Each trial trains 10 epochs of 0.1 s on 2 gloo ranks; no pruner; the same TPE seed.", "",
         "| case | total | per trial beyond the training | best val_loss |", "|---|---|---|---|",
         f"| `nbddp.tune` (every trial on the same warm ranks) | {warm[0]:.1f} s | {_cell(warm[1])} | {warm[2]:.4g} |",
@@ -131,16 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         replace_block(args.out, "tune", text)
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

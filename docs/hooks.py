@@ -54,5 +54,6 @@ def _parser(command: str) -> Any:
                    "%ddp_debug": magics._DEBUG_PARSER, "%ddp_doctor": magics._DOCTOR_PARSER}
         return parsers[command]
     parser = build_parser()
-    words = command.split()[1:]
-    return _commands(parser)[words[0]] if words else parser
+    for word in command.split()[1:]:  # (nbddp kernel install: a command's own commands)
+        parser = _commands(parser)[word]
+    return parser

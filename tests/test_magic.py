@@ -232,12 +232,12 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
 class ProtocolKernel:
     """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them."""
 
-    def __init__(self, cwd, timeout: float = 120):
+    def __init__(self, cwd, timeout: float = 120, kernel_name: str = "python3"):
         from jupyter_client import KernelManager
 
         self.timeout = timeout
         """Seconds to wait for the cell's next message (a cell may be quiet that long, not longer)."""
-        self.km = KernelManager(kernel_name="python3")
+        self.km = KernelManager(kernel_name=kernel_name)
         self.km.start_kernel(cwd=str(cwd))
         self.kc = self.km.client()
         self.kc.start_channels()

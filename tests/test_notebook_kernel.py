@@ -69,3 +69,38 @@ def test_a_ctrl_c_while_the_kernel_runs_a_cell_ends_the_cell_as_a_stop_button_an
     assert left == []
     assert "Kernel died" not in caplog.text  # (nbclient's line as the task found it gone)
     assert [o.get("ename") for o in nb.cells[0].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
+
+
+def _saved_with(path, kernel):
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    nb = new_notebook(cells=[new_code_cell("#| ddp-train\nimport nbddp\nnbddp.log(x=1)")], metadata={
+        "kernelspec": {"name": kernel, "display_name": kernel, "language": "python"}})
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_notebooks_kernel_is_its_own_and_the_nbddp_kernel_not_installed_here_is_the_plain_one(tmp_path, monkeypatch):
+    """The nbddp kernel only starts the warm ranks' starter sooner, which beside a job it doesn't: where it isn't
+    installed, nbddp runs a notebook saved with it in this Python's plain kernel. Another kernel not installed here
+    is said before anything starts, naming it and those that are (Jupyter's own kernelspecs, in the test's folders)."""
+    from nbddp.doors.cli import main
+    from nbddp.doors.jupyter.kernelspec import install
+    from nbddp.doors.notebook_kernel import kernel_for
+    from nbddp.contracts.errors import NotebookError
+    from nbddp.notebook.reader import read_notebook
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "user"))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "path"))
+    saved = read_notebook(_saved_with(tmp_path / "nb.ipynb", "nbddp"))
+    assert kernel_for(saved) == "python3"
+    install()
+    assert kernel_for(saved) == "nbddp"
+    missing = _saved_with(tmp_path / "theirs.ipynb", "conda-env-theirs-py")
+    with pytest.raises(NotebookError, match=r"theirs.ipynb: its kernel 'conda-env-theirs-py' is not installed here "
+                                            r"\(installed: nbddp, python3\)\. Install it"):
+        kernel_for(read_notebook(missing))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "theirs.ipynb", "--cpu"]) == 2  # (before anything starts: no run dir)
+    assert not (tmp_path / "runs").exists()

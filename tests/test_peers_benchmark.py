@@ -45,10 +45,24 @@ def test_the_setup_cell_rows_give_every_tool_python_cells_and_say_what_was_not_m
 
 
 def test_the_first_run_rows_say_a_tool_that_failed_every_time_and_its_first_note_once():
-    from benchmarks.peers import FIRST_ROWS, first_markdown
+    from benchmarks.first_run import first_markdown, first_rows
 
     tools = [Tool("a", [], {}), Tool("b", [], {}, notes=["timed out 1", "timed out 2"])]
-    figures = {"a": {row: [1.2, 0.8, 1.0] for row in FIRST_ROWS}, "b": {row: [None, None] for row in FIRST_ROWS}}
-    text = first_markdown(figures, 3, tools)
-    assert all(f"| {row} | 1.00 s (0.80–1.20) | **failed** every time (see below) |" in text for row in FIRST_ROWS)
+    rows = first_rows(2)
+    figures = {"a": {row: [1.2, 0.8, 1.0] for row in rows}, "b": {row: [None, None] for row in rows}}
+    text = first_markdown(figures, 3, tools, busy=2)
+    assert len(rows) == 3 and "2 processes busy beside" in rows[2] and len(first_rows(0)) == 2
+    assert all(f"| {row} | 1.00 s (0.80–1.20) | **failed** every time (see below) |" in text for row in rows)
     assert "b (2 times): timed out 1" in text and "timed out 2" not in text
+    assert "`python -m benchmarks.peers --first-run --rounds 3`" in text and "busy processes spin" in text
+
+
+def test_where_the_first_run_goes_has_a_row_per_import_phase_and_per_event_for_both_kernels():
+    from benchmarks.first_run import EVENTS, PHASES, where_markdown
+
+    imports = {mode: [{"phases": [0.1, 1.0, 0.1, 0.8], "collecting": 0.5 if mode == "on" else 0.0}] for mode in ("on", "off")}
+    timeline = {event: float(number) for number, event in enumerate(EVENTS)} | {"training cell sent": 1.5}
+    text = where_markdown(imports, {"python3": [timeline], "nbddp": [timeline]}, 1)
+    assert all(f"| {phase} | " in text for phase in PHASES) and "| in all | 2.00 s | 2.00 s |" in text
+    assert "| of which the collector's own collections | 0.50 s | 0.00 s |" in text
+    assert all(f"| {event} | " in text for event in EVENTS) and "| **the training cell** (sent → idle) | 3.50 s | 3.50 s |" in text

@@ -1,4 +1,5 @@
-"""The warm ranks' starter, started when the extension loads: the first ``%%ddp_train`` forks its ranks from it.
+"""The warm ranks' starter, started when the extension loads (or the nbddp kernel starts): the first ``%%ddp_train``
+forks its ranks from it.
 
 Real kernels (raw execute requests), real starters importing torch, 2 gloo ranks. What it must keep: the first
 run's weights are a fresh run's; nothing of it reachable by another user (a private folder, no socket); released
@@ -60,11 +61,30 @@ def _forked_from(rank: int, starter: int) -> bool:
     return psutil.Process(rank).ppid() == starter and psutil.Process(rank).cmdline() == psutil.Process(starter).cmdline()
 
 
+@pytest.fixture
+def nbddp_kernel(tmp_path, monkeypatch):
+    """A kernel of the nbddp kernelspec (``nbddp kernel install``, here into the test's own folder)."""
+    from nbddp.doors.jupyter.kernelspec import KERNEL_NAME, install
+
+    monkeypatch.setenv("JUPYTER_PATH", str(install(prefix=str(tmp_path / "kernels")).parent.parent))
+    session = ProtocolKernel(tmp_path, kernel_name=KERNEL_NAME)
+    yield session
+    session.close()
+
+
 @pytest.mark.slow
-def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fresh_runs_weights(kernel, tmp_path):
+def test_the_nbddp_kernel_starts_the_starter_whose_first_run_forks_the_ranks_with_a_fresh_runs_weights(nbddp_kernel,
+                                                                                                       tmp_path):
+    """The nbddp kernel starts the starter as it starts, before it answers; ``%load_ext nbddp`` adopts it, and the
+    first run's ranks are forked from it although the kernel set variables of its own since (TERM, PAGER, …)."""
+    kernel = nbddp_kernel
+    kernel_pid = kernel.km.provisioner.process.pid
+    ahead = [p.pid for p in psutil.Process(kernel_pid).children() if "nbddp.launchers.warm.agent" in p.cmdline()]
+    assert len(ahead) == 1, psutil.Process(kernel_pid).children()  # (the kernel is ready: it started it before)
+    starter = ahead[0]
     loaded = kernel.execute("%load_ext nbddp")
-    assert "[nbddp] preparing warm ranks: their starter imports torch now" in loaded, loaded
-    starter = _starter(kernel)
+    assert "[nbddp] preparing warm ranks: their starter, started with this kernel (the nbddp kernel)," in loaded, loaded
+    assert _starter(kernel) == starter
     folder = _folder(starter)
     _wait(folder.preloaded.exists, "the starter finished its imports")
     shown = kernel.execute("%ddp_ranks")
@@ -79,7 +99,7 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
     first = train(kernel)
     started = pids(first)
     assert len(started) == 2 and "[rank 1] trained 1" in first and "could not serve" not in first, first
-    assert all(_forked_from(pid, starter) for pid in started.values())  # (a plain kernel's environment fits it)
+    assert all(_forked_from(pid, starter) for pid in started.values())  # (the kernel's own variables: not read)
     assert not folder.go.exists()  # (the kernel's environment is on disk no longer than the starter needs it)
     first_weights = weight(kernel)
     shown = kernel.execute("%ddp_ranks")
@@ -97,7 +117,8 @@ def test_the_extension_prepares_the_ranks_whose_first_run_forks_them_with_a_fres
 @pytest.mark.slow
 @pytest.mark.beside  # asserts no timing: evens out .ci/run's lanes
 def test_an_unused_starter_is_released_after_the_idle_limit_and_when_stopped(kernel):
-    kernel.execute("%load_ext nbddp")
+    loaded = kernel.execute("%load_ext nbddp")  # (a plain kernel: the extension starts it)
+    assert "[nbddp] preparing warm ranks: their starter imports torch now" in loaded, loaded
     first = _starter(kernel)
     kernel.execute("%ddp_ranks --idle 2")  # a starter waiting for its first run starts again with the new limit
     starter = _starter(kernel)
@@ -126,7 +147,7 @@ def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_t
     kernel.execute("%env MY_SETTING=1")
     kernel.execute(SETUP, "setup")
     out = train(kernel, extra="print('setting', os.environ.get('MY_SETTING'))\n")
-    assert ("the warm ranks' starter loaded with the extension could not serve this run (environment variables "
+    assert ("the warm ranks' starter started ahead could not serve this run (environment variables "
             "changed (MY_SETTING)): started a fresh one") in out and "[rank 1] setting 1" in out, out
     _wait(lambda: not alive(starter), "the starter that didn't fit stopped", 5)  # (what it imported no rank may inherit)
 
@@ -203,3 +224,33 @@ def test_a_killed_kernels_starter_goes_with_its_folder(tmp_path):
                               (folder.path / "logs" / "launcher.log").read_text()))
     finally:
         session.close()
+
+
+def test_the_starters_imports_collect_nothing_and_read_nothing_a_kernel_sets_as_it_starts(tmp_path):
+    """The starter imports with the garbage collector off (its collections scanned torch's millions of objects, a
+    sixth of the import here: benchmarks/first_run.py), freezes what it imported and turns it back on for the ranks.
+    What it imports reads none of the variables a kernel sets as it starts (``KERNEL_START_VARIABLES``), which the
+    nbddp kernel's starter is started without: every name read through the C library's ``getenv`` (libgomp, OpenBLAS,
+    libtorch) or Python's ``os.environ``, recorded."""
+    import subprocess
+    import sys
+
+    from tests import getenv_recorder
+
+    record = tmp_path / "read.txt"
+    code = getenv_recorder.PYTHON_SIDE + (
+        "import gc, json\nfrom nbddp.launchers import forked_rank\nfrom nbddp.launchers.warm import agent\n"
+        "frozen_at_collections = []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and frozen_at_collections.append(gc.get_freeze_count()))\n"
+        "forked_rank.preload('1', agent.PRELOADED)\n"
+        "print(json.dumps({'frozen at collections': frozen_at_collections, 'collecting': gc.isenabled(), "
+        "'frozen': gc.get_freeze_count(), 'imported': 'torch._dynamo' in sys.modules, 'read': sorted(READ)}))\n")
+    env = {**os.environ, "LD_PRELOAD": str(getenv_recorder.build(tmp_path)), "GETENV_RECORD": str(record)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["imported"] and found["collecting"] and found["frozen"] > 100_000, found  # torch's objects, frozen
+    assert 0 not in found["frozen at collections"], found["frozen at collections"]  # none before the freeze
+    read = set(found["read"]) | set(record.read_text().split())
+    assert {"OMP_NUM_THREADS", "TORCH_LOGS"} <= read  # (libgomp's getenv, torch's os.environ: the records work)
+    assert not {name for name in read if name.startswith(agent.KERNEL_START_VARIABLES)}, sorted(read)

@@ -32,6 +32,14 @@ def module_argv(module: str, *args: str, python: str = sys.executable, flags: Se
     """``python FLAGS -m MODULE ARGS`` without the working folder on the module path."""
     if has_safe_path(python):
         return [python, "-P", *flags, "-m", module, *args]
+    return bootstrapped_module_argv(module, *args, python=python, flags=flags)
+
+
+def bootstrapped_module_argv(module: str, *args: str, python: str = sys.executable,
+                             flags: Sequence[str] = ()) -> list[str]:
+    """``python FLAGS -m MODULE ARGS`` with the working folder off the module path while the module is found and
+    imports, but not for good, as ``-P`` would: for a process that puts the folder back itself once its own imports
+    are done (a Jupyter kernel, whose IPython adds it for the notebook's modules unless ``-P`` was given)."""
     return [python, *flags, "-c", _BOOTSTRAP_MODULE, module, *args]
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from nbddp._version import __version__
 from nbddp.doors.doctor import add_doctor_arguments
+from nbddp.doors.jupyter.kernelspec import add_kernel_commands
 from nbddp.doors.signals import signals_interrupt
 from nbddp.contracts.errors import NbddpError, SignalReceived, UsageError
 from nbddp.contracts.owned import NotYours
@@ -81,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "seconds, a problem in one line with its fix")
     add_doctor_arguments(doctor)
     doctor.set_defaults(handler=_doctor)
+
+    kernel = commands.add_parser("kernel", help="the nbddp kernel: a Jupyter kernel that starts the warm ranks' "
+                                                "starter as it starts (install, remove)")
+    add_kernel_commands(kernel)
+    kernel.set_defaults(handler=_kernel)
 
     attach = commands.add_parser("attach", help="follow a detached run (--detach) again, until it ends")
     attach.add_argument("run", metavar="RUN", help="its run dir (or its name, from nbddp ps)")
@@ -315,6 +321,12 @@ def _doctor(args: argparse.Namespace) -> int:
         print("nbddp doctor: interrupted; its checks were stopped", file=sys.stderr)
         return Status.INTERRUPTED.exit_code
     return 0 if report.passed else 1
+
+
+def _kernel(args: argparse.Namespace) -> int:
+    from nbddp.doors.jupyter.kernelspec import kernel_command
+
+    return kernel_command(args, lambda line: print(_shown(line), file=sys.stderr))
 
 
 def _ps(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from nbddp.contracts.atomic import write_json
 from nbddp.display.terminal import NotebookOutputSink
-from nbddp.contracts.errors import RunError
+from nbddp.contracts.errors import NotebookError, RunError
 from nbddp.contracts.rank_env import beside_a_job
 from nbddp.job import trackers
 from nbddp.job.follow import Sink
@@ -52,6 +52,30 @@ if TYPE_CHECKING:
 
 SOCKETS_PREFIX = "nbddp-kernel-"
 PUMP_SECONDS = 0.05
+
+
+def kernel_for(notebook: Notebook) -> str:
+    """The kernel ``nbddp run`` runs ``notebook`` in: the one its metadata names (``python3`` where none), but for the
+    nbddp kernel where it isn't installed, whose place this Python's plain kernel takes (beside a job it starts
+    nothing more: :mod:`nbddp.doors.jupyter.kernel_start`).
+
+    Raises:
+        NotebookError: no kernel of that name is installed here (asked before anything starts).
+    """
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from nbddp.doors.jupyter.kernelspec import KERNEL_NAME
+
+    name = notebook.kernel_name or "python3"
+    found = KernelSpecManager().find_kernel_specs()
+    if name in found:
+        return name
+    if name == KERNEL_NAME:
+        return "python3"
+    raise NotebookError(f"{notebook.path}: its kernel {name!r} is not installed here (installed: "
+                        f"{', '.join(sorted(found)) or 'none'}). Install it (`python -m ipykernel install --user "
+                        f"--name NAME` in the environment it should run), or choose one of these in Jupyter "
+                        "(Kernel > Change Kernel) and save the notebook.")
 
 
 def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]) -> tuple[NotebookNode, list[int | None]]:
@@ -217,7 +241,7 @@ class NotebookKernel(Kernel):
         class Client(TrainingCells, NotebookClient):
             pass
 
-        kernel_name = self.notebook.kernel_name or "python3"
+        kernel_name = kernel_for(self.notebook)
         client = Client(self.nb, km=self.kernel_manager(kernel_name), kernel_name=kernel_name,
                         shutdown_kernel="immediate", resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
         client.nbddp_kernel = self

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from nbddp.display.ending import NO_WEIGHTS, ending_of, shown_path
 from nbddp.display.starting import describe
 from nbddp.display.terminal import NotebookOutputSink, TerminalSink
-from nbddp.doors.notebook_kernel import NotebookKernel, kernel_notebook
+from nbddp.doors.notebook_kernel import NotebookKernel, kernel_for, kernel_notebook
 from nbddp.job import orchestrator
 from nbddp.job.debugger import Console
 from nbddp.job.follow import Sink
@@ -93,14 +93,18 @@ def check_notebook(options: RunOptions) -> None:
     from nbddp.launchers import devices_for
 
     export = options.launch.export_options()
-    script = generate(read_notebook(options.notebook), export, to_run=True)
+    notebook = read_notebook(options.notebook)
+    script = generate(notebook, export, to_run=True)
     devices_for(options.launch, asked=script.processes)
+    if options.launch.nodes is None or options.launch.nodes.rank == 0:
+        kernel_for(notebook)
 
 
 def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Path | None, sinks: list[Sink],
                say: Callable[[str], None], terminal: TerminalSink | None,
                started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
     """The notebook's kernel beside the job; the executed notebook written after every cell."""
+    kernel_for(notebook)  # (a kernel not installed here: said before anything starts)
     executed, numbers = kernel_notebook(notebook, request.launch.parameters)
     collector = NotebookOutputSink()
     where: dict[str, Path] = {}

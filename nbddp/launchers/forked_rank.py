@@ -59,10 +59,29 @@ def preload(threads: str, modules: Sequence[str] = ()) -> None:
     starter that imported torch under another value would fork ranks with the wrong pools (and threads).
 
     ``modules``: more modules to import after torch (a warm pool's starter preloads what its ranks will import:
-    imported here once rather than by every rank, each doing the whole import at the same time)."""
+    imported here once rather than by every rank, each doing the whole import at the same time).
+
+    The collector is off while they import: torch's import makes millions of objects that are never garbage, and the
+    collections they set off, each scanning all of them, were a sixth of a warm starter's imports here (0.5 s of 3 s:
+    ``python -m benchmarks.first_run``). What exists then is frozen (never scanned again; a collection in a rank would
+    copy its pages) and the collector is turned back on for the ranks."""
     os.environ.setdefault("OMP_NUM_THREADS", threads)
     if not FORKS:
         return
+    import gc
+
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        _import(modules)
+    finally:
+        gc.freeze()  # torch's objects: never garbage, and a collection in a rank would copy their pages
+        if collecting:
+            gc.enable()
+
+
+def _import(modules: Sequence[str]) -> None:
+    """Import torch, then ``modules``; what fails is left for the rank that needs it to say, as a fresh one would."""
     try:
         import torch  # noqa: F401 - imported for its effect: once here, before the ranks fork
     except Exception:  # noqa: BLE001 - not installed, or broken (a CUDA library): each rank says so, as it would
@@ -72,9 +91,6 @@ def preload(threads: str, modules: Sequence[str] = ()) -> None:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 - the rank that needs it fails there, as a fresh one would
             pass
-    import gc
-
-    gc.freeze()  # torch's objects: never garbage, and a collection in a rank would copy their pages
 
 
 class ForkedRank:

@@ -44,9 +44,14 @@ PRELOADED = (*forked_rank.RANK_IMPORTS, "nbddp.rank_side.warm.state", "nbddp.ran
 #: How often a preloaded starter looks for its first run's word: often for its first seconds (a first run right after
 #: the setup cells), then less (an idle starter woke 100 times a second).
 GO_POLL_SECONDS, GO_POLL_FAST_FOR, IDLE_GO_POLL_SECONDS = 0.01, 10.0, 0.05
+#: What an IPython kernel sets in its own environment as it starts, for its shell's subprocesses: a colour terminal,
+#: no pager, matplotlib's inline backend (``TERM`` and pydevd's ``PYDEVD_`` are per-run variables already). The nbddp
+#: kernel starts the starter before, and none of what it imports reads them (tests/test_preload.py).
+KERNEL_START_VARIABLES = ("CLICOLOR", "FORCE_COLOR", "PAGER", "GIT_PAGER", "MPLBACKEND")
 #: What torch's import doesn't read, so that a first run may differ in it from the preload: what makes no warm ranks
-#: stale (nbddp's own variables among them) and the GPUs a run chose (CUDA reads them as it starts, in a rank).
-_NOT_READ_AT_IMPORT = (*PER_RUN_VARIABLES, "CUDA_VISIBLE_DEVICES")
+#: stale (nbddp's own variables among them), the GPUs a run chose (CUDA reads them as it starts, in a rank), and what
+#: the kernel sets as it starts.
+_NOT_READ_AT_IMPORT = (*PER_RUN_VARIABLES, "CUDA_VISIBLE_DEVICES", *KERNEL_START_VARIABLES)
 
 
 def main(argv: list[str]) -> None:

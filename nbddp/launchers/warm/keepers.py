@@ -157,29 +157,41 @@ class PoolKeeper:
 class KernelPool(PoolKeeper):
     """``%%ddp_train``'s warm ranks: one pool per kernel (a :class:`nbddp.job.orchestrator.WarmSource`),
     replaced at once when a run's ranks can't be kept, and stopped when the kernel exits. Their starter is
-    started ahead, when the extension is loaded (:meth:`prepare`), so that the first run finds torch imported."""
+    started ahead, when the extension is loaded or the nbddp kernel starts (:meth:`prepare`), so that the first run
+    finds torch imported."""
 
     def __init__(self) -> None:
         super().__init__(DEFAULT_WARM_IDLE)
         self._at_exit = False
         self.preload: Preload | None = None
         """The next pool's starter, started ahead of its first run."""
+        self._unsaid = False
+        """The starter started ahead was started without a word (by the nbddp kernel), and none said it since."""
 
-    def prepare(self) -> str:
-        """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``), unless
-        ranks or a starter are there already, or this kernel doesn't prepare ranks ahead (beside a job, whose ranks are
-        the job's own; ``NBDDP_PREPARE_AHEAD=0``: :func:`~nbddp.contracts.rank_env.prepares_ranks_ahead`) (``""``); a
-        line saying what happened."""
-        if not prepares_ranks_ahead() or self.live() is not None or (self.preload is not None and self.preload.alive()):
+    def prepare(self, say: bool = True) -> str:
+        """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``; the nbddp
+        kernel as it starts, with ``say=False``), unless ranks or a starter are there already, or this kernel doesn't
+        prepare ranks ahead (beside a job, whose ranks are the job's own; ``NBDDP_PREPARE_AHEAD=0``:
+        :func:`~nbddp.contracts.rank_env.prepares_ranks_ahead`); a line saying what happened (``""``: nothing to say).
+        A starter started without a word is said by the next call that says (the nbddp kernel's ``%load_ext``)."""
+        if not prepares_ranks_ahead() or self.live() is not None:
             return ""
-        try:
-            self.preload = Preload(self.idle)
-        except Exception as exc:  # noqa: BLE001 - the extension loads all the same; the first run starts the ranks
-            self.preload = None
-            return f"could not start the warm ranks' starter ahead ({exc}): the first %%ddp_train starts it"
-        self._stop_at_exit()
-        return (f"preparing warm ranks: their starter imports torch now, in the background, and leaves after "
-                f"{self.idle:g}s without a run (%ddp_ranks stop releases it)")
+        if self.preload is None or not self.preload.alive():
+            try:
+                self.preload = Preload(self.idle)
+            except Exception as exc:  # noqa: BLE001 - the extension loads all the same; the first run starts the ranks
+                self.preload = None
+                return f"could not start the warm ranks' starter ahead ({exc}): the first %%ddp_train starts it"
+            self._stop_at_exit()
+            self._unsaid = not say
+            return (f"preparing warm ranks: their starter imports torch now, in the background, and leaves after "
+                    f"{self.idle:g}s without a run (%ddp_ranks stop releases it)") if say else ""
+        if not say or not self._unsaid:
+            return ""
+        self._unsaid = False
+        state = "has imported torch" if self.preload.preloaded_in() is not None else "imports torch in the background"
+        return (f"preparing warm ranks: their starter, started with this kernel (the nbddp kernel), {state}; it leaves "
+                f"after {self.preload.idle:g}s without a run (%ddp_ranks stop releases it)")
 
     def set_idle(self, seconds: float) -> None:
         """``%ddp_ranks --idle``: the ranks started from now on wait this long; a starter waiting for its first run
@@ -211,8 +223,8 @@ class KernelPool(PoolKeeper):
         if not why:
             return preload
         preload.stop()
-        self.notes.append(f"the warm ranks' starter loaded with the extension could not serve this run ({why}): "
-                          f"started a fresh one")
+        self.notes.append(f"the warm ranks' starter started ahead could not serve this run ({why}): started a fresh "
+                          f"one")
         return None
 
     def _stop_at_exit(self) -> None:
