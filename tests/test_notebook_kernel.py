@@ -82,9 +82,9 @@ def _saved_with(path, kernel):
 
 
 def test_a_notebooks_kernel_is_its_own_and_the_nbddp_kernel_not_installed_here_is_the_plain_one(tmp_path, monkeypatch):
-    """The nbddp kernel only starts the warm ranks' starter sooner, which beside a job it doesn't: where it isn't
-    installed, nbddp runs a notebook saved with it in this Python's plain kernel. Another kernel not installed here
-    is said before anything starts, naming it and those that are (Jupyter's own kernelspecs, in the test's folders)."""
+    """The nbddp kernel only starts the warm ranks' starter sooner, which beside a job it doesn't: nbddp runs a
+    notebook saved with it in this Python's plain kernel. Another kernel not installed here is said before anything
+    starts, naming it and those that are (Jupyter's own kernelspecs, in the test's folders)."""
     from nbddp.doors.cli import main
     from nbddp.doors.jupyter.kernelspec import install
     from nbddp.doors.notebook_kernel import kernel_for
@@ -96,10 +96,12 @@ def test_a_notebooks_kernel_is_its_own_and_the_nbddp_kernel_not_installed_here_i
     saved = read_notebook(_saved_with(tmp_path / "nb.ipynb", "nbddp"))
     assert kernel_for(saved) == "python3"
     install()
-    assert kernel_for(saved) == "nbddp"
+    assert kernel_for(saved) == "python3"  # (installed or not: its kernelspec may name another environment's Python)
+    assert kernel_for(read_notebook(_saved_with(tmp_path / "cased.ipynb", "Python3"))) == "python3"  # (as Jupyter)
     missing = _saved_with(tmp_path / "theirs.ipynb", "conda-env-theirs-py")
     with pytest.raises(NotebookError, match=r"theirs.ipynb: its kernel 'conda-env-theirs-py' is not installed here "
-                                            r"\(installed: nbddp, python3\)\. Install it"):
+                                            r"\(installed: [^)]*python3[^)]*\)\. Install it \(`python -m ipykernel "
+                                            r"install --user --name conda-env-theirs-py`"):
         kernel_for(read_notebook(missing))
     monkeypatch.chdir(tmp_path)
     assert main(["run", "theirs.ipynb", "--cpu"]) == 2  # (before anything starts: no run dir)

@@ -82,6 +82,8 @@ def test_the_nbddp_kernel_starts_the_starter_whose_first_run_forks_the_ranks_wit
     ahead = [p.pid for p in psutil.Process(kernel_pid).children() if "nbddp.launchers.warm.agent" in p.cmdline()]
     assert len(ahead) == 1, psutil.Process(kernel_pid).children()  # (the kernel is ready: it started it before)
     starter = ahead[0]
+    (tmp_path / "mymod.py").write_text("X = 'from the notebook folder'\n")  # (the folder off the path only at start)
+    assert "from the notebook folder" in kernel.execute("import mymod; print(mymod.X)")
     loaded = kernel.execute("%load_ext nbddp")
     assert "[nbddp] preparing warm ranks: their starter, started with this kernel (the nbddp kernel)," in loaded, loaded
     assert _starter(kernel) == starter
@@ -151,7 +153,11 @@ def test_a_first_run_the_starter_doesnt_fit_says_why_and_gets_fresh_ranks_with_t
             "changed (MY_SETTING)): started a fresh one") in out and "[rank 1] setting 1" in out, out
     _wait(lambda: not alive(starter), "the starter that didn't fit stopped", 5)  # (what it imported no rank may inherit)
 
-    kernel.execute("%ddp_ranks restart")  # a starter with MY_SETTING
+    kernel.execute("%ddp_ranks restart")  # a starter with MY_SETTING, which a first run fits
+    starter = _starter(kernel)
+    out = train(kernel)
+    assert "could not serve" not in out and all(_forked_from(pid, starter) for pid in pids(out).values()), out
+    kernel.execute("%ddp_ranks restart")
     starter = _starter(kernel)
     out = train(kernel, "--nproc 1", extra="print('threads', torch.get_num_threads())\n")
     threads = os.cpu_count() or 1
@@ -254,3 +260,27 @@ def test_the_starters_imports_collect_nothing_and_read_nothing_a_kernel_sets_as_
     read = set(found["read"]) | set(record.read_text().split())
     assert {"OMP_NUM_THREADS", "TORCH_LOGS"} <= read  # (libgomp's getenv, torch's os.environ: the records work)
     assert not {name for name in read if name.startswith(agent.KERNEL_START_VARIABLES)}, sorted(read)
+
+
+def test_a_starter_the_kernel_started_that_its_first_cells_no_longer_fit_is_started_again_at_load_ext(monkeypatch,
+                                                                                                      tmp_path):
+    """The nbddp kernel's starter imported with the kernel's environment as it started; a notebook that sets a
+    variable (or changes folder) before ``%load_ext nbddp`` no longer fits it, and its first run would start a fresh
+    one: ``%load_ext`` starts it again at once and says why. (Real starters; no kernel needed for the rule.)"""
+    from nbddp.launchers.warm.keepers import KernelPool
+
+    monkeypatch.chdir(tmp_path)
+    pool = KernelPool()
+    try:
+        assert pool.prepare(say=False) == ""  # (the nbddp kernel, as it starts)
+        ahead = pool.preload
+        monkeypatch.setenv("MY_SETTING", "1")  # (a first cell: os.environ["MY_SETTING"] = "1")
+        said = pool.prepare()
+        assert said.startswith("preparing warm ranks: their starter imports torch now") and said.endswith(
+            "; the one started with this kernel no longer fit: environment variables changed (MY_SETTING)"), said
+        assert pool.preload is not ahead and pool.preload.alive() and not alive(ahead.launch.pid)
+        assert pool.prepare() == ""  # (said once)
+        again = pool.preload
+        assert pool.prepare(say=False) == "" and pool.prepare() == "" and pool.preload is again  # (it fits: kept)
+    finally:
+        pool.stop()

@@ -17,8 +17,9 @@ import sys
 from typing import Sequence
 
 #: What an interpreter older than 3.11 runs first, instead of ``-m MODULE`` (then ``runpy`` runs the module as
-#: ``-m`` would: ``sys.argv[0]`` its file, the rest the arguments).
-_BOOTSTRAP_MODULE = ("import sys; del sys.path[0]; import runpy; "
+#: ``-m`` would: ``sys.argv[0]`` its file, the rest the arguments). The working folder ``-c`` put first goes, where it
+#: is there (``PYTHONSAFEPATH`` leaves it out).
+_BOOTSTRAP_MODULE = ("import sys; sys.path[:1] = [] if sys.path[:1] == [''] else sys.path[:1]; import runpy; "
                      "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
 
 

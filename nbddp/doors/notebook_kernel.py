@@ -24,6 +24,7 @@ import copy
 import math
 import os
 import re
+import shlex
 import shutil
 import threading
 import time
@@ -55,27 +56,32 @@ PUMP_SECONDS = 0.05
 
 
 def kernel_for(notebook: Notebook) -> str:
-    """The kernel ``nbddp run`` runs ``notebook`` in: the one its metadata names (``python3`` where none), but for the
-    nbddp kernel where it isn't installed, whose place this Python's plain kernel takes (beside a job it starts
-    nothing more: :mod:`nbddp.doors.jupyter.kernel_start`).
+    """The kernel ``nbddp run`` runs ``notebook`` in: the one its metadata names (``python3`` where none; as Jupyter
+    does, whatever its case), but this Python's plain kernel for the nbddp kernel. That one only starts the warm ranks'
+    starter sooner, which beside a job it doesn't (:mod:`nbddp.doors.jupyter.kernel_start`), and its kernelspec names
+    the Python that installed it, which may be another environment's than this run's. ``python3`` is asked nothing:
+    ipykernel, a requirement, is always that kernel (Jupyter's search of its kernelspecs takes 0.3 s here).
 
     Raises:
         NotebookError: no kernel of that name is installed here (asked before anything starts).
     """
-    from jupyter_client.kernelspec import KernelSpecManager
-
     from nbddp.doors.jupyter.kernelspec import KERNEL_NAME
 
-    name = notebook.kernel_name or "python3"
-    found = KernelSpecManager().find_kernel_specs()
-    if name in found:
-        return name
-    if name == KERNEL_NAME:
+    name = (notebook.kernel_name or "python3").lower()
+    if name in ("python3", KERNEL_NAME):
         return "python3"
-    raise NotebookError(f"{notebook.path}: its kernel {name!r} is not installed here (installed: "
-                        f"{', '.join(sorted(found)) or 'none'}). Install it (`python -m ipykernel install --user "
-                        f"--name NAME` in the environment it should run), or choose one of these in Jupyter "
-                        "(Kernel > Change Kernel) and save the notebook.")
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    manager = KernelSpecManager()
+    try:
+        manager.get_kernel_spec(name)
+    except NoSuchKernel:
+        raise NotebookError(
+            f"{notebook.path}: its kernel {name!r} is not installed here (installed: "
+            f"{', '.join(sorted(manager.find_kernel_specs())) or 'none'}). Install it (`python -m ipykernel install "
+            f"--user --name {shlex.quote(name)}` in the environment it should run), or choose one of these in "
+            "Jupyter (Kernel > Change Kernel) and save the notebook.") from None
+    return name
 
 
 def kernel_notebook(notebook: Notebook, parameters: dict[str, Any]) -> tuple[NotebookNode, list[int | None]]:
@@ -174,11 +180,14 @@ class NotebookKernel(Kernel):
 
     def __init__(self, nb: NotebookNode, numbers: Sequence[int | None], notebook: Notebook, cwd: Path,
                  collector: NotebookOutputSink, sinks: Sequence[Sink], training: Sequence[int],
-                 save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None) -> None:
+                 save: Callable[[Any], None] | None = None, echo: Callable[[str], Any] | None = None,
+                 kernel_name: str = "python3") -> None:
         """``nb``/``numbers``: from :func:`kernel_notebook`; ``collector``: the training cell's output
         (also one of ``sinks``); ``training``: the numbers of the cells the job trains (the script's);
-        ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's text output (the terminal)."""
+        ``save(nb)``: write the notebook so far; ``echo``: show a kernel cell's text output (the terminal);
+        ``kernel_name``: the kernel to start (:func:`kernel_for`)."""
         self.nb, self.numbers, self.notebook, self.cwd = nb, list(numbers), notebook, cwd
+        self.kernel_name = kernel_name
         self.training = frozenset(training)
         self.collector, self.sinks = collector, list(sinks)
         self.save, self.echo = save, echo
@@ -241,8 +250,7 @@ class NotebookKernel(Kernel):
         class Client(TrainingCells, NotebookClient):
             pass
 
-        kernel_name = kernel_for(self.notebook)
-        client = Client(self.nb, km=self.kernel_manager(kernel_name), kernel_name=kernel_name,
+        client = Client(self.nb, km=self.kernel_manager(self.kernel_name), kernel_name=self.kernel_name,
                         shutdown_kernel="immediate", resources={"metadata": {"path": str(self.cwd)}}, timeout=None)
         client.nbddp_kernel = self
         return client

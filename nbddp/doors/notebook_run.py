@@ -104,7 +104,7 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
                say: Callable[[str], None], terminal: TerminalSink | None,
                started: Callable[[Any], Any] | None) -> orchestrator.RunResult:
     """The notebook's kernel beside the job; the executed notebook written after every cell."""
-    kernel_for(notebook)  # (a kernel not installed here: said before anything starts)
+    kernel_name = kernel_for(notebook)  # (a kernel not installed here: said before anything starts)
     executed, numbers = kernel_notebook(notebook, request.launch.parameters)
     collector = NotebookOutputSink()
     where: dict[str, Path] = {}
@@ -122,7 +122,8 @@ def _node_zero(request: orchestrator.RunRequest, notebook: Notebook, output: Pat
 
     kernel = NotebookKernel(executed, numbers, notebook, request.cwd, collector, [collector, *sinks],
                             request.script.training, save=save,
-                            echo=terminal.line if terminal is not None else None)  # above the epoch bar
+                            echo=terminal.line if terminal is not None else None,  # above the epoch bar
+                            kernel_name=kernel_name)
     result = orchestrator.run(request, kernel, [collector, *sinks], _prefixed(say), on_start=on_start)
     out = where.get("output", Path(output or result.paths.output))
     ending = summary(result, out)

@@ -62,7 +62,7 @@ def preload(threads: str, modules: Sequence[str] = ()) -> None:
     imported here once rather than by every rank, each doing the whole import at the same time).
 
     The collector is off while they import: torch's import makes millions of objects that are never garbage, and the
-    collections they set off, each scanning all of them, were a sixth of a warm starter's imports here (0.5 s of 3 s:
+    collections they set off, each scanning all of them, were a fifth of a warm starter's imports here (0.6 s of 3 s:
     ``python -m benchmarks.first_run``). What exists then is frozen (never scanned again; a collection in a rank would
     copy its pages) and the collector is turned back on for the ranks."""
     os.environ.setdefault("OMP_NUM_THREADS", threads)

@@ -22,7 +22,9 @@ def main() -> None:
     try:
         from nbddp.doors.jupyter.kernel_pool import kernel_pool
 
-        kernel_pool.prepare(say=False)  # (its line is said by %load_ext nbddp: nobody reads the kernel's own output)
+        failed = kernel_pool.prepare(say=False)  # (its line is said by %load_ext nbddp; a failure to the kernel's log)
+        if failed:
+            print(f"[nbddp] {failed}", file=sys.stderr)
     except Exception as exc:  # noqa: BLE001 - the kernel starts all the same: %load_ext starts the starter then
         print(f"[nbddp] the nbddp kernel could not prepare the warm ranks ({type(exc).__name__}: {exc}); "
               "%load_ext nbddp starts them", file=sys.stderr)

@@ -7,13 +7,14 @@ Its module is found with the working folder off the module path (the folder a no
 on a shared machine), which IPython then puts back for the notebook's own modules, as ipykernel's launcher does.
 
 A notebook saved with this kernel names it (``"kernelspec": {"name": "nbddp"}``): where it isn't installed, Jupyter
-asks for another kernel, ``papermill -k python3`` runs it, and nbddp's own commands run it in this Python's plain
-kernel (:func:`nbddp.doors.notebook_kernel.kernel_for`), since beside a job the nbddp kernel starts nothing.
+asks for another kernel, ``papermill -k python3`` runs it; nbddp's own commands run it in this Python's plain kernel
+everywhere (:func:`nbddp.doors.notebook_kernel.kernel_for`), since beside a job the nbddp kernel starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import shutil
 import sys
 import tempfile
@@ -30,8 +31,11 @@ MODULE = "nbddp.doors.jupyter.kernel_start"
 
 
 def kernel_argv(python: str = sys.executable) -> list[str]:
-    """The kernelspec's ``argv``: the kernel's module with ``{connection_file}`` (filled in by Jupyter)."""
-    return bootstrapped_module_argv(MODULE, "-f", "{connection_file}", python=python)
+    """The kernelspec's ``argv``: the kernel's module with ``{connection_file}`` (filled in by Jupyter). CPython's
+    frozen standard modules are off, as ``python -m ipykernel install`` has them, so that the kernel's debugger
+    (``"debugger": true``) can step into them."""
+    flags = ("-Xfrozen_modules=off",) if platform.python_implementation() == "CPython" else ()
+    return bootstrapped_module_argv(MODULE, "-f", "{connection_file}", python=python, flags=flags)
 
 
 def install(prefix: str | None = None) -> Path:
@@ -84,7 +88,6 @@ def remove() -> Path:
         raise UsageError(f"could not remove the nbddp kernel at {folder}: {exc.strerror or exc}.") from None
 
 
-
 def add_kernel_commands(parser: argparse.ArgumentParser) -> None:
     """``nbddp kernel install [--user | --sys-prefix | --prefix PATH]`` and ``nbddp kernel remove``."""
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -103,11 +106,14 @@ def kernel_command(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """What ``nbddp kernel ACTION`` does, said in a line or two."""
     if args.action == "remove":
         say(f"nbddp: removed the nbddp kernel ({remove()})")
+        other = installed()
+        if other is not None:
+            say(f"nbddp: another nbddp kernel is installed, at {other}: `nbddp kernel remove` again removes it")
         return 0
     folder = install(prefix=sys.prefix if args.sys_prefix else args.prefix)
-    say(f"nbddp: installed the nbddp kernel, {DISPLAY_NAME!r}, in {folder}: a notebook in it starts the warm ranks' "
-        "starter as its kernel starts, so that a first %%ddp_train run right after the notebook's first cells "
-        "(Restart and Run All) waits for less (`nbddp kernel remove` removes it)")
+    say(f"nbddp: installed the nbddp kernel, {DISPLAY_NAME!r} (running {sys.executable}), in {folder}: a notebook "
+        "in it starts the warm ranks' starter as its kernel starts, so that a first %%ddp_train run right after the "
+        "notebook's first cells (Restart and Run All) waits for less (`nbddp kernel remove` removes it)")
     found = installed()
     if found is None or found.resolve() != folder.resolve():
         say(f"nbddp: Jupyter here {f'finds another nbddp kernel first, at {found}' if found else 'does not find it'}"

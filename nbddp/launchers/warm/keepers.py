@@ -10,6 +10,7 @@ slot's (:func:`batch_slot`); ``%%ddp_train`` a :class:`KernelPool` per kernel, w
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import IO, Mapping
 
@@ -172,10 +173,17 @@ class KernelPool(PoolKeeper):
         """Start the next pool's starter ahead of the first run (``%load_ext nbddp``, ``%ddp_ranks start``; the nbddp
         kernel as it starts, with ``say=False``), unless ranks or a starter are there already, or this kernel doesn't
         prepare ranks ahead (beside a job, whose ranks are the job's own; ``NBDDP_PREPARE_AHEAD=0``:
-        :func:`~nbddp.contracts.rank_env.prepares_ranks_ahead`); a line saying what happened (``""``: nothing to say).
-        A starter started without a word is said by the next call that says (the nbddp kernel's ``%load_ext``)."""
+        :func:`~nbddp.contracts.rank_env.prepares_ranks_ahead`); a line saying what happened (``""``: nothing to say;
+        with ``say=False``, only a failure is said). A starter started without a word is said by the next call that
+        says (the nbddp kernel's ``%load_ext``), which first starts it again if the kernel no longer fits it (its
+        first cells set variables or changed folder)."""
         if not prepares_ranks_ahead() or self.live() is not None:
             return ""
+        misfit = self._misfit() if say and self._unsaid else ""
+        if misfit:  # (the notebook's first cells set variables, or changed folder, after the kernel started it)
+            self.preload.stop()
+            self.preload, self._unsaid = None, False
+            return f"{self.prepare()}; the one started with this kernel no longer fit: {misfit}"
         if self.preload is None or not self.preload.alive():
             try:
                 self.preload = Preload(self.idle)
@@ -192,6 +200,15 @@ class KernelPool(PoolKeeper):
         state = "has imported torch" if self.preload.preloaded_in() is not None else "imports torch in the background"
         return (f"preparing warm ranks: their starter, started with this kernel (the nbddp kernel), {state}; it leaves "
                 f"after {self.preload.idle:g}s without a run (%ddp_ranks stop releases it)")
+
+    def _misfit(self) -> str:
+        """What of this kernel now differs from what the starter started ahead imported with (``""``: nothing, or no
+        starter waiting): the first run's own check (:meth:`_take_preload`), with the default devices' ranks."""
+        preload = self.preload
+        if preload is None or not preload.alive():
+            return ""
+        ranks_env = ranks_environment(RankEnv(nproc=preload.nproc), preload.dir.store, os.environ)
+        return preload.misfit(sys.executable, os.getcwd(), ranks_env, preload.nproc)
 
     def set_idle(self, seconds: float) -> None:
         """``%ddp_ranks --idle``: the ranks started from now on wait this long; a starter waiting for its first run

@@ -87,6 +87,18 @@ class Preload:
         agent`): what it imported with must be what the ranks get."""
         if not self.alive():
             return "it had left (idle) or was stopped"
+        misfit = self.misfit(python, cwd, ranks_env, nproc)
+        if misfit:
+            return misfit
+        try:
+            claimed = self.dir.claim("run")
+        except OSError:
+            claimed = False
+        return "" if claimed else "it was leaving (idle)"
+
+    def misfit(self, python: str, cwd: str, ranks_env: Mapping[str, str], nproc: int) -> str:
+        """What of ``python``, ``cwd`` and the ranks' environment differs from what it imported with (``""``:
+        nothing), claiming nothing: :meth:`why_not`'s rule, which the nbddp kernel's ``%load_ext`` asks too."""
         if python != self.python:
             return "the Python interpreter changed"
         if str(Path(cwd).resolve()) != str(self.cwd.resolve()):
@@ -98,11 +110,7 @@ class Preload:
                 return (f"{nproc} rank(s) get OMP_NUM_THREADS={wanted.get(names[0])}, and it imported torch for "
                         f"{self.imported.get(names[0])}")
             return f"environment variables changed ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
-        try:
-            claimed = self.dir.claim("run")
-        except OSError:
-            claimed = False
-        return "" if claimed else "it was leaving (idle)"
+        return ""
 
     def preloaded_in(self) -> float | None:
         """How long its imports took, once done (``None``: not yet)."""
