@@ -267,7 +267,9 @@ def where_markdown(imports: dict[str, list[dict]], timelines: dict[str, list[dic
         summary([t["cell idle"] - t["training cell sent"] for t in timelines[kind]]) for kind in timelines) + " |")
     lines += ["", "A negative time is before the first cell: the nbddp kernel started the starter as it started. The "
               "pool's files give the starter's end of imports and each rank's joining its group (their write "
-              "times); the ranks' fork is seen among the starter's children, looked at every 5 ms."]
+              "times); the ranks' fork is seen among the starter's children, looked at every 5 ms. Those looks take "
+              "CPU of their own on 2 cores: the training cell's time to compare with the peers is \"The first run in "
+              "a fresh kernel\" above, measured without them."]
     return "\n".join(lines) + "\n"
 
 
