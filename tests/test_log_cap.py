@@ -2,12 +2,15 @@
 lines within ``--log-cap`` (plus a megabyte of tail), says so at the end, and an interrupt under the flood still
 ends the cell within seconds.
 
-Real runs: ``nbddp run`` and ``%%ddp_train`` in a real kernel (2 gloo ranks).
+Real runs: ``nbddp run`` and ``%%ddp_train`` in a real kernel (2 gloo ranks); the cut itself in a real process whose
+fd 1 appends to a real file, a concurrent write of the rank's made at the one moment it could be lost.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,11 +18,11 @@ import pytest
 from nbddp.rank_side.log_cap import TAIL
 from tests.conftest import code, wait_until, write_notebook
 
-pytestmark = pytest.mark.slow
 FLOOD = ("#| ddp-train\nimport time\nt0 = time.time(); i = 0\nwhile time.time() - t0 < {seconds}:\n"
          "    print('flood line', i, 'x' * 80); i += 1\nprint('the end', i, flush=True)")
 
 
+@pytest.mark.slow
 def test_a_flooding_rank_keeps_its_start_and_last_lines_within_the_cap_and_says_what_it_dropped(tmp_path, cli_run):
     write_notebook(tmp_path / "f.ipynb", [code("import torch, nbddp", "ddp"), code(FLOOD.format(seconds=4))])
     run = cli_run(["run", "f.ipynb", "--cpu", "--log-cap", "1MB"], tmp_path)
@@ -42,6 +45,7 @@ def test_a_flooding_rank_keeps_its_start_and_last_lines_within_the_cap_and_says_
     assert not run.leftovers()
 
 
+@pytest.mark.slow
 def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_path):
     """The stop button while both ranks print as fast as they can (the default cap, 100 MB): the cell ends with
     the interrupt within seconds (measured to the kernel's reply), the ranks kept warm for the next run."""
@@ -71,3 +75,35 @@ def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_p
         assert "[rank 1] again 1" in again and "on a warm rank (its run 2)" in again, again
     finally:
         kernel.close()
+
+
+#: A process whose fd 1 appends to the log, as a rank's does; the rank's write lands while the cut reads the lines it
+#: moves (the moment the old cut lost it: its truncation then dropped what was appended after its look at the size).
+CUT_WHILE_THE_RANK_WRITES = """
+import os, sys
+from nbddp.rank_side import log_cap
+kept, length = int(sys.argv[1]), os.fstat(1).st_size
+read = os.pread
+def pread_as_the_rank_writes(fd, n, offset):
+    data = read(fd, n, offset)
+    if pread_as_the_rank_writes.first:
+        pread_as_the_rank_writes.first = False
+        os.write(1, b"the rank's last line\\n")
+    return data
+pread_as_the_rank_writes.first = True
+os.pread = pread_as_the_rank_writes
+print(log_cap._keep_newest(kept, length, 275), file=sys.stderr)
+"""
+
+
+def test_the_cut_keeps_what_the_rank_writes_while_it_moves_the_newest_lines(tmp_path):
+    head = b"h" * 99 + b"\n"
+    lines = b"".join(b"line %03d %s\n" % (i, b"x" * 40) for i in range(100))  # 50 bytes each
+    log = tmp_path / "rank-0.log"
+    log.write_bytes(head + lines)
+    with open(log, "ab") as appending:
+        done = subprocess.run([sys.executable, "-c", CUT_WHILE_THE_RANK_WRITES, str(len(head))], stdout=appending,
+                              stderr=subprocess.PIPE, text=True, check=True)
+    newest = lines[-250:]  # the 275 bytes asked for start within a line: the 5 whole lines after it
+    assert log.read_bytes() == head + newest + b"the rank's last line\n"
+    assert int(done.stderr) == len(lines) - len(newest)

@@ -3,17 +3,17 @@
 A rank's stdout and stderr are its file descriptors 1 and 2, pointed at ``logs/rank-N.log``
 (:func:`nbddp.rank_side.process.log_to_run_dir`): C code's output lands there too, and a flood can never
 block the rank on a full pipe. So the cap is kept beside the writes, not in their way: a daemon thread looks
-at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it cuts the file back to the cap, the
-head's last bytes replaced by one line saying so; from then on it lets the file grow by at most :data:`TAIL`
-beyond that line and cuts it back to it, all but its newest quarter, written back after the line (what the
-rank writes between that read and the cut, a few microseconds' worth, is dropped). Both are written at their
-offsets, not appended: the rank goes on writing meanwhile. The file therefore holds the first ``cap`` bytes
-(the line last), and the last lines the rank wrote (a traceback at the end among them; the exception is
-also in ``errors/rank-N.json``), and the disk holds at most ``cap + TAIL`` of it (and what a quarter second
-adds), whatever a forgotten detached run prints for a week.
+at the file's size :data:`CHECKS_PER_SECOND` times a second. Past the cap it replaces the head's last bytes with
+one line saying so; from then on it lets the file grow by at most :data:`TAIL` beyond that line and cuts it back
+to it, all but its newest quarter, moved to after the line with what the rank appended during the move (copied
+again until the size holds still: only a write landing in the microseconds between that look and the cut is
+dropped). Both are written at their offsets, not appended: the rank goes on writing meanwhile. The file therefore
+holds the first ``cap`` bytes (the line last), and the last lines the rank wrote (a traceback at the end among
+them; the exception is also in ``errors/rank-N.json``), and the disk holds at most ``cap + TAIL`` of it (and
+what a quarter second adds), whatever a forgotten detached run prints for a week.
 
 ``ranks/log-N.json`` (:meth:`nbddp.contracts.rundir.RunDir.rank_log_cap`) says where the kept head ends and about
-how much was dropped (bytes written between the size check and the cut are dropped uncounted): the follower
+how much was dropped (a write landing between the last look and the cut is dropped uncounted): the follower
 (:mod:`nbddp.job.follow`) streams the head and, once the rank has ended, the tail, and ``result.json`` and
 the ending line say what was dropped. A warm rank's log changes with each job: the count starts again.
 """
@@ -29,6 +29,8 @@ from nbddp.contracts.atomic import write_json
 from nbddp.contracts.rank_memory import size
 
 CHECKS_PER_SECOND = 4
+#: Rounds of copying what the rank appended during a cut, before it is cut anyway (a rank out-writing the copy).
+COPY_ROUNDS = 8
 #: What the log keeps of the output after the cap: its latest bytes, up to this many.
 TAIL = 1 << 20
 
@@ -74,44 +76,62 @@ def _check(log: _Capped) -> None:
         length = os.fstat(1).st_size
         if _inode() != log.inode:
             return  # fd 1 was pointed elsewhere without a new watch(): not this log any more
+        said = log.kept, log.dropped
         if log.kept is None and length > log.cap:
             line = (f"\n[nbddp] this log reached its cap of {size(log.cap)} (--log-cap): from here on only "
                     "the rank's last lines are kept, below.\n").encode()
-            os.ftruncate(1, log.cap)
-            _write_at(log.cap - len(line), line)  # the head's last bytes: the rank may be appending already
-            log.kept, log.dropped = log.cap, length - log.cap
-        elif log.kept is not None and length > log.kept + TAIL:
-            newest = _newest_lines(length, min(TAIL // 4, length - log.kept))
-            _write_at(log.kept, newest)  # what was just written stays: a rank that ends now keeps its last lines
-            os.ftruncate(1, log.kept + len(newest))
-            log.dropped += length - log.kept - len(newest)
-        else:
-            return
-        write_json(log.report, {"cap": log.cap, "kept": log.kept, "dropped": log.dropped})
+            _write_at(log.cap - len(line), line)  # the head's last bytes; what the rank wrote past them is the tail
+            log.kept, log.dropped = log.cap, len(line)
+        if log.kept is not None and length > log.kept + TAIL:
+            log.dropped += _keep_newest(log.kept, length, min(TAIL // 4, length - log.kept))
+        if (log.kept, log.dropped) != said:
+            write_json(log.report, {"cap": log.cap, "kept": log.kept, "dropped": log.dropped})
     except OSError:
         pass  # a log that can't be looked at or cut is left as it is
 
 
 def _write_at(offset: int, data: bytes) -> None:
-    """``data`` at ``offset`` of the log, whatever the rank appends meanwhile. Not through fd 1: it appends
-    (O_APPEND, so that every write of the rank's lands at the end), and Linux's ``pwrite`` on such a descriptor
-    appends too: bytes the rank wrote between a cut and this write would come before ``data``."""
-    fd = os.open("/proc/self/fd/1", os.O_WRONLY)
+    """``data`` at ``offset`` of the log, whatever the rank appends meanwhile."""
+    fd = _log_at_offsets()
     try:
         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
 
 
-def _newest_lines(length: int, most: int) -> bytes:
-    """The log's last whole lines, ``most`` bytes at most (read through ``/proc``: fd 1 is write-only)."""
+def _keep_newest(kept: int, length: int, most: int) -> int:
+    """Move the log's newest whole lines (``most`` bytes at most, up to ``length``) to ``kept``, then what the rank
+    appended while they were moved, and cut the file after them; the bytes dropped.
+
+    Cutting at ``length`` itself would drop what the rank wrote during the copy (its very last line, when it ends
+    then); copying again until the size holds still leaves only the microseconds between that look and the cut."""
+    fd = _log_at_offsets()
     try:
-        with open("/proc/self/fd/1", "rb") as log:
-            log.seek(length - most)
-            data = log.read(most)
-    except OSError:
-        return b""
-    return data[data.find(b"\n") + 1:] if b"\n" in data else b""
+        newest = os.pread(fd, most, length - most)
+        if b"\n" not in newest:
+            return 0
+        source, target, end = length - most + newest.index(b"\n") + 1, kept, length
+        for _ in range(COPY_ROUNDS):
+            while source < end:
+                data = os.pread(fd, min(end - source, TAIL), source)
+                if not data:
+                    break
+                os.pwrite(fd, data, target)
+                source, target = source + len(data), target + len(data)
+            end = os.fstat(fd).st_size
+            if end <= source:
+                break
+        os.ftruncate(fd, target)
+        return max(end, source) - target
+    finally:
+        os.close(fd)
+
+
+def _log_at_offsets() -> int:
+    """The log again, read and written at offsets. Not through fd 1: it appends (O_APPEND, so that every write
+    of the rank's lands at the end), and Linux's ``pwrite`` on such a descriptor appends too: bytes the rank wrote
+    between a cut and a write would come before it. (fd 1 is write-only as well.)"""
+    return os.open("/proc/self/fd/1", os.O_RDWR)
 
 
 def _inode() -> tuple[int, int]:
