@@ -38,26 +38,36 @@ def test_install_writes_ipykernels_spec_with_the_nbddp_kernels_module_for_this_u
     assert KernelSpecManager().find_kernel_specs()[KERNEL_NAME] == str(folder)
 
     assert main(["kernel", "install"]) == 0  # again: replaced, the same
+    assert f"replaced the nbddp kernel, {DISPLAY_NAME!r}" in capsys.readouterr().err
     assert json.loads((folder / "kernel.json").read_text()) == spec
     assert main(["kernel", "remove"]) == 0
     assert f"removed the nbddp kernel ({folder})" in capsys.readouterr().err and not folder.exists()
     if KERNEL_NAME not in KernelSpecManager().find_kernel_specs():  # (none in this environment's own folders)
         assert main(["kernel", "remove"]) == 2
-        assert "nbddp: error: no nbddp kernel is installed here" in capsys.readouterr().err
+        assert ("nbddp: error: no nbddp kernel that Jupyter finds is installed here (jupyter kernelspec list shows "
+                "the kernels); one installed with --prefix PATH is removed with `nbddp kernel remove --prefix PATH`"
+                ) in capsys.readouterr().err
 
 
-def test_a_prefix_jupyter_doesnt_look_in_is_said_with_the_jupyter_path_that_finds_it(jupyter_dirs, capsys):
+def test_a_prefix_jupyter_doesnt_look_in_is_said_with_the_jupyter_path_that_finds_it_and_removed_from_there(jupyter_dirs, capsys):
     assert main(["kernel", "install", "--prefix", str(jupyter_dirs / "env")]) == 0
     said = capsys.readouterr().err
     share = jupyter_dirs / "env" / "share" / "jupyter"
     assert f"in {share / 'kernels' / KERNEL_NAME}" in said, said
     assert f"Jupyter here does not find it: give JUPYTER_PATH={share} to the Jupyter that should find it" in said
+    assert f"`nbddp kernel remove --prefix {jupyter_dirs / 'env'}` removes it" in said
     with pytest.raises(SystemExit, match="2"):  # (one place only)
         main(["kernel", "install", "--prefix", str(jupyter_dirs / "env"), "--user"])
     blocked = jupyter_dirs / "blocked"
     blocked.write_text("")  # (a file where the folder should be)
     assert main(["kernel", "install", "--prefix", str(blocked)]) == 2
     assert "nbddp: error: could not install the nbddp kernel:" in capsys.readouterr().err
+    # removed from where it was installed, which this Jupyter doesn't look in
+    assert main(["kernel", "remove", "--prefix", str(jupyter_dirs / "env")]) == 0
+    assert f"removed the nbddp kernel ({share / 'kernels' / KERNEL_NAME})" in capsys.readouterr().err
+    assert not (share / "kernels" / KERNEL_NAME).exists()
+    assert main(["kernel", "remove", "--prefix", str(jupyter_dirs / "env")]) == 2
+    assert f"nbddp: error: no nbddp kernel is installed in {share / 'kernels'}." in capsys.readouterr().err
 
 
 def test_the_kernels_module_is_found_with_the_working_folder_off_the_path(tmp_path):

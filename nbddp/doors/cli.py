@@ -84,7 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_doctor)
 
     kernel = commands.add_parser("kernel", help="the nbddp kernel: a Jupyter kernel that starts the warm ranks' "
-                                                "starter as it starts (install, remove)")
+                                                "starter as it starts (install, remove)",
+                                 description="The nbddp kernel: ipykernel's Python kernel, which starts the warm "
+                                             "ranks' starter (torch imported, no GPU touched) as the kernel starts, "
+                                             "ahead of the notebook's first cells (docs/warm-ranks.md).")
     add_kernel_commands(kernel)
     kernel.set_defaults(handler=_kernel)
 

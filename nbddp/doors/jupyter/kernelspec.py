@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -71,49 +72,83 @@ def installed() -> Path | None:
     return Path(found) if found else None
 
 
-def remove() -> Path:
-    """Remove the nbddp kernelspec Jupyter would use here; returns its folder.
+def folder_for(prefix: str | None) -> Path:
+    """Where :func:`install` puts the kernelspec: this user's Jupyter data folder, or ``prefix``'s, as Jupyter's
+    ``KernelSpecManager.install_kernel_spec`` does."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return (Path(prefix) / "share" / "jupyter" if prefix else Path(jupyter_data_dir())) / "kernels" / KERNEL_NAME
+
+
+def remove(prefix: str | None = None, user: bool = False) -> Path:
+    """Remove the nbddp kernelspec: the one Jupyter would use here, or the one installed for this user (``user``) or
+    under ``prefix``, which a Jupyter started without that prefix's ``JUPYTER_PATH`` doesn't find. Returns its folder.
 
     Raises:
-        UsageError: none is installed, or its folder can't be removed.
+        UsageError: none is installed there, or its folder can't be removed.
     """
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    folder = installed()
-    if folder is None:
-        raise UsageError("no nbddp kernel is installed here (jupyter kernelspec list shows the kernels).")
+    if prefix is None and not user:
+        folder = installed()
+        if folder is None:
+            raise UsageError("no nbddp kernel that Jupyter finds is installed here (jupyter kernelspec list shows the "
+                             "kernels); one installed with --prefix PATH is removed with `nbddp kernel remove "
+                             "--prefix PATH`.")
+    else:
+        folder = folder_for(prefix)
+        if not (folder / "kernel.json").is_file():
+            raise UsageError(f"no nbddp kernel is installed in {folder.parent}.")
     try:
-        return Path(KernelSpecManager().remove_kernel_spec(KERNEL_NAME))
+        shutil.rmtree(folder)
     except OSError as exc:
         raise UsageError(f"could not remove the nbddp kernel at {folder}: {exc.strerror or exc}.") from None
+    return folder
+
+
+def _where_options(parser: argparse.ArgumentParser, verb: str) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true",
+                       help=f"{verb} this user's kernels, which every Jupyter of this user finds"
+                            f"{' (the default)' if verb == 'in' else ''}")
+    where.add_argument("--sys-prefix", action="store_true",
+                       help=f"{verb} this environment's kernels ({sys.prefix}), which a Jupyter installed in it finds")
+    where.add_argument("--prefix", metavar="PATH",
+                       help=f"{verb} PATH/share/jupyter/kernels, which a Jupyter finds with "
+                            "JUPYTER_PATH=PATH/share/jupyter")
 
 
 def add_kernel_commands(parser: argparse.ArgumentParser) -> None:
-    """``nbddp kernel install [--user | --sys-prefix | --prefix PATH]`` and ``nbddp kernel remove``."""
+    """``nbddp kernel install [--user | --sys-prefix | --prefix PATH]`` and ``nbddp kernel remove [the same]``."""
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    put = actions.add_parser("install", help="install the nbddp kernel for this Python (for this user by default)")
-    where = put.add_mutually_exclusive_group()
-    where.add_argument("--user", action="store_true",
-                       help="in this user's kernels, which every Jupyter of this user finds (the default)")
-    where.add_argument("--sys-prefix", action="store_true",
-                       help=f"in this environment's kernels ({sys.prefix}), which a Jupyter installed in it finds")
-    where.add_argument("--prefix", metavar="PATH",
-                       help="in PATH/share/jupyter/kernels, which a Jupyter finds with JUPYTER_PATH=PATH/share/jupyter")
-    actions.add_parser("remove", help="remove the nbddp kernel Jupyter finds here")
+    put = actions.add_parser(
+        "install", help="install the nbddp kernel for this Python (for this user by default)",
+        description="Install the nbddp kernel, 'Python 3 (nbddp)': ipykernel's kernel, which starts the warm ranks' "
+                    "starter as it starts, so that a notebook's first %%ddp_train run right after its first cells "
+                    "waits for less. One already there is replaced.")
+    _where_options(put, "in")
+    take = actions.add_parser(
+        "remove", help="remove the nbddp kernel Jupyter finds here (or the one --user, --sys-prefix, --prefix name)",
+        description="Remove the nbddp kernel: the one Jupyter finds here, or the one installed where --user, "
+                    "--sys-prefix or --prefix says (as it was installed).")
+    _where_options(take, "from")
 
 
 def kernel_command(args: argparse.Namespace, say: Callable[[str], None]) -> int:
     """What ``nbddp kernel ACTION`` does, said in a line or two."""
+    prefix = sys.prefix if args.sys_prefix else args.prefix
+    where = " --sys-prefix" if args.sys_prefix else f" --prefix {shlex.quote(args.prefix)}" if args.prefix else ""
     if args.action == "remove":
-        say(f"nbddp: removed the nbddp kernel ({remove()})")
+        say(f"nbddp: removed the nbddp kernel ({remove(prefix=prefix, user=args.user)})")
         other = installed()
         if other is not None:
             say(f"nbddp: another nbddp kernel is installed, at {other}: `nbddp kernel remove` again removes it")
         return 0
-    folder = install(prefix=sys.prefix if args.sys_prefix else args.prefix)
-    say(f"nbddp: installed the nbddp kernel, {DISPLAY_NAME!r} (running {sys.executable}), in {folder}: a notebook "
-        "in it starts the warm ranks' starter as its kernel starts, so that a first %%ddp_train run right after the "
-        "notebook's first cells (Restart and Run All) waits for less (`nbddp kernel remove` removes it)")
+    replaced = (folder_for(prefix) / "kernel.json").is_file()
+    folder = install(prefix=prefix)
+    say(f"nbddp: {'replaced' if replaced else 'installed'} the nbddp kernel, {DISPLAY_NAME!r} (running "
+        f"{sys.executable}), in {folder}")
+    say("nbddp: a notebook in it starts the warm ranks' starter as its kernel starts: a first %%ddp_train run right "
+        f"after the notebook's first cells (Restart and Run All) waits for less. `nbddp kernel remove{where}` removes "
+        "it.")
     found = installed()
     if found is None or found.resolve() != folder.resolve():
         say(f"nbddp: Jupyter here {f'finds another nbddp kernel first, at {found}' if found else 'does not find it'}"
