@@ -107,3 +107,21 @@ def test_the_cut_keeps_what_the_rank_writes_while_it_moves_the_newest_lines(tmp_
     newest = lines[-250:]  # the 275 bytes asked for start within a line: the 5 whole lines after it
     assert log.read_bytes() == head + newest + b"the rank's last line\n"
     assert int(done.stderr) == len(lines) - len(newest)
+
+
+def test_a_log_whose_newest_bytes_end_no_line_is_cut_all_the_same(tmp_path):
+    """A rank that writes no newline (a progress bar redrawn with \\r) still has its log cut: from the newest redraw
+    it moved, else its last bytes as they are."""
+    head = b"h" * 99 + b"\n"
+    for written, kept in ((b"x" * 1000, b"x" * 275), (b"".join(b"\rstep %04d" % i for i in range(100)), None)):
+        log = tmp_path / "rank-0.log"
+        log.write_bytes(head + written)
+        script = ("import sys; from nbddp.rank_side import log_cap; import os; "
+                  "print(log_cap._keep_newest(int(sys.argv[1]), os.fstat(1).st_size, 275), file=sys.stderr)")
+        with open(log, "ab") as appending:
+            subprocess.run([sys.executable, "-c", script, str(len(head))], stdout=appending, check=True)
+        tail = log.read_bytes()[len(head):]
+        if kept is not None:
+            assert tail == kept
+        else:  # from the first redraw begun within the last 275 bytes: 27 of the 100, whole
+            assert tail == written[-269:] and tail.startswith(b"step 0073")

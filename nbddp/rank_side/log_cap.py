@@ -101,16 +101,17 @@ def _write_at(offset: int, data: bytes) -> None:
 
 def _keep_newest(kept: int, length: int, most: int) -> int:
     """Move the log's newest whole lines (``most`` bytes at most, up to ``length``) to ``kept``, then what the rank
-    appended while they were moved, and cut the file after them; the bytes dropped.
+    appended while they were moved, and cut the file after them; the bytes dropped. Where no line ends in them
+    (a progress bar redrawn with ``\\r``), from the first redraw that begins in them, else the last ``most`` bytes
+    as they are: the log is cut all the same.
 
     Cutting at ``length`` itself would drop what the rank wrote during the copy (its very last line, when it ends
     then); copying again until the size holds still leaves only the microseconds between that look and the cut."""
     fd = _log_at_offsets()
     try:
         newest = os.pread(fd, most, length - most)
-        if b"\n" not in newest:
-            return 0
-        source, target, end = length - most + newest.index(b"\n") + 1, kept, length
+        start = newest.find(b"\n") + 1 or newest.find(b"\r") + 1
+        source, target, end = length - most + start, kept, length
         for _ in range(COPY_ROUNDS):
             while source < end:
                 data = os.pread(fd, min(end - source, TAIL), source)
