@@ -67,9 +67,10 @@ def test_an_interrupt_under_a_flood_of_output_ends_the_cell_within_seconds(tmp_p
         stopped = time.monotonic()
         kernel.km.interrupt_kernel()  # the stop button
         out = kernel.finish_execute()
-        # 1.4 s here alone, 2 s beside three busy loops; 5.8 s once with .ci/run's three lanes at once on 2 cores.
+        # 1.4 s here alone, 2 s beside three busy loops; 5.8 s once with .ci/run's lanes at once on 2 cores, 13 s on
+        # the project CI's slower machine (the test's own client then drains the kernel's messages slowly too).
         # What it guards: the cell ends in seconds, not once 100 MB of output has been drained (minutes).
-        assert time.monotonic() - stopped < 10, time.monotonic() - stopped
+        assert time.monotonic() - stopped < 30, time.monotonic() - stopped
         assert "KeyboardInterrupt" in out and "interrupted" in out
         again = kernel.execute("%%ddp_train --cpu\nprint('again', nbddp.rank())", "train")
         assert "[rank 1] again 1" in again and "on a warm rank (its run 2)" in again, again

@@ -4,6 +4,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -230,18 +231,23 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
 
 
 class ProtocolKernel:
-    """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them."""
+    """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them.
+
+    Over IPC sockets in a short temp folder of its own, as nbddp's own kernels are
+    (:meth:`nbddp.doors.notebook_kernel.NotebookKernel.kernel_manager`): TCP's ports are chosen free and bound by the
+    kernel a moment later, a race with the other lanes' kernels, ranks and clusters on a busy CI machine."""
 
     def __init__(self, cwd, timeout: float = 120, kernel_name: str = "python3"):
         from jupyter_client import KernelManager
 
         self.timeout = timeout
         """Seconds to wait for the cell's next message (a cell may be quiet that long, not longer)."""
-        self.km = KernelManager(kernel_name=kernel_name)
+        self.sockets = tempfile.mkdtemp(prefix="pk-")
+        self.km = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(self.sockets, "k"))
         self.km.start_kernel(cwd=str(cwd))
         self.kc = self.km.client()
         self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=60)
+        self.kc.wait_for_ready(timeout=120)  # (a kernel's imports beside .ci/run's other lanes on 2 cores)
 
     def execute(self, code, cell_id=None):
         self.start_execute(code, cell_id)
@@ -297,6 +303,7 @@ class ProtocolKernel:
     def close(self):
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)  # as a front end does: the kernel exits normally (atexit runs)
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def test_help_alone_in_a_cell_and_errors_that_name_the_cell_as_the_notebook_shows_it(tmp_path):
