@@ -233,16 +233,18 @@ def test_kernel_restart_leaves_no_rank_alive(tmp_path):
 class ProtocolKernel:
     """A kernel driven with raw execute_requests carrying ``cellId``, as JupyterLab sends them.
 
-    Over IPC sockets in a short temp folder of its own, as nbddp's own kernels are
+    Over IPC sockets in a private temp folder short enough for them, as nbddp's own kernels are
     (:meth:`nbddp.doors.notebook_kernel.NotebookKernel.kernel_manager`): TCP's ports are chosen free and bound by the
     kernel a moment later, a race with the other lanes' kernels, ranks and clusters on a busy CI machine."""
 
     def __init__(self, cwd, timeout: float = 120, kernel_name: str = "python3"):
         from jupyter_client import KernelManager
 
+        from nbddp.contracts.process_groups import owned_temp_dir
+
         self.timeout = timeout
         """Seconds to wait for the cell's next message (a cell may be quiet that long, not longer)."""
-        self.sockets = tempfile.mkdtemp(prefix="pk-")
+        self.sockets = owned_temp_dir("nbddp-test-kernel-", for_sockets=True)
         self.km = KernelManager(kernel_name=kernel_name, transport="ipc", ip=os.path.join(self.sockets, "k"))
         self.km.start_kernel(cwd=str(cwd))
         self.kc = self.km.client()

@@ -80,6 +80,11 @@ def folder_for(prefix: str | None) -> Path:
     return (Path(prefix) / "share" / "jupyter" if prefix else Path(jupyter_data_dir())) / "kernels" / KERNEL_NAME
 
 
+def installed_in(prefix: str | None) -> bool:
+    """Whether a kernelspec is where :func:`install` with this ``prefix`` puts it (found by Jupyter or not)."""
+    return (folder_for(prefix) / "kernel.json").is_file()
+
+
 def remove(prefix: str | None = None, user: bool = False) -> Path:
     """Remove the nbddp kernelspec: the one Jupyter would use here, or the one installed for this user (``user``) or
     under ``prefix``, which a Jupyter started without that prefix's ``JUPYTER_PATH`` doesn't find. Returns its folder.
@@ -95,7 +100,7 @@ def remove(prefix: str | None = None, user: bool = False) -> Path:
                              "--prefix PATH`.")
     else:
         folder = folder_for(prefix)
-        if not (folder / "kernel.json").is_file():
+        if not installed_in(prefix):
             raise UsageError(f"no nbddp kernel is installed in {folder.parent}.")
     try:
         shutil.rmtree(folder)
@@ -142,7 +147,7 @@ def kernel_command(args: argparse.Namespace, say: Callable[[str], None]) -> int:
         if other is not None:
             say(f"nbddp: another nbddp kernel is installed, at {other}: `nbddp kernel remove` again removes it")
         return 0
-    replaced = (folder_for(prefix) / "kernel.json").is_file()
+    replaced = installed_in(prefix)
     folder = install(prefix=prefix)
     say(f"nbddp: {'replaced' if replaced else 'installed'} the nbddp kernel, {DISPLAY_NAME!r} (running "
         f"{sys.executable}), in {folder}")
